@@ -1,0 +1,34 @@
+# The two commands a newcomer runs: `make run` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-unit setup typecheck bench clean
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Reinstall when the package metadata or the pins change.
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/goodput run examples/tiny-gpt.yaml
+
+test: $(STAMP)
+	$(PY) -m mypy
+	$(PY) -m pytest -q tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not dist and not cluster" tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/trainer_overhead.py
+
+clean:
+	rm -rf $(VENV) goodput-runs

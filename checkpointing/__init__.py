@@ -1,0 +1,1 @@
+"""Async sharded checkpoints, manifests and object stores. Imports nothing of the project."""

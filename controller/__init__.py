@@ -1,0 +1,1 @@
+"""The controller: run spec, planning, placement, launching, run state machine, CLI and REST API."""

@@ -1,0 +1,1 @@
+"""Straggler, hang and silent-data-corruption probes and their verdicts. Imports nothing of the project."""

@@ -1,0 +1,55 @@
+"""Start N rank processes that rendezvous through a TCPStore hosted by the test process (as the
+controller hosts it), run a function in each, and collect what each returns."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        result: Any = ("ok", fn(rank=rank, world_size=world, store_port=port, **kwargs))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+    """Run fn(rank=, world_size=, store_port=, **kwargs) in world_size spawned processes."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store.port, out_dir, kwargs))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: exited with code {procs[r].exitcode} and no result")
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {r}:\n{value}")
+            results.append(value)
+    del store
+    if errors:
+        raise AssertionError("ranks failed:\n" + "\n".join(errors))
+    return results

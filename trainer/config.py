@@ -1,0 +1,220 @@
+"""What one attempt of the trainer needs to know: model shape, data source, optimisation and mesh.
+
+Plain frozen dataclasses, importable without torch so the controller can validate a run before any
+process starts. `validate()` raises `ValueError` naming the numbers that do not fit.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class MeshAxis(str, enum.Enum):
+    """Named axes of the device mesh, outermost first."""
+
+    DP = "dp"
+    PP = "pp"
+    TP = "tp"
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedules from torch.distributed.pipelining."""
+
+    ONE_F_ONE_B = "1F1B"
+    GPIPE = "GPipe"
+    INTERLEAVED_1F1B = "Interleaved1F1B"
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self is Schedule.INTERLEAVED_1F1B else 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshShape:
+    dp: int = 1
+    """Data-parallel degree (FSDP2 shards over it)."""
+    pp: int = 1
+    """Pipeline stages (ranks along the pipeline)."""
+    tp: int = 1
+    """Tensor-parallel degree, kept inside one node."""
+    dp_replicas: int = 1
+    """HSDP: dp = dp_replicas x dp_shard; parameters are replicated across replicas, sharded inside."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def rank_coords(self, rank: int) -> dict[str, int]:
+        """(dp, pp, tp) coordinates of a global rank in the dp-outermost grid."""
+        dp, rest = divmod(rank, self.pp * self.tp)
+        pp, tp = divmod(rest, self.tp)
+        return {"dp": dp, "pp": pp, "tp": tp}
+
+    def validate(self) -> None:
+        for name in ("dp", "pp", "tp", "dp_replicas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallelism.{name} = {getattr(self, name)} but it must be >= 1")
+        if self.dp % self.dp_replicas:
+            raise ValueError(
+                f"parallelism.dp = {self.dp} is not divisible by dp_replicas = {self.dp_replicas}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    n_layers: int
+    """Transformer blocks."""
+    d_model: int
+    """Hidden size."""
+    n_heads: int
+    """Attention heads; split across tp ranks."""
+    vocab_size: int
+    """Token ids are in [0, vocab_size)."""
+    seq_len: int
+    """Tokens per sample (the model sees seq_len inputs and predicts seq_len targets)."""
+    ffn_hidden: int = 0
+    """SwiGLU hidden size; 0 means 8/3 * d_model rounded up to a multiple of 32."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return -(-8 * self.d_model // 3 // 32) * 32
+
+    def num_params(self) -> int:
+        """Parameter count, used by the planner's memory model."""
+        d, v = self.d_model, self.vocab_size
+        block = 4 * d * d + 3 * d * self.hidden_dim + 2 * d
+        return 2 * v * d + self.n_layers * block + d
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    kind: str = "synthetic"
+    """`synthetic` (seeded Markov chain of known entropy) or `tokens` (flat uint16 file)."""
+    seed: int = 0
+    """Seed of the data order (and of the synthetic chain)."""
+    path: str | None = None
+    """For `tokens`: path of the uint16 token file."""
+    branching: int = 4
+    """For `synthetic`: successors each token can have (sets the entropy rate)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int
+    """Optimizer steps of the whole run."""
+    global_batch: int
+    """Samples per optimizer step, whatever the dp degree."""
+    micro_batch: int
+    """Samples per forward pass on one dp rank."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    seed: int = 0
+    """Seed of the parameter initialisation."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    """Pipeline schedule when pp > 1."""
+    dtype: str = "auto"
+    """Parameter dtype: `auto` (bf16 compute on CUDA, fp32 on CPU), `float32` or `float64`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    model: ModelConfig
+    """Model shape."""
+    data: DataConfig
+    """Where samples come from."""
+    train: TrainConfig
+    """Optimisation and batch."""
+    mesh: MeshShape = field(default_factory=MeshShape)
+    """Mesh of this attempt."""
+
+    def num_microbatches(self) -> int:
+        """Micro-batches per dp rank per step (gradient accumulation, or pipeline micro-batches)."""
+        return self.train.global_batch // (self.mesh.dp * self.train.micro_batch)
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise ValueError naming the numbers when this config cannot run on `world_size` ranks."""
+        m, t, mesh = self.model, self.train, self.mesh
+        mesh.validate()
+        if world_size is not None and mesh.world_size != world_size:
+            raise ValueError(
+                f"dp*pp*tp = {mesh.dp}*{mesh.pp}*{mesh.tp} = {mesh.world_size} "
+                f"but there are {world_size} GPU slots to run on"
+            )
+        if m.d_model % m.n_heads:
+            raise ValueError(f"model.d_model = {m.d_model} is not divisible by n_heads = {m.n_heads}")
+        if m.head_dim % 2:
+            raise ValueError(f"head_dim = d_model/n_heads = {m.head_dim} must be even for rotary embeddings")
+        if m.n_heads % mesh.tp:
+            raise ValueError(f"model.n_heads = {m.n_heads} is not divisible by tp = {mesh.tp}")
+        if m.hidden_dim % mesh.tp:
+            raise ValueError(f"model.ffn_hidden = {m.hidden_dim} is not divisible by tp = {mesh.tp}")
+        num_stages = mesh.pp * (t.schedule.stages_per_rank if mesh.pp > 1 else 1)
+        if m.n_layers < num_stages:
+            raise ValueError(
+                f"model.n_layers = {m.n_layers} is fewer than the {num_stages} pipeline stages "
+                f"(pp = {mesh.pp}, schedule {t.schedule.value})"
+            )
+        per_step = mesh.dp * t.micro_batch
+        if t.micro_batch < 1 or t.global_batch % per_step:
+            raise ValueError(
+                f"train.global_batch = {t.global_batch} is not divisible by "
+                f"dp * micro_batch = {mesh.dp} * {t.micro_batch} = {per_step}"
+            )
+        n_micro = self.num_microbatches()
+        if mesh.pp > 1 and t.schedule is not Schedule.GPIPE and n_micro < mesh.pp:
+            raise ValueError(
+                f"schedule {t.schedule.value} needs at least pp = {mesh.pp} micro-batches per step but "
+                f"global_batch / (dp * micro_batch) = {t.global_batch} / {per_step} = {n_micro}"
+            )
+        if mesh.pp > 1 and t.schedule is Schedule.INTERLEAVED_1F1B:
+            rounds = max(1, n_micro // mesh.pp)
+            if n_micro % rounds:
+                raise ValueError(
+                    f"Interleaved1F1B needs micro-batches per step ({n_micro}) to be a multiple of "
+                    f"{rounds} (micro-batches // pp)"
+                )
+        if t.steps < 1:
+            raise ValueError(f"train.steps = {t.steps} but it must be >= 1")
+        if self.data.kind not in ("synthetic", "tokens"):
+            raise ValueError(f"data.kind = {self.data.kind!r}; use 'synthetic' or 'tokens'")
+        if self.data.kind == "tokens" and not self.data.path:
+            raise ValueError("data.kind = 'tokens' needs data.path (a flat uint16 token file)")
+        if self.data.kind == "synthetic" and not 1 <= self.data.branching <= m.vocab_size:
+            raise ValueError(
+                f"data.branching = {self.data.branching} must be in [1, vocab_size = {m.vocab_size}]"
+            )
+        if t.dtype not in ("auto", "float32", "float64", "bfloat16"):
+            raise ValueError(f"train.dtype = {t.dtype!r}; use auto, float32, float64 or bfloat16")
+
+
+def config_to_dict(config: TrainerConfig) -> dict:
+    """JSON-able form, for handing a config to a launcher's child processes."""
+    import dataclasses
+
+    out = dataclasses.asdict(config)
+    out["train"]["schedule"] = config.train.schedule.value
+    return out
+
+
+def config_from_dict(raw: dict) -> TrainerConfig:
+    train = dict(raw["train"])
+    train["schedule"] = Schedule(train.get("schedule", Schedule.ONE_F_ONE_B.value))
+    return TrainerConfig(
+        model=ModelConfig(**raw["model"]),
+        data=DataConfig(**raw["data"]),
+        train=TrainConfig(**train),
+        mesh=MeshShape(**raw.get("mesh", {})),
+    )

@@ -1,0 +1,141 @@
+"""A small Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, causal attention.
+
+Written for the parallelism around it: attention derives its head count from the width of its
+projections, so a TP-sharded wq (n_heads/tp heads per rank) just works; blocks live in a ModuleDict
+keyed by their global index so a pipeline stage keeps the same parameter names as the whole model
+(DCP loads across meshes by name); the first and last stage alone own the embedding and the head.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim // 2)."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :half], x[..., half:]) of x: (batch, seq, heads, head_dim)."""
+    seq = x.shape[1]
+    c, s = cos[:seq, None, :], sin[:seq, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under TP each rank holds n_heads / tp of them.
+        q = apply_rope(self.wq(x).view(batch, seq, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(batch, seq, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The whole model, or one pipeline stage of it (see `keep_only`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def keep_only(self, layer_ids: range, *, first: bool, last: bool) -> "Transformer":
+        """Drop what this pipeline stage does not own; parameter names stay global."""
+        for key in list(self.layers.keys()):
+            if int(key) not in layer_ids:
+                del self.layers[key]
+        if not first:
+            self.tok_embeddings = None
+        if not last:
+            self.norm = None
+            self.output = None
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from a generator seeded by (seed, its name).
+
+        A parameter gets the same values whichever stage, rank or mesh builds it, so a pipeline stage
+        equals the matching slice of a single-process model.
+        """
+        for name, param in self.named_parameters():
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("norm.weight"):
+                values = torch.ones(param.shape, dtype=torch.float64)
+            else:
+                std = 0.02 / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                values = torch.randn(param.shape, generator=gen, dtype=torch.float64) * std
+            param.copy_(values.to(param.dtype))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        if self._rope is None or self._rope[0].device != h.device or self._rope[0].dtype != h.dtype:
+            self._rope = rope_tables(self.cfg, h.device, h.dtype)
+        cos, sin = self._rope
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in at least fp32."""
+    logits = logits.flatten(0, 1)
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return F.cross_entropy(logits, targets.flatten(0, 1))

@@ -1,0 +1,157 @@
+"""Device, mesh and the three kinds of parallelism, all from torch's own building blocks.
+
+- TP: `torch.distributed.tensor.parallel` (column-wise q/k/v and w1/w3, row-wise wo and w2);
+- PP: the model cut into stages for `torch.distributed.pipelining`;
+- DP: FSDP2 `fully_shard` over `dp` (HSDP over a 2-D dp mesh when replicas are asked for).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from trainer.config import MeshShape, ModelConfig, TrainerConfig
+from trainer.model import Transformer
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    device: torch.device
+    """Where this rank computes."""
+    backend: str
+    """`nccl` on CUDA, `gloo` on CPU."""
+    param_dtype: torch.dtype
+    """dtype the parameters are kept in (fp32 master weights unless asked otherwise)."""
+    compute_dtype: torch.dtype
+    """dtype FSDP casts parameters to for compute (bf16 on CUDA under `auto`)."""
+
+
+def choose_device(dtype: str) -> DeviceChoice:
+    """CUDA + NCCL (bf16 compute) when a GPU is visible, CPU + gloo (fp32) otherwise."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        param = _DTYPES.get(dtype, torch.float32)
+        compute = torch.bfloat16 if dtype == "auto" else param
+        return DeviceChoice(device, "nccl", param, compute)
+    param = _DTYPES.get(dtype, torch.float32)
+    return DeviceChoice(torch.device("cpu"), "gloo", param, param)
+
+
+def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
+    """A mesh with named axes dp, pp, tp (dp outermost); with replicas, dp is (dp_replicate, dp_shard)."""
+    if shape.dp_replicas > 1:
+        mesh = init_device_mesh(
+            device_type,
+            (shape.dp_replicas, shape.dp // shape.dp_replicas, shape.pp, shape.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"),
+        )
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+    return init_device_mesh(device_type, (shape.dp, shape.pp, shape.tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def stage_layer_ranges(n_layers: int, num_stages: int) -> list[range]:
+    """Split layers into contiguous, as-even-as-possible stages (earlier stages take the extra)."""
+    base, extra = divmod(n_layers, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """Loop-style assignment: rank r holds stages r, r + pp, ... (what interleaved schedules expect)."""
+    return [pp_rank + v * pp for v in range(stages_per_rank)]
+
+
+def build_stage_model(cfg: ModelConfig, stage: int, num_stages: int, seed: int, device: torch.device,
+                      dtype: torch.dtype) -> Transformer:
+    """One pipeline stage, built on the meta device, materialised and initialised on `device`."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    layers = stage_layer_ranges(cfg.n_layers, num_stages)[stage]
+    model.keep_only(layers, first=stage == 0, last=stage == num_stages - 1)
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.init_weights(seed)
+    return model
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP inside each block; embeddings, norms and the head stay replicated."""
+    for block in model.layers.values():
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
+            },
+        )
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, choice: DeviceChoice, *, pipelined: bool) -> None:
+    """FSDP2 per block and at the stage root; a 2-D dp mesh makes it HSDP."""
+    mp = MixedPrecisionPolicy(param_dtype=choice.compute_dtype, reduce_dtype=choice.param_dtype)
+    # Under a pipeline schedule each block runs forward several times before its backward:
+    # keeping the gathered parameters avoids an all-gather per micro-batch.
+    reshard = not pipelined
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+def dp_mesh_of(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
+    if shape.dp_replicas > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp"]
+
+
+def build_model_parts(config: TrainerConfig, mesh: DeviceMesh, choice: DeviceChoice) -> tuple[list[Transformer], list[int], int]:
+    """The stage modules this rank owns, their stage ids and the total number of stages."""
+    shape = config.mesh
+    per_rank = config.train.schedule.stages_per_rank if shape.pp > 1 else 1
+    num_stages = shape.pp * per_rank
+    pp_rank = mesh["pp"].get_local_rank()
+    stage_ids = stage_ids_for_rank(pp_rank, shape.pp, per_rank)
+    parts = []
+    for stage in stage_ids:
+        part = build_stage_model(config.model, stage, num_stages, config.train.seed, choice.device,
+                                 choice.param_dtype)
+        if shape.tp > 1:
+            apply_tp(part, mesh["tp"])
+        apply_fsdp(part, dp_mesh_of(mesh, shape), choice, pipelined=shape.pp > 1)
+        parts.append(part)
+    return parts, stage_ids, num_stages
+
+
+def all_params(parts: list[Transformer]) -> list[nn.Parameter]:
+    return [p for part in parts for p in part.parameters()]
+
+
+def init_process_group(*, rank: int, world_size: int, store: dist.Store, backend: str,
+                       timeout_s: float) -> None:
+    import datetime
+
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

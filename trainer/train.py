@@ -1,0 +1,135 @@
+"""One rank's training loop body: build the parallel model on a mesh, run one optimizer step at a time.
+
+A step consumes global samples [cursor, cursor + global_batch): this rank's share comes from
+`local_sample_ids`, split in micro-batches either by the pipeline schedule (pp > 1) or by gradient
+accumulation (pp = 1). Everything about launching, rendezvous and reporting lives in `worker.py`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from trainer.config import Schedule, TrainerConfig
+from trainer.data import build_source, local_sample_ids
+from trainer.model import cross_entropy
+from trainer.parallel import DeviceChoice, all_params, build_model_parts
+from trainer.report import StepReport
+
+_SCHEDULES = {
+    Schedule.ONE_F_ONE_B: Schedule1F1B,
+    Schedule.GPIPE: ScheduleGPipe,
+    Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+}
+
+
+class Trainer:
+    def __init__(self, config: TrainerConfig, mesh: DeviceMesh, choice: DeviceChoice, *, attempt: int = 0) -> None:
+        config.validate(world_size=dist.get_world_size())
+        self.config = config
+        self.mesh = mesh
+        self.choice = choice
+        self.attempt = attempt
+        self.rank = dist.get_rank()
+        self.dp_rank = mesh["dp"].get_local_rank()
+        self.parts, self.stage_ids, num_stages = build_model_parts(config, mesh, choice)
+        self.is_first = 0 in self.stage_ids
+        self.is_last = num_stages - 1 in self.stage_ids
+        self.optimizer = torch.optim.AdamW(
+            all_params(self.parts), lr=config.train.lr, weight_decay=config.train.weight_decay
+        )
+        self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
+        if config.mesh.pp > 1:
+            self.schedule = self._build_schedule(num_stages)
+        self.source = build_source(config.data, config.model)
+        self.step = 0
+        """Optimizer steps done."""
+        self.cursor = 0
+        """Global sample cursor: the next step starts at this sample id."""
+
+    def _build_schedule(self, num_stages: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
+        pp_group = self.mesh["pp"].get_group()
+        stages = [
+            PipelineStage(part, stage, num_stages, self.choice.device, group=pp_group)
+            for part, stage in zip(self.parts, self.stage_ids)
+        ]
+        cls = _SCHEDULES[self.config.train.schedule]
+        n_micro = self.config.num_microbatches()
+        if issubclass(cls, PipelineScheduleMulti):
+            return cls(stages, n_microbatches=n_micro, loss_fn=cross_entropy)
+        return cls(stages[0], n_microbatches=n_micro, loss_fn=cross_entropy)
+
+    def local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of this dp rank for the step starting at `self.cursor`."""
+        t = self.config.train
+        ids = local_sample_ids(
+            cursor=self.cursor, global_batch=t.global_batch, dp=self.config.mesh.dp,
+            dp_rank=self.dp_rank, micro_batch=t.micro_batch,
+        )
+        rows = torch.from_numpy(self.source.batch(ids)).to(self.choice.device)
+        return rows[:, :-1], rows[:, 1:]
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Gradients of the mean loss over this rank's samples; returns that loss on the last stage."""
+        n_micro = self.config.num_microbatches()
+        if self.schedule is not None:
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if self.is_first else ()
+            target = targets if self.is_last else None
+            self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
+            return torch.stack(losses).mean().detach() if self.is_last else None
+        model = self.parts[0]
+        total = torch.zeros((), device=self.choice.device, dtype=torch.float64)
+        for i, (inp, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
+            # FSDP reduces gradients only after the last micro-batch.
+            model.set_requires_gradient_sync(i == n_micro - 1)  # type: ignore[operator]
+            loss = cross_entropy(model(inp), tgt) / n_micro
+            loss.backward()
+            total += loss.detach().double()
+        return total
+
+    def train_step(self) -> StepReport:
+        t0 = time.perf_counter()
+        inputs, targets = self.local_batch()
+        t1 = self._sync_clock()
+        loss = self.forward_backward(inputs, targets)
+        t2 = self._sync_clock()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        t3 = self._sync_clock()
+        loss_value = self._global_loss(loss)
+        t4 = time.perf_counter()
+        self.step += 1
+        self.cursor += self.config.train.global_batch
+        tokens = self.config.train.global_batch * self.config.model.seq_len
+        return StepReport(
+            rank=self.rank, attempt=self.attempt, step=self.step, cursor=self.cursor, loss=loss_value,
+            step_time_s=t4 - t0, data_s=t1 - t0, compute_s=t2 - t1, optim_s=t3 - t2, sync_s=t4 - t3,
+            tokens_per_s=tokens / (t4 - t0),
+        )
+
+    def _global_loss(self, loss: torch.Tensor | None) -> float | None:
+        """Average of the dp ranks' losses (= the global batch's mean loss), on last-stage ranks."""
+        if loss is None:
+            return None
+        buf = loss.detach().double().reshape(1)
+        if self.config.mesh.dp > 1:
+            dist.all_reduce(buf, group=self.mesh["dp"].get_group())
+            buf /= self.config.mesh.dp
+        return float(buf.item())
+
+    def _sync_clock(self) -> float:
+        if self.choice.device.type == "cuda":
+            torch.cuda.synchronize(self.choice.device)
+        return time.perf_counter()
