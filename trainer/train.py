@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -26,12 +27,6 @@ from trainer.data import build_source, local_sample_ids
 from trainer.model import cross_entropy
 from trainer.parallel import DeviceChoice, all_params, build_model_parts
 from trainer.report import StepReport
-
-_SCHEDULES = {
-    Schedule.ONE_F_ONE_B: Schedule1F1B,
-    Schedule.GPIPE: ScheduleGPipe,
-    Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
-}
 
 
 class Trainer:
@@ -60,15 +55,16 @@ class Trainer:
 
     def _build_schedule(self, num_stages: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
         pp_group = self.mesh["pp"].get_group()
-        stages = [
+        stages: list[_PipelineStageBase] = [
             PipelineStage(part, stage, num_stages, self.choice.device, group=pp_group)
             for part, stage in zip(self.parts, self.stage_ids)
         ]
-        cls = _SCHEDULES[self.config.train.schedule]
         n_micro = self.config.num_microbatches()
-        if issubclass(cls, PipelineScheduleMulti):
-            return cls(stages, n_microbatches=n_micro, loss_fn=cross_entropy)
-        return cls(stages[0], n_microbatches=n_micro, loss_fn=cross_entropy)
+        schedule = self.config.train.schedule
+        if schedule is Schedule.INTERLEAVED_1F1B:
+            return ScheduleInterleaved1F1B(stages, n_microbatches=n_micro, loss_fn=cross_entropy)
+        single = Schedule1F1B if schedule is Schedule.ONE_F_ONE_B else ScheduleGPipe
+        return single(stages[0], n_microbatches=n_micro, loss_fn=cross_entropy)
 
     def local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of this dp rank for the step starting at `self.cursor`."""

@@ -1,0 +1,59 @@
+"""Turning per-rank step reports into what a person watches: a progress bar and a final summary."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from trainer.report import StepReport
+
+
+@dataclass
+class RunProgress:
+    """Folds step reports of all ranks into per-step facts (loss from the last pipeline stage)."""
+
+    total_steps: int
+    history: list[dict] = field(default_factory=list)
+    """One entry per finished step: {step, loss, attempt}."""
+    step_times: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    compute_s: list[float] = field(default_factory=list)
+    sync_s: list[float] = field(default_factory=list)
+
+    def add(self, report: StepReport) -> bool:
+        """Record a report; True when it finished a new step (it carries the loss)."""
+        self.compute_s.append(report.compute_s)
+        self.sync_s.append(report.sync_s)
+        if report.loss is None:
+            return False
+        if self.history and self.history[-1]["step"] >= report.step:
+            # A second last-stage rank (another dp/tp coordinate) or a step redone after recovery.
+            if self.history[-1]["step"] == report.step and self.history[-1]["attempt"] == report.attempt:
+                return False
+            self.history = [h for h in self.history if h["step"] < report.step]
+        self.history.append({"step": report.step, "loss": report.loss, "attempt": report.attempt})
+        self.step_times.append(report.step_time_s)
+        self.tokens_per_s.append(report.tokens_per_s)
+        return True
+
+    @property
+    def step(self) -> int:
+        return self.history[-1]["step"] if self.history else 0
+
+    @property
+    def loss(self) -> float | None:
+        return self.history[-1]["loss"] if self.history else None
+
+    def summary(self) -> dict:
+        def med(xs: list[float]) -> float | None:
+            return statistics.median(xs) if xs else None
+
+        return {
+            "steps": self.step,
+            "first_loss": self.history[0]["loss"] if self.history else None,
+            "final_loss": self.loss,
+            "median_step_s": med(self.step_times),
+            "median_tokens_per_s": med(self.tokens_per_s),
+            "median_compute_s": med(self.compute_s),
+            "median_sync_wait_s": med(self.sync_s),
+        }

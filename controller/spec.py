@@ -1,0 +1,174 @@
+"""The run spec: the YAML a user writes and the body of `POST /v1/runs`, validated at the boundary.
+
+Unknown keys are errors (a typo must not silently fall back to a default). `trainer_config(mesh)`
+turns a spec into the trainer's frozen config for one attempt's mesh. Imports no ray/torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from trainer.config import (
+    DataConfig, MeshShape, ModelConfig, Schedule, TrainConfig, TrainerConfig,
+)
+
+
+class SpecError(ValueError):
+    """A spec that cannot run; the message says what to fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    n_layers: int = Field(gt=0)
+    d_model: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    vocab_size: int = Field(gt=1, le=65536)
+    seq_len: int = Field(gt=0)
+    ffn_hidden: int = Field(default=0, ge=0)
+
+
+class DataSpec(_Strict):
+    kind: Literal["synthetic", "tokens"] = "synthetic"
+    seed: int = 0
+    path: str | None = None
+    branching: int = Field(default=4, gt=0)
+
+
+class TrainSpec(_Strict):
+    steps: int = Field(gt=0)
+    global_batch: int = Field(gt=0)
+    micro_batch: int = Field(gt=0)
+    lr: float = Field(default=3e-4, gt=0)
+    seed: int = 0
+    weight_decay: float = Field(default=0.0, ge=0)
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"
+
+
+class ParallelismSpec(_Strict):
+    dp: int = Field(default=1, gt=0)
+    tp: int = Field(default=1, gt=0)
+    pp: int = Field(default=1, gt=0)
+    dp_replicas: int = Field(default=1, gt=0)
+
+
+class LocalClusterSpec(_Strict):
+    nodes: int = Field(default=4, gt=0)
+    gpus_per_node: int = Field(default=2, gt=0)
+    racks: int = Field(default=1, gt=0)
+    spares: int = Field(default=0, ge=0)
+    gpu_memory_gb: float = Field(default=80.0, gt=0)
+
+
+class ClusterSpec(_Strict):
+    local: LocalClusterSpec | None = None
+    address: str | None = None
+
+    @field_validator("address")
+    @classmethod
+    def _address_form(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith("ray://") or v == "auto" or ":" in v):
+            raise ValueError(f"cluster.address = {v!r}; use ray://HOST:PORT, HOST:PORT or auto")
+        return v
+
+
+class CheckpointSpec(_Strict):
+    uri: str = "file://./goodput-runs"
+    every_steps: int | Literal["auto"] = 20
+    keep: int = Field(default=3, gt=0)
+    mtbf_hours: float | None = Field(default=None, gt=0)
+
+
+class HealthSpec(_Strict):
+    straggler_ratio: float = Field(default=1.5, gt=1)
+    sdc_every_steps: int = Field(default=10, ge=0)
+    hang_factor: float = Field(default=3.0, gt=1)
+
+
+class ElasticSpec(_Strict):
+    min_dp: int = Field(default=1, gt=0)
+    max_failures: int = Field(default=10, ge=0)
+
+
+class DrillSpec(_Strict):
+    kind: Literal["kill-node", "kill-rank", "hang-rank", "slow-rank", "bitflip", "storage-outage"]
+    at_step: int = Field(ge=0)
+    target: str | None = None
+
+
+class RunSpec(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: ModelSpec
+    data: DataSpec = DataSpec()
+    train: TrainSpec
+    parallelism: ParallelismSpec | Literal["auto"] = ParallelismSpec()
+    cluster: ClusterSpec = ClusterSpec(local=LocalClusterSpec())
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    health: HealthSpec = HealthSpec()
+    elastic: ElasticSpec = ElasticSpec()
+    drills: list[DrillSpec] = []
+
+    def trainer_config(self, mesh: MeshShape) -> TrainerConfig:
+        """The trainer's config for an attempt on `mesh`; raises SpecError naming the numbers."""
+        config = TrainerConfig(
+            model=ModelConfig(**self.model.model_dump()),
+            data=DataConfig(**self.data.model_dump()),
+            train=TrainConfig(**self.train.model_dump()),
+            mesh=mesh,
+        )
+        try:
+            config.validate()
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+        return config
+
+    def fixed_mesh(self) -> MeshShape | None:
+        """The mesh the spec fixes, or None for `parallelism: auto`."""
+        if self.parallelism == "auto":
+            return None
+        p = self.parallelism
+        return MeshShape(dp=p.dp, pp=p.pp, tp=p.tp, dp_replicas=p.dp_replicas)
+
+    def local_gpu_slots(self) -> int:
+        """GPU slots the embedded cluster offers to ranks (spare nodes excluded)."""
+        local = self.cluster.local or LocalClusterSpec()
+        return (local.nodes - local.spares) * local.gpus_per_node
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "spec"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown key {where!r}")
+        else:
+            parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def parse_spec(raw: Any) -> RunSpec:
+    if not isinstance(raw, dict):
+        raise SpecError("a run spec must be a mapping with at least name, model and train")
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as e:
+        raise SpecError(f"invalid run spec: {_format_validation_error(e)}") from None
+
+
+def load_spec(path: str | Path) -> RunSpec:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise SpecError(f"cannot read spec {path}: {e.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError(f"spec {path} is not valid YAML: {e}") from None
+    return parse_spec(raw)

@@ -1,0 +1,55 @@
+"""The terminal view of a run: a rich progress bar (step, loss, tokens/s, attempt) on stderr and a
+summary table at the end. Quiet under --json so stdout stays one JSON document."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from controller.progress import RunProgress
+
+
+class ProgressView:
+    def __init__(self, name: str, total_steps: int, *, quiet: bool) -> None:
+        self.console = Console(stderr=True)
+        self.quiet = quiet
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
+            disable=quiet,
+        )
+        self.task = self.progress.add_task(name, total=total_steps, info="starting")
+
+    def __enter__(self) -> "ProgressView":
+        self.progress.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.progress.stop()
+
+    def update(self, p: RunProgress, attempt: int = 0, note: str = "") -> None:
+        tps = p.tokens_per_s[-1] if p.tokens_per_s else 0.0
+        info = f"loss {p.loss:.4f}  {tps:,.0f} tok/s  attempt {attempt}" + (f"  {note}" if note else "")
+        self.progress.update(self.task, completed=p.step, info=info)
+        if not self.console.is_terminal and not self.quiet and (p.step % 10 == 0 or p.step == 1):
+            self.console.print(f"step {p.step}: {info}")
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            self.console.print(text)
+
+    @staticmethod
+    def print_summary(summary: dict[str, Any]) -> None:
+        table = Table(title=f"run {summary.get('name')}: {summary.get('state')}", show_header=False)
+        for key, value in summary.items():
+            if key in ("history", "events", "placement", "name"):
+                continue
+            if isinstance(value, float):
+                value = f"{value:.4g}"
+            table.add_row(key, str(value))
+        Console().print(table)
