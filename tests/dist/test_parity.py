@@ -17,12 +17,13 @@ pytestmark = pytest.mark.dist
 TOL = 1e-10
 
 
-def make_config(dp: int, pp: int, tp: int, schedule: Schedule = Schedule.ONE_F_ONE_B) -> TrainerConfig:
+def make_config(dp: int, pp: int, tp: int, schedule: Schedule = Schedule.ONE_F_ONE_B,
+                replicas: int = 1) -> TrainerConfig:
     return TrainerConfig(
         model=ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16),
         data=DataConfig(seed=1),
         train=TrainConfig(steps=1, global_batch=8, micro_batch=1, dtype="float64", schedule=schedule, seed=3),
-        mesh=MeshShape(dp=dp, pp=pp, tp=tp),
+        mesh=MeshShape(dp=dp, pp=pp, tp=tp, dp_replicas=replicas),
     )
 
 
@@ -47,3 +48,17 @@ def test_one_step_matches_float64_single_process(mesh: tuple[int, int, int]) -> 
         for name, ref in ref_grads.items():
             err = (grads[name] - ref).abs().max().item()
             assert err < TOL, f"{schedule}: grad of {name} differs by {err}"
+
+
+def test_hsdp_matches_float64_single_process() -> None:
+    """dp = 2 replicas x 2 shards (HSDP) with tp2: world 8, same reference."""
+    config = make_config(4, 1, 2, replicas=2)
+    results = [r[0] for r in run_ranks(one_step_grads, 8, configs=[config_to_dict(config)])]
+    ref_loss, ref_grads = reference_grads(config)
+    assert all(abs(r["loss"] - ref_loss) < TOL for r in results)
+    grads: dict[str, torch.Tensor] = {}
+    for r in results:
+        grads.update(r["grads"])
+    assert set(grads) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        assert (grads[name] - ref).abs().max().item() < TOL, name
