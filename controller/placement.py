@@ -1,0 +1,92 @@
+"""`place`: map every rank of a mesh to (node, gpu). Pure and deterministic.
+
+Rules, in order:
+- each TP group (tp consecutive ranks) sits inside one node, on consecutive GPUs;
+- the pp stages of one pipeline (one dp replica) sit on nodes of one rack where the rack has room,
+  stage after stage on the same node or the next node of the rack;
+- dp is outermost: replicas are laid out rack after rack;
+- spare, lost, quarantined and excluded nodes get no rank.
+The result is columnar (one tuple per attribute, indexed by rank) so that 100k ranks stay cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from controller.topology import Node, Topology
+from trainer.config import MeshShape
+
+
+class PlacementError(ValueError):
+    """The usable nodes cannot hold the mesh; the message gives the numbers."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    mesh: MeshShape
+    node_of_rank: tuple[str, ...]
+    """Node name of each global rank."""
+    gpu_of_rank: tuple[int, ...]
+    """GPU index on its node of each global rank."""
+    rack_of_node: dict[str, str]
+    """Rack of every node used."""
+    spares: tuple[str, ...]
+    """Nodes held back for replacement."""
+
+    def rows(self) -> Iterator[dict]:
+        """{rank, dp, pp, tp, node, rack, gpu} per rank (the REST/CLI form)."""
+        for rank, (node, gpu) in enumerate(zip(self.node_of_rank, self.gpu_of_rank)):
+            yield {"rank": rank, **self.mesh.rank_coords(rank), "node": node,
+                   "rack": self.rack_of_node[node], "gpu": gpu}
+
+    def nodes_used(self) -> list[str]:
+        return sorted(set(self.node_of_rank))
+
+    def ranks_on(self, node: str) -> list[int]:
+        return [r for r, n in enumerate(self.node_of_rank) if n == node]
+
+
+def _tp_slots(node: Node, tp: int) -> list[tuple[str, int]]:
+    """(node, first gpu) of each TP group the node can hold."""
+    return [(node.name, g) for g in range(0, node.num_gpus - tp + 1, tp)]
+
+
+def place(mesh: MeshShape, topology: Topology, excluded: frozenset[str] = frozenset()) -> Placement:
+    nodes = topology.usable(excluded)
+    if any(n.num_gpus < mesh.tp for n in nodes):
+        small = [n.name for n in nodes if n.num_gpus < mesh.tp]
+        raise PlacementError(f"tp = {mesh.tp} does not fit in nodes {small[:3]} with fewer GPUs")
+    racks: dict[str, list[Node]] = {}
+    for n in nodes:
+        racks.setdefault(n.rack, []).append(n)
+    # Whole pipelines inside one rack first; stages that do not fill a rack's last pipeline are pooled.
+    pipelines: list[list[tuple[str, int]]] = []
+    leftovers: list[tuple[str, int]] = []
+    for rack in sorted(racks):
+        slots = [s for n in racks[rack] for s in _tp_slots(n, mesh.tp)]
+        whole = len(slots) // mesh.pp * mesh.pp
+        pipelines.extend(slots[i:i + mesh.pp] for i in range(0, whole, mesh.pp))
+        leftovers.extend(slots[whole:])
+    pipelines.extend(leftovers[i:i + mesh.pp] for i in range(0, len(leftovers) - mesh.pp + 1, mesh.pp))
+    if len(pipelines) < mesh.dp:
+        offered = sum(n.num_gpus for n in nodes)
+        raise PlacementError(
+            f"mesh dp{mesh.dp} pp{mesh.pp} tp{mesh.tp} needs {mesh.world_size} GPUs in {mesh.dp} pipelines "
+            f"of {mesh.pp} TP groups of {mesh.tp}; the {len(nodes)} usable nodes ({offered} GPUs) hold "
+            f"{len(pipelines)} such pipelines")
+    node_of_rank: list[str] = []
+    gpu_of_rank: list[int] = []
+    tp_offsets = range(mesh.tp)
+    for pipeline in pipelines[: mesh.dp]:
+        for node, first_gpu in pipeline:
+            node_of_rank.extend([node] * mesh.tp)
+            gpu_of_rank.extend(first_gpu + t for t in tp_offsets)
+    used = set(node_of_rank)
+    return Placement(
+        mesh=mesh,
+        node_of_rank=tuple(node_of_rank),
+        gpu_of_rank=tuple(gpu_of_rank),
+        rack_of_node={n.name: n.rack for n in nodes if n.name in used},
+        spares=tuple(n.name for n in topology.spares() if n.name not in excluded),
+    )

@@ -1,0 +1,138 @@
+"""`plan_mesh`: choose (dp, tp, pp) for a model on a cluster from a memory model. Pure.
+
+Memory per GPU = static state + activations.
+- static: 16 bytes per parameter for mixed-precision Adam (2 bf16 weights + 2 bf16 grads + 12 fp32
+  master weights and two moments), sharded by FSDP over dp and split by tp and pp;
+- activations: per layer and micro-batch ~ 34 * seq * micro_batch * d_model bytes (Korthikanti et
+  al., no recompute; the 5*heads*seq^2 attention-score term is dropped because SDPA/flash attention
+  never stores the scores), split by tp; a 1F1B first stage holds up to pp micro-batches of its
+  n_layers/pp layers, i.e. about one micro-batch of every layer.
+With `parallelism: auto` the smallest model-parallel degree that fits wins, tp (inside a node) before
+pp, and dp takes the rest: model parallelism costs communication, dp scales best.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controller.topology import Topology
+from trainer.config import DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig
+
+_DUMMY_DATA = DataConfig()
+
+BYTES_PER_PARAM = 16
+
+
+class PlanError(ValueError):
+    """No mesh fits; the message says what is short, in numbers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshPlan:
+    mesh: MeshShape
+    """The chosen (dp, pp, tp)."""
+    memory_per_gpu_bytes: int
+    """Estimated peak memory of one GPU."""
+    static_bytes_per_gpu: int
+    """Parameters, gradients and optimizer state on one GPU."""
+    activation_bytes_per_gpu: int
+    """Activations held on one GPU (first pipeline stage, worst case)."""
+    explanation: str
+    """Why this mesh, in a sentence or two."""
+
+
+def static_state_bytes(num_params: int) -> int:
+    """Whole-model static training state: 7B -> 112 GB, 70B -> 1,120 GB."""
+    return BYTES_PER_PARAM * num_params
+
+
+def activation_bytes(model: ModelConfig, micro_batch: int, tp: int) -> int:
+    per_layer = 34 * model.seq_len * micro_batch * model.d_model
+    return int(per_layer * model.n_layers / tp)
+
+
+def memory_per_gpu(model: ModelConfig, train: TrainConfig, mesh: MeshShape) -> tuple[int, int]:
+    static = static_state_bytes(model.num_params()) // (mesh.dp * mesh.tp * mesh.pp)
+    return static, activation_bytes(model, train.micro_batch, mesh.tp)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _fits_shape(model: ModelConfig, train: TrainConfig, mesh: MeshShape) -> bool:
+    try:
+        TrainerConfig(model=model, data=_DUMMY_DATA, train=train, mesh=mesh).validate()
+    except ValueError:
+        return False
+    return True
+
+
+def plan_mesh(model: ModelConfig, train: TrainConfig, topology: Topology, *,
+              fixed: MeshShape | None = None, excluded: frozenset[str] = frozenset()) -> MeshPlan:
+    """Pick the mesh (or check the fixed one) for the usable GPUs of `topology`."""
+    nodes = topology.usable(excluded)
+    if not nodes:
+        raise PlanError("no healthy node to place ranks on")
+    gpus_per_node = min(n.num_gpus for n in nodes)
+    total_gpus = sum(n.num_gpus for n in nodes)
+    gpu_mem = min(n.gpu_memory_bytes for n in nodes)
+    static_total = static_state_bytes(model.num_params())
+
+    if fixed is not None:
+        static, act = memory_per_gpu(model, train, fixed)
+        if fixed.world_size > total_gpus:
+            raise PlanError(f"dp*pp*tp = {fixed.dp}*{fixed.pp}*{fixed.tp} = {fixed.world_size} GPUs "
+                            f"but the healthy nodes offer {total_gpus}")
+        if fixed.tp > gpus_per_node:
+            raise PlanError(f"tp = {fixed.tp} does not fit in one node of {gpus_per_node} GPUs")
+        if static + act > gpu_mem:
+            raise PlanError(
+                f"mesh dp{fixed.dp} pp{fixed.pp} tp{fixed.tp} needs {_gb(static + act)} per GPU "
+                f"({_gb(static)} static + {_gb(act)} activations) but a GPU has {_gb(gpu_mem)}")
+        return MeshPlan(mesh=fixed, memory_per_gpu_bytes=static + act, static_bytes_per_gpu=static,
+                        activation_bytes_per_gpu=act,
+                        explanation=f"mesh fixed by the spec; {_gb(static_total)} of static state "
+                                    f"over {fixed.world_size} GPUs")
+
+    candidates = []
+    per_step = train.global_batch // train.micro_batch if train.global_batch % train.micro_batch == 0 else 0
+    batch_dps = _divisors(per_step) if per_step else []
+    for tp in _divisors(gpus_per_node):
+        for pp in range(1, model.n_layers + 1):
+            if tp * pp > total_gpus:
+                break
+            # The largest dp that the batch allows and the GPUs hold.
+            limit = total_gpus // (tp * pp)
+            dp = max((d for d in batch_dps if d <= limit), default=0)
+            if dp and _fits_shape(model, train, MeshShape(dp=dp, pp=pp, tp=tp)):
+                candidates.append(MeshShape(dp=dp, pp=pp, tp=tp))
+    if not candidates:
+        raise PlanError(f"no (dp, tp, pp) on {total_gpus} GPUs ({gpus_per_node} per node) divides the "
+                        f"model (heads {model.n_heads}, layers {model.n_layers}) and the batch "
+                        f"(global {train.global_batch}, micro {train.micro_batch})")
+    # Least model parallelism first; tp before pp; then the most dp.
+    candidates.sort(key=lambda m: (m.tp * m.pp, m.pp, -m.dp))
+    for mesh in candidates:
+        static, act = memory_per_gpu(model, train, mesh)
+        if static + act <= gpu_mem:
+            return MeshPlan(
+                mesh=mesh, memory_per_gpu_bytes=static + act, static_bytes_per_gpu=static,
+                activation_bytes_per_gpu=act,
+                explanation=(f"{model.num_params() / 1e9:.3g}B params need {_gb(static_total)} of static "
+                             f"state; tp{mesh.tp} x pp{mesh.pp} is the least model parallelism that fits "
+                             f"{_gb(gpu_mem)} GPUs ({_gb(static)} static + {_gb(act)} activations per GPU), "
+                             f"dp{mesh.dp} takes the rest"),
+            )
+    need_gpus = -(-static_total // gpu_mem)
+    best = min(candidates, key=lambda m: sum(memory_per_gpu(model, train, m)))
+    s, a = memory_per_gpu(model, train, best)
+    raise PlanError(
+        f"the model needs {_gb(static_total)} of static training state (>= {need_gpus} GPUs of "
+        f"{_gb(gpu_mem)} before activations) but the healthy nodes offer {total_gpus} GPUs; the best mesh "
+        f"dp{best.dp} pp{best.pp} tp{best.tp} still needs {_gb(s + a)} per GPU")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"

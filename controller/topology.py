@@ -1,0 +1,83 @@
+"""The cluster as the planner sees it: nodes with GPU slots, GPU memory and labels (node, rack).
+
+An NVLink domain is a node. Built from the spec's `cluster.local` or from a live Ray cluster's nodes
+(`controller.ray_cluster` does that translation). Pure: no ray, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+
+class NodeState(str, enum.Enum):
+    HEALTHY = "healthy"
+    SPARE = "spare"
+    QUARANTINED = "quarantined"
+    LOST = "lost"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Node:
+    name: str
+    """Value of the node's `node` label; unique in the cluster."""
+    rack: str
+    """Value of the node's `rack` label."""
+    num_gpus: int
+    """GPU slots on the node (one NVLink domain)."""
+    gpu_memory_bytes: int
+    """Memory of one GPU."""
+    state: NodeState = NodeState.HEALTHY
+    """Whether ranks may be placed here."""
+    ray_node_id: str | None = None
+    """Ray's id for the node, when it runs on Ray."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: tuple[Node, ...]
+
+    @staticmethod
+    def from_local(*, nodes: int, gpus_per_node: int, racks: int, spares: int,
+                   gpu_memory_gb: float = 80.0) -> "Topology":
+        """Nodes node-0..N-1 dealt round-robin over racks; the last `spares` nodes are held back."""
+        if spares >= nodes:
+            raise ValueError(f"cluster.local.spares = {spares} leaves no node to train on (nodes = {nodes})")
+        if racks > nodes:
+            raise ValueError(f"cluster.local.racks = {racks} is more than nodes = {nodes}")
+        return Topology(tuple(
+            Node(
+                name=f"node-{i}",
+                rack=f"rack-{i % racks}",
+                num_gpus=gpus_per_node,
+                gpu_memory_bytes=int(gpu_memory_gb * 2**30),
+                state=NodeState.SPARE if i >= nodes - spares else NodeState.HEALTHY,
+            )
+            for i in range(nodes)
+        ))
+
+    def usable(self, excluded: frozenset[str] = frozenset()) -> list[Node]:
+        """Healthy nodes not excluded, in rack then name order (deterministic)."""
+        return sorted(
+            (n for n in self.nodes if n.state is NodeState.HEALTHY and n.name not in excluded),
+            key=lambda n: (n.rack, _natural(n.name)),
+        )
+
+    def spares(self) -> list[Node]:
+        return [n for n in self.nodes if n.state is NodeState.SPARE]
+
+    def with_state(self, name: str, state: NodeState) -> "Topology":
+        return Topology(tuple(replace(n, state=state) if n.name == name else n for n in self.nodes))
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+
+def _natural(name: str) -> tuple:
+    """node-10 after node-9."""
+    head = name.rstrip("0123456789")
+    tail = name[len(head):]
+    return (head, int(tail) if tail else -1, name)

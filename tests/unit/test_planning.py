@@ -1,0 +1,141 @@
+"""Planner and placer, table-driven: TP groups never span nodes, PP neighbours share a rack when the
+racks allow, spares and excluded nodes stay unused, infeasible requests say what is short."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.placement import PlacementError, place
+from controller.planner import PlanError, plan_mesh, static_state_bytes
+from controller.topology import Node, NodeState, Topology
+from trainer.config import MeshShape, ModelConfig, TrainConfig
+
+TINY = ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128)
+TRAIN = TrainConfig(steps=10, global_batch=16, micro_batch=2)
+LLAMA_7B = ModelConfig(n_layers=32, d_model=4096, n_heads=32, vocab_size=32000, seq_len=4096, ffn_hidden=11008)
+LLAMA_70B = ModelConfig(n_layers=80, d_model=8192, n_heads=64, vocab_size=32000, seq_len=4096, ffn_hidden=24576)
+BIG_TRAIN = TrainConfig(steps=10, global_batch=1024, micro_batch=1)
+
+
+def topo(nodes: int, gpus: int, racks: int, spares: int = 0, gb: float = 80.0) -> Topology:
+    return Topology.from_local(nodes=nodes, gpus_per_node=gpus, racks=racks, spares=spares, gpu_memory_gb=gb)
+
+
+def check_rules(p, topology: Topology, excluded: frozenset[str] = frozenset()) -> None:
+    mesh = p.mesh
+    assert len(p.node_of_rank) == mesh.world_size
+    pairs = list(zip(p.node_of_rank, p.gpu_of_rank))
+    assert len(set(pairs)) == len(pairs), "two ranks on one GPU"
+    for rank in range(0, mesh.world_size, mesh.tp):
+        assert len(set(p.node_of_rank[rank:rank + mesh.tp])) == 1, f"TP group at rank {rank} spans nodes"
+    forbidden = {n.name for n in topology.nodes if n.state is not NodeState.HEALTHY} | excluded
+    assert not forbidden & set(p.node_of_rank)
+    for node, gpu in pairs:
+        assert 0 <= gpu < topology.node(node).num_gpus
+
+
+@pytest.mark.parametrize(
+    "mesh, nodes, gpus, racks, spares, excluded",
+    [
+        ((2, 2, 2), 4, 2, 2, 0, ()),
+        ((2, 2, 2), 5, 2, 2, 1, ()),
+        ((2, 2, 2), 5, 2, 2, 0, ("node-1",)),
+        ((1, 4, 2), 4, 2, 2, 0, ()),
+        ((4, 2, 4), 8, 8, 4, 0, ()),
+        ((3, 1, 8), 4, 8, 2, 1, ()),
+        ((2, 3, 1), 3, 2, 3, 0, ()),
+    ],
+)
+def test_place_follows_rules(mesh, nodes, gpus, racks, spares, excluded) -> None:
+    t = topo(nodes, gpus, racks, spares)
+    dp, pp, tp = mesh
+    p = place(MeshShape(dp=dp, pp=pp, tp=tp), t, frozenset(excluded))
+    check_rules(p, t, frozenset(excluded))
+    assert p == place(MeshShape(dp=dp, pp=pp, tp=tp), t, frozenset(excluded)), "not deterministic"
+
+
+@pytest.mark.parametrize("racks, expect_same_rack", [(2, True), (1, True)])
+def test_pipeline_neighbours_share_a_rack_when_racks_allow(racks: int, expect_same_rack: bool) -> None:
+    t = topo(8, 2, racks)
+    p = place(MeshShape(dp=2, pp=4, tp=2), t)
+    for rank in range(p.mesh.world_size):
+        c = p.mesh.rank_coords(rank)
+        if c["pp"] + 1 < p.mesh.pp:
+            nxt = rank + p.mesh.tp
+            same = p.rack_of_node[p.node_of_rank[rank]] == p.rack_of_node[p.node_of_rank[nxt]]
+            assert same == expect_same_rack
+
+
+def test_pipeline_spills_across_racks_only_when_it_must() -> None:
+    """3 racks of 1 node x 2 GPUs, pp3 tp2: one pipeline must cross racks; it still gets placed."""
+    t = topo(3, 2, 3)
+    p = place(MeshShape(dp=1, pp=3, tp=2), t)
+    check_rules(p, t)
+    assert len(set(p.node_of_rank)) == 3
+
+
+@pytest.mark.parametrize(
+    "mesh, nodes, gpus, spares, excluded, message",
+    [
+        ((2, 2, 2), 4, 2, 1, (), "needs 8 GPUs .* the 3 usable nodes \\(6 GPUs\\) hold 1 such pipelines"),
+        ((2, 2, 2), 4, 2, 0, ("node-0", "node-3"), "the 2 usable nodes \\(4 GPUs\\)"),
+        ((1, 1, 4), 4, 2, 0, (), "tp = 4 does not fit"),
+    ],
+)
+def test_place_infeasible(mesh, nodes, gpus, spares, excluded, message) -> None:
+    dp, pp, tp = mesh
+    with pytest.raises(PlacementError, match=message):
+        place(MeshShape(dp=dp, pp=pp, tp=tp), topo(nodes, gpus, 2, spares), frozenset(excluded))
+
+
+def test_memory_model_matches_the_playbook() -> None:
+    assert static_state_bytes(7_000_000_000) == 112_000_000_000
+    assert static_state_bytes(70_000_000_000) == 1_120_000_000_000
+    assert 6.5e9 < LLAMA_7B.num_params() < 7.0e9
+    assert 68e9 < LLAMA_70B.num_params() < 71e9
+
+
+def test_70b_does_not_fit_one_node_of_h100s() -> None:
+    with pytest.raises(PlanError, match=r"needs 1,1\d\d\.\d GB of static training state \(>= 1[45] GPUs"):
+        plan_mesh(LLAMA_70B, BIG_TRAIN, topo(1, 8, 1, gb=80 * 1e9 / 2**30))
+
+
+def test_70b_fits_four_nodes_with_model_parallelism() -> None:
+    plan = plan_mesh(LLAMA_70B, BIG_TRAIN, topo(4, 8, 2, gb=80 * 1e9 / 2**30))
+    assert plan.memory_per_gpu_bytes <= 80e9
+    assert plan.mesh.world_size <= 32 and plan.mesh.tp <= 8
+    assert plan.mesh.tp * plan.mesh.pp > 1, "1.1 TB over 32 GPUs with activations needs model parallelism"
+
+
+@pytest.mark.parametrize(
+    "model, train, nodes, gpus, expected",
+    [
+        (TINY, TRAIN, 4, 2, MeshShape(dp=8, pp=1, tp=1)),   # tiny: pure dp
+        (TINY, TrainConfig(steps=1, global_batch=4, micro_batch=2), 4, 2, MeshShape(dp=2, pp=1, tp=1)),
+        (LLAMA_7B, BIG_TRAIN, 2, 8, MeshShape(dp=16, pp=1, tp=1)),
+    ],
+)
+def test_auto_plan(model, train, nodes, gpus, expected) -> None:
+    plan = plan_mesh(model, train, topo(nodes, gpus, 1, gb=80 * 1e9 / 2**30))
+    assert plan.mesh == expected
+    assert plan.explanation
+
+
+def test_auto_plan_prefers_tp_before_pp() -> None:
+    # Static state alone fits with FSDP over 16 GPUs, activations of seq 4096 x micro 8 do not: tp first.
+    train = TrainConfig(steps=1, global_batch=128, micro_batch=8)
+    plan = plan_mesh(LLAMA_7B, train, topo(2, 8, 1, gb=80 * 1e9 / 2**30))
+    assert plan.mesh.tp > 1 and plan.mesh.pp == 1
+
+
+def test_fixed_mesh_bigger_than_cluster() -> None:
+    with pytest.raises(PlanError, match=r"dp\*pp\*tp = 4\*2\*2 = 16 GPUs but the healthy nodes offer 8"):
+        plan_mesh(TINY, TrainConfig(steps=1, global_batch=16, micro_batch=1), topo(4, 2, 2),
+                  fixed=MeshShape(dp=4, pp=2, tp=2))
+
+
+def test_heterogeneous_nodes_are_not_mixed_into_tp_groups() -> None:
+    t = Topology((Node(name="a", rack="r", num_gpus=4, gpu_memory_bytes=1),
+                  Node(name="b", rack="r", num_gpus=2, gpu_memory_bytes=1)))
+    p = place(MeshShape(dp=3, pp=1, tp=2), t)
+    check_rules(p, t)
