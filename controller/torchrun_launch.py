@@ -59,4 +59,5 @@ def _read_new_lines(path: str, offsets: dict[str, int], on_report: Callable[[Ste
     complete = chunk[: chunk.rfind(b"\n") + 1]
     offsets[path] = offsets.get(path, 0) + len(complete)
     for line in complete.decode().splitlines():
-        on_report(StepReport.from_json(line))
+        if '"event"' not in line[:10]:
+            on_report(StepReport.from_json(line))

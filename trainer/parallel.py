@@ -143,10 +143,6 @@ def build_model_parts(config: TrainerConfig, mesh: DeviceMesh, choice: DeviceCho
     return parts, stage_ids, num_stages
 
 
-def all_params(parts: list[Transformer]) -> list[nn.Parameter]:
-    return [p for part in parts for p in part.parameters()]
-
-
 def init_process_group(*, rank: int, world_size: int, store: dist.Store, backend: str,
                        timeout_s: float) -> None:
     import datetime

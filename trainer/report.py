@@ -45,7 +45,13 @@ class StepReport:
 
 
 class ReportSink(Protocol):
-    def report(self, report: StepReport) -> None: ...
+    def report(self, report: StepReport) -> None:
+        """After every step."""
+        ...
+
+    def event(self, kind: str, detail: dict) -> None:
+        """A notable fact from a rank (checkpoint_committed, restored, ...)."""
+        ...
 
 
 class JsonlSink:
@@ -57,6 +63,9 @@ class JsonlSink:
     def report(self, report: StepReport) -> None:
         self._file.write(report.to_json() + "\n")
 
+    def event(self, kind: str, detail: dict) -> None:
+        self._file.write(json.dumps({"event": kind, "detail": detail}) + "\n")
+
     def close(self) -> None:
         self._file.close()
 
@@ -66,6 +75,10 @@ class ListSink:
 
     def __init__(self) -> None:
         self.reports: list[StepReport] = []
+        self.events: list[tuple[str, dict]] = []
 
     def report(self, report: StepReport) -> None:
         self.reports.append(report)
+
+    def event(self, kind: str, detail: dict) -> None:
+        self.events.append((kind, detail))

@@ -25,7 +25,7 @@ from torch.distributed.pipelining.schedules import (
 from trainer.config import Schedule, TrainerConfig
 from trainer.data import build_source, local_sample_ids
 from trainer.model import cross_entropy
-from trainer.parallel import DeviceChoice, all_params, build_model_parts
+from trainer.parallel import DeviceChoice, build_model_parts
 from trainer.report import StepReport
 
 
@@ -41,9 +41,11 @@ class Trainer:
         self.parts, self.stage_ids, num_stages = build_model_parts(config, mesh, choice)
         self.is_first = 0 in self.stage_ids
         self.is_last = num_stages - 1 in self.stage_ids
-        self.optimizer = torch.optim.AdamW(
-            all_params(self.parts), lr=config.train.lr, weight_decay=config.train.weight_decay
-        )
+        # One optimizer per stage module: DCP's optimizer state dict is per module.
+        self.optimizers = [
+            torch.optim.AdamW(part.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
+            for part in self.parts
+        ]
         self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
         if config.mesh.pp > 1:
             self.schedule = self._build_schedule(num_stages)
@@ -101,8 +103,9 @@ class Trainer:
         t1 = self._sync_clock()
         loss = self.forward_backward(inputs, targets)
         t2 = self._sync_clock()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         t3 = self._sync_clock()
         loss_value = self._global_loss(loss)
         t4 = time.perf_counter()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,6 +46,14 @@ class WorkerArgs:
     """Checkpoint directory to load before training; None starts from the seeded init."""
     collective_timeout_s: float = 120.0
     """Process-group timeout: a collective waiting longer than this fails."""
+    run_id: str = "run"
+    """Run id; names the checkpoint folder."""
+    checkpoint_root: str | None = None
+    """Local folder holding `{run_id}/step-N/`; None saves nothing."""
+    checkpoint_every: int = 0
+    """Save every this many steps (and at the last step); 0 saves nothing."""
+    checkpoint_keep: int = 3
+    """Committed steps to keep."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,16 +85,43 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         mesh = build_mesh(args.config.mesh, choice.device.type)
         trainer = Trainer(args.config, mesh, choice, attempt=args.attempt)
         trainer.step, trainer.cursor = args.start_step, args.cursor
+        if args.resume_from is not None:
+            from trainer.checkpoint import load
+
+            load(trainer, Path(args.resume_from))
+            sink.event("restored", {"step": trainer.step, "path": args.resume_from})
         last: StepReport | None = None
         while trainer.step < args.config.train.steps:
             last = trainer.train_step()
             sink.report(last)
             if on_step is not None:
                 on_step(trainer, last)
+            if _checkpoint_due(args, trainer.step):
+                _save(args, trainer, sink)
         return WorkerSummary(rank=args.rank, step=trainer.step, cursor=trainer.cursor,
                              last_loss=last.loss if last else None)
     finally:
         dist.destroy_process_group()
+
+
+def _checkpoint_due(args: WorkerArgs, step: int) -> bool:
+    if args.checkpoint_root is None or args.checkpoint_every <= 0:
+        return False
+    return step % args.checkpoint_every == 0 or step == args.config.train.steps
+
+
+def _save(args: WorkerArgs, trainer: "object", sink: ReportSink) -> None:
+    from checkpointing.manifest import apply_retention, step_dir
+    from trainer.checkpoint import save
+
+    assert args.checkpoint_root is not None
+    directory = step_dir(args.checkpoint_root, args.run_id, trainer.step)  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    manifest = save(trainer, directory, run_id=args.run_id)
+    if manifest is not None:
+        removed = apply_retention(args.checkpoint_root, args.run_id, args.checkpoint_keep)
+        sink.event("checkpoint_committed", {"step": manifest.step, "path": str(directory),
+                                            "seconds": time.perf_counter() - t0, "removed": removed})
 
 
 def main(argv: list[str] | None = None) -> None:
