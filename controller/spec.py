@@ -7,7 +7,7 @@ turns a spec into the trainer's frozen config for one attempt's mesh. Imports no
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trainer.config import (
     DataConfig, MeshShape, ModelConfig, Schedule, TrainConfig, TrainerConfig,
 )
+
+if TYPE_CHECKING:
+    from controller.topology import Topology
 
 
 class SpecError(ValueError):
@@ -115,12 +118,18 @@ class RunSpec(_Strict):
     elastic: ElasticSpec = ElasticSpec()
     drills: list[DrillSpec] = []
 
+    def to_model_config(self) -> ModelConfig:
+        return ModelConfig(**self.model.model_dump())
+
+    def to_train_config(self) -> TrainConfig:
+        return TrainConfig(**self.train.model_dump())
+
     def trainer_config(self, mesh: MeshShape) -> TrainerConfig:
         """The trainer's config for an attempt on `mesh`; raises SpecError naming the numbers."""
         config = TrainerConfig(
-            model=ModelConfig(**self.model.model_dump()),
+            model=self.to_model_config(),
             data=DataConfig(**self.data.model_dump()),
-            train=TrainConfig(**self.train.model_dump()),
+            train=self.to_train_config(),
             mesh=mesh,
         )
         try:
@@ -135,6 +144,17 @@ class RunSpec(_Strict):
             return None
         p = self.parallelism
         return MeshShape(dp=p.dp, pp=p.pp, tp=p.tp, dp_replicas=p.dp_replicas)
+
+    def topology(self) -> "Topology":
+        """The embedded cluster's topology from `cluster.local`."""
+        from controller.topology import Topology
+
+        local = self.cluster.local or LocalClusterSpec()
+        try:
+            return Topology.from_local(nodes=local.nodes, gpus_per_node=local.gpus_per_node, racks=local.racks,
+                                       spares=local.spares, gpu_memory_gb=local.gpu_memory_gb)
+        except ValueError as e:
+            raise SpecError(str(e)) from None
 
     def local_gpu_slots(self) -> int:
         """GPU slots the embedded cluster offers to ranks (spare nodes excluded)."""

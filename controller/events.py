@@ -1,0 +1,50 @@
+"""The run's timeline: every transition and notable fact, time-stamped, with run and attempt ids."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Event:
+    time: float
+    """Unix seconds."""
+    run_id: str
+    """Run the event belongs to."""
+    attempt: int
+    """Attempt number (0 for run-level events before the first launch)."""
+    kind: str
+    """submitted, planned, attempt_started, restored, checkpoint_committed, succeeded, failed, ..."""
+    detail: dict[str, Any] = field(default_factory=dict)
+    """Kind-specific facts."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EventLog:
+    """Append-only and time-ordered: a later append with an earlier clock reading is clamped."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self._events: list[Event] = []
+
+    def add(self, now: float, attempt: int, kind: str, **detail: Any) -> Event:
+        if self._events and now < self._events[-1].time:
+            now = self._events[-1].time
+        event = Event(now, self.run_id, attempt, kind, detail)
+        self._events.append(event)
+        return event
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._events)
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def kinds(self) -> list[str]:
+        return [e.kind for e in self._events]
+
+    def of_kind(self, kind: str) -> list[Event]:
+        return [e for e in self._events if e.kind == kind]

@@ -1,0 +1,45 @@
+"""A fake worker group for driving the run controller without Ray or torch."""
+
+from __future__ import annotations
+
+from controller.state import AttemptSpec, GroupStatus, PollResult
+from trainer.report import StepReport
+
+
+class FakeWorkerGroup:
+    def __init__(self, *, fail_start: Exception | None = None) -> None:
+        self.started: list[AttemptSpec] = []
+        self.shutdowns = 0
+        self._pending = PollResult(GroupStatus.RUNNING)
+        self._fail_start = fail_start
+
+    # -- what the controller calls
+    def start(self, attempt: AttemptSpec) -> None:
+        if self._fail_start is not None:
+            raise self._fail_start
+        self.started.append(attempt)
+
+    def poll(self) -> PollResult:
+        result, self._pending = self._pending, PollResult(GroupStatus.RUNNING)
+        return result
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+    # -- what tests inject
+    def finish_steps(self, first: int, last: int, loss: float = 1.0) -> None:
+        attempt = self.started[-1].attempt
+        for step in range(first, last + 1):
+            self._pending.reports.append(StepReport(
+                rank=0, attempt=attempt, step=step, cursor=step * 16, loss=loss / step, step_time_s=0.5,
+                data_s=0.0, compute_s=0.4, optim_s=0.05, sync_s=0.05, tokens_per_s=1000.0))
+
+    def emit(self, rank: int, kind: str, **detail: object) -> None:
+        self._pending.events.append((rank, kind, dict(detail)))
+
+    def error_worker(self, rank: int, message: str) -> None:
+        self._pending.status = GroupStatus.FAILED
+        self._pending.errors[rank] = message
+
+    def complete(self) -> None:
+        self._pending.status = GroupStatus.FINISHED
