@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any, Callable
 
+from controller.ray_cluster import ClusterError
 from controller.spec import SpecError, load_spec
 
 
@@ -21,21 +22,72 @@ def _emit_json(obj: Any) -> None:
 
 
 def cmd_run(opts: argparse.Namespace) -> int:
+    spec = load_spec(opts.spec)
+    if opts.launcher == "torchrun":
+        return _run_torchrun(spec, opts)
+    from controller.runner import run_foreground
+    from controller.state import RunController
+    from controller.ui import ProgressView
+
+    with ProgressView(spec.name, spec.train.steps, quiet=opts.json) as view:
+        seen = [0]
+
+        def on_tick(c: RunController) -> None:
+            for event in list(c.events)[seen[0]:]:
+                view.note(_describe(event.to_dict()))
+            seen[0] = len(c.events)
+            if c.progress.history:
+                view.update(c.progress, attempt=max(c.attempt, 0))
+
+        run = run_foreground(spec, on_tick=on_tick)
+    if opts.json:
+        _emit_json(run)
+    else:
+        ProgressView.print_summary(_summary(run))
+    if run["state"] != "succeeded":
+        error = run.get("error") or {}
+        raise CliError(f"run {run['state']}: {error.get('message', 'see events')}")
+    return 0
+
+
+def _describe(event: dict) -> str:
+    d = event["detail"]
+    kind = event["kind"]
+    if kind == "planned":
+        return f"planned mesh {d['mesh']}: {d['explanation']}"
+    if kind == "attempt_started":
+        nodes = sorted({r["node"] for r in d["placement"]})
+        src = f"from {d['resume_from']} (step {d['start_step']})" if d.get("resume_from") else "from scratch"
+        return f"attempt {event['attempt']} started on {nodes} {src}"
+    if kind == "checkpoint_committed":
+        return f"checkpoint committed at step {d['step']} ({d['seconds']:.2f} s)"
+    if kind == "restored":
+        return f"rank {d.get('rank')} restored step {d['step']}"
+    return f"{kind} {d}"
+
+
+def _summary(run: dict) -> dict:
+    history = run.get("history") or []
+    return {
+        "name": run["name"], "state": run["state"], "steps": run["step"], "attempts": run["attempt"] + 1,
+        "mesh": run["mesh"], "first_loss": history[0]["loss"] if history else None, "final_loss": run["loss"],
+        "ettr": run["goodput"]["ettr"],
+        "badput_seconds": {k: round(v, 2) for k, v in run["goodput"]["badput_seconds"].items()},
+        "checkpoints": sum(1 for e in run["events"] if e["kind"] == "checkpoint_committed"),
+    }
+
+
+def _run_torchrun(spec: Any, opts: argparse.Namespace) -> int:
+    """The plain torchrun path (no controller, no fault tolerance), kept to prove the worker
+    entry point is launcher-agnostic."""
     from controller.progress import RunProgress
     from controller.torchrun_launch import run_with_torchrun
     from controller.ui import ProgressView
 
-    spec = load_spec(opts.spec)
     mesh = spec.fixed_mesh()
     if mesh is None:
-        raise CliError("parallelism: auto needs the planner; give parallelism: {dp, tp, pp}")
+        raise CliError("--launcher torchrun needs a fixed mesh: give parallelism: {dp, tp, pp}")
     config = spec.trainer_config(mesh)
-    slots = spec.local_gpu_slots()
-    if mesh.world_size != slots:
-        raise CliError(
-            f"dp*pp*tp = {mesh.dp}*{mesh.pp}*{mesh.tp} = {mesh.world_size} but cluster.local offers "
-            f"{slots} GPU slots (nodes - spares) * gpus_per_node"
-        )
     progress = RunProgress(total_steps=config.train.steps)
     with ProgressView(spec.name, config.train.steps, quiet=opts.json) as view:
         def on_report(report: Any) -> None:
@@ -55,13 +107,55 @@ def cmd_run(opts: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(opts: argparse.Namespace) -> int:
+    from controller.placement import PlacementError, place
+    from controller.planner import PlanError, plan_mesh
+
+    spec = load_spec(opts.spec)
+    if spec.cluster.address:
+        raise CliError("goodput plan reads cluster.local; for a live cluster submit the run instead")
+    topology = spec.topology()
+    try:
+        fixed = spec.fixed_mesh()
+        if fixed is not None:
+            spec.trainer_config(fixed)
+        plan = plan_mesh(spec.to_model_config(), spec.to_train_config(), topology, fixed=fixed)
+        spec.trainer_config(plan.mesh)
+        placement = place(plan.mesh, topology)
+    except (PlanError, PlacementError) as e:
+        raise CliError(str(e)) from None
+    mesh = plan.mesh
+    out: dict[str, Any] = {"mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, "ranks": list(placement.rows()),
+           "spares": list(placement.spares), "memory_per_gpu_bytes": plan.memory_per_gpu_bytes,
+           "explanation": plan.explanation}
+    if opts.json:
+        _emit_json(out)
+        return 0
+    print(f"mesh: dp{mesh.dp} x pp{mesh.pp} x tp{mesh.tp} = {mesh.world_size} ranks")
+    print(f"memory per GPU: {plan.memory_per_gpu_bytes / 2**20:,.1f} MiB "
+          f"({plan.static_bytes_per_gpu / 2**20:,.1f} MiB static + "
+          f"{plan.activation_bytes_per_gpu / 2**20:,.1f} MiB activations)")
+    print(f"why: {plan.explanation}")
+    print(f"spares: {', '.join(placement.spares) or 'none'}")
+    print("rank  dp  pp  tp  node        rack     gpu")
+    for r in out["ranks"]:
+        print(f"{r['rank']:>4}  {r['dp']:>2}  {r['pp']:>2}  {r['tp']:>2}  {r['node']:<10}  {r['rack']:<7}  {r['gpu']:>3}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="goodput", description="Fault-tolerant LLM training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run SPEC.yaml in this process on the embedded local cluster")
     run.add_argument("spec")
     run.add_argument("--json", action="store_true", help="print the final run as one JSON document")
+    run.add_argument("--launcher", choices=["ray", "torchrun"], default="ray",
+                     help="ray: the fault-tolerant controller (default); torchrun: plain torchrun, no controller")
     run.set_defaults(func=cmd_run)
+    plan = sub.add_parser("plan", help="show mesh, rank -> node map and memory per GPU without running")
+    plan.add_argument("spec")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 
@@ -70,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     func: Callable[[argparse.Namespace], int] = opts.func
     try:
         code = func(opts)
-    except (SpecError, CliError) as e:
+    except (SpecError, CliError, ClusterError) as e:
         print(f"goodput: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -23,6 +23,7 @@ class ProgressView:
             disable=quiet,
         )
         self.task = self.progress.add_task(name, total=total_steps, info="starting")
+        self._last_logged_step = -1
 
     def __enter__(self) -> "ProgressView":
         self.progress.start()
@@ -36,7 +37,10 @@ class ProgressView:
         tps = p.tokens_per_s[-1] if p.tokens_per_s else 0.0
         info = f"loss {p.loss:.4f}  {tps:,.0f} tok/s  attempt {attempt}" + (f"  {note}" if note else "")
         self.progress.update(self.task, completed=p.step, info=info)
-        if not self.console.is_terminal and not self.quiet and (p.step % 10 == 0 or p.step == 1):
+        # Without a terminal (CI, pipes) the bar does not redraw: log a line every 10 steps instead.
+        due = p.step % 10 == 0 or p.step == 1
+        if not self.console.is_terminal and not self.quiet and due and p.step != self._last_logged_step:
+            self._last_logged_step = p.step
             self.console.print(f"step {p.step}: {info}")
 
     def note(self, text: str) -> None:
