@@ -26,16 +26,21 @@ class ProgressView:
         self._last_logged_step = -1
 
     def __enter__(self) -> "ProgressView":
-        self.progress.start()
+        # The bar starts with the first step, so errors before it are the only output.
+        self._started = False
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.progress.stop()
+        if self._started:
+            self.progress.stop()
 
     def update(self, p: RunProgress, attempt: int = 0, note: str = "") -> None:
         tps = p.tokens_per_s[-1] if p.tokens_per_s else 0.0
         info = f"loss {p.loss:.4f}  {tps:,.0f} tok/s  attempt {attempt}" + (f"  {note}" if note else "")
+        if not self._started:
+            self.progress.start()
+            self._started = True
         self.progress.update(self.task, completed=p.step, info=info)
         # Without a terminal (CI, pipes) the bar does not redraw: log a line every 10 steps instead.
         due = p.step % 10 == 0 or p.step == 1

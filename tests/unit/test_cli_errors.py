@@ -1,0 +1,86 @@
+"""Bad input at the CLI: one clear line on stderr, non-zero exit, nothing left running."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
+
+
+def run_cli(tmp_path: Path, *args: str, spec: dict | None = None) -> subprocess.CompletedProcess:
+    argv = list(args)
+    if spec is not None:
+        path = tmp_path / "spec.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        argv.append(str(path))
+    return subprocess.run([sys.executable, "-m", "controller", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_address_that_does_not_answer(tmp_path: Path) -> None:
+    spec = copy.deepcopy(BASE)
+    spec["cluster"] = {"address": f"127.0.0.1:{closed_port()}"}
+    spec["checkpoint"]["uri"] = f"file://{tmp_path}/ckpt"
+    t0 = time.monotonic()
+    line = one_line(run_cli(tmp_path, "run", spec=spec))
+    assert "does not answer" in line and "cluster.address" in line
+    assert time.monotonic() - t0 < 60
+
+
+def test_checkpoint_uri_that_cannot_be_written(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    spec = copy.deepcopy(BASE)
+    spec["checkpoint"]["uri"] = f"file://{blocker}/runs"
+    line = one_line(run_cli(tmp_path, "run", spec=spec))
+    assert "checkpoint.uri" in line and "cannot be written" in line
+
+
+def test_unsupported_checkpoint_scheme(tmp_path: Path) -> None:
+    spec = copy.deepcopy(BASE)
+    spec["checkpoint"]["uri"] = "gs://bucket/runs"
+    assert "only file://" in one_line(run_cli(tmp_path, "run", spec=spec))
+
+
+def test_plan_json(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "plan", "--json", spec=BASE)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["mesh"] == {"dp": 2, "pp": 2, "tp": 2} and len(out["ranks"]) == 8
+    assert set(out) == {"mesh", "ranks", "spares", "memory_per_gpu_bytes", "explanation"}
+
+
+def test_plan_infeasible(tmp_path: Path) -> None:
+    spec = copy.deepcopy(BASE)
+    spec["cluster"]["local"]["spares"] = 2
+    assert "8 GPUs but the healthy nodes offer 4" in one_line(run_cli(tmp_path, "plan", spec=spec))
+
+
+def test_cli_help_is_fast_and_light() -> None:
+    code = "import sys, controller.cli; print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ}, timeout=60)
+    assert out.stdout.strip() == "[]"
