@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from checkpointing.manifest import CheckpointError, uri_to_path
+from controller.placement import PlacementError, place
+from controller.planner import PlanError, plan_mesh
 from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
 from controller.spec import LocalClusterSpec, RunSpec, SpecError
 from controller.state import RunController, RunState
@@ -63,9 +65,25 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
     return controller
 
 
+def preflight(spec: RunSpec) -> None:
+    """Everything that can be checked without a cluster, so bad input starts nothing."""
+    checkpoint_root(spec)
+    fixed = spec.fixed_mesh()
+    if fixed is not None:
+        spec.trainer_config(fixed)
+    if spec.cluster.address is None:
+        topology = spec.topology()
+        try:
+            plan = plan_mesh(spec.to_model_config(), spec.to_train_config(), topology, fixed=fixed)
+            spec.trainer_config(plan.mesh)
+            place(plan.mesh, topology)
+        except (PlanError, PlacementError) as e:
+            raise SpecError(str(e)) from None
+
+
 def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None) -> dict[str, Any]:
     """Start the cluster, run, stop the cluster; the final Run object."""
-    checkpoint_root(spec)  # a bad uri fails before anything starts
+    preflight(spec)
     cluster = make_cluster(spec)
     cluster.start()
     try:
