@@ -108,22 +108,12 @@ def _run_torchrun(spec: Any, opts: argparse.Namespace) -> int:
 
 
 def cmd_plan(opts: argparse.Namespace) -> int:
-    from controller.placement import PlacementError, place
-    from controller.planner import PlanError, plan_mesh
+    from controller.runner import plan_local
 
     spec = load_spec(opts.spec)
     if spec.cluster.address:
         raise CliError("goodput plan reads cluster.local; for a live cluster submit the run instead")
-    topology = spec.topology()
-    try:
-        fixed = spec.fixed_mesh()
-        if fixed is not None:
-            spec.trainer_config(fixed)
-        plan = plan_mesh(spec.to_model_config(), spec.to_train_config(), topology, fixed=fixed)
-        spec.trainer_config(plan.mesh)
-        placement = place(plan.mesh, topology)
-    except (PlanError, PlacementError) as e:
-        raise CliError(str(e)) from None
+    plan, placement = plan_local(spec)
     mesh = plan.mesh
     out: dict[str, Any] = {"mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, "ranks": list(placement.rows()),
            "spares": list(placement.spares), "memory_per_gpu_bytes": plan.memory_per_gpu_bytes,

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from checkpointing.manifest import CheckpointError, uri_to_path
-from controller.placement import PlacementError, place
-from controller.planner import PlanError, plan_mesh
+from controller.placement import Placement, PlacementError, place
+from controller.planner import MeshPlan, PlanError, plan_mesh
 from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
 from controller.spec import LocalClusterSpec, RunSpec, SpecError
 from controller.state import RunController, RunState
@@ -65,20 +65,27 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
     return controller
 
 
+def plan_local(spec: RunSpec) -> tuple[MeshPlan, Placement]:
+    """Plan and place on the spec's `cluster.local`; SpecError says what does not fit."""
+    fixed = spec.fixed_mesh()
+    if fixed is not None:
+        spec.trainer_config(fixed)  # shape errors first: they say more than memory ones
+    topology = spec.topology()
+    try:
+        plan = plan_mesh(spec.to_model_config(), spec.to_train_config(), topology, fixed=fixed)
+        spec.trainer_config(plan.mesh)
+        return plan, place(plan.mesh, topology)
+    except (PlanError, PlacementError) as e:
+        raise SpecError(str(e)) from None
+
+
 def preflight(spec: RunSpec) -> None:
     """Everything that can be checked without a cluster, so bad input starts nothing."""
     checkpoint_root(spec)
-    fixed = spec.fixed_mesh()
-    if fixed is not None:
-        spec.trainer_config(fixed)
     if spec.cluster.address is None:
-        topology = spec.topology()
-        try:
-            plan = plan_mesh(spec.to_model_config(), spec.to_train_config(), topology, fixed=fixed)
-            spec.trainer_config(plan.mesh)
-            place(plan.mesh, topology)
-        except (PlanError, PlacementError) as e:
-            raise SpecError(str(e)) from None
+        plan_local(spec)
+    elif (fixed := spec.fixed_mesh()) is not None:
+        spec.trainer_config(fixed)
 
 
 def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None) -> dict[str, Any]:
