@@ -1,23 +1,26 @@
-"""Checkpoint layout and commit protocol on a local filesystem.
+"""Checkpoint layout, commit protocol and retention, over any ObjectStore.
 
-`{root}/{run_id}/step-{N:08d}/` holds the DCP files plus `manifest.json`, written last (atomically,
-by rename): step, attempt, mesh, world size, data cursor, seeds, and size + sha256 of every file. A
-step without a valid manifest does not exist; "latest" is found by listing manifests, never from a
-mutable pointer. Pure: imports nothing of the project and no torch.
+`{run_id}/step-{N:08d}/` holds the DCP files plus `manifest.json`, written last with an if-absent
+put: step, attempt, mesh, world size, data cursor, seeds, and size + sha256 of every file. A step
+without a valid manifest does not exist; "latest" is found by listing manifests, never from a
+mutable pointer. Each rank first leaves `_ranks/rank-R.json` (the digests of the files it wrote);
+the committer writes the manifest only when every rank has. Pure: no torch, no boto3.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from checkpointing.store import AlreadyExists, ObjectStore, StoreError
+
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+RANKS = "_ranks"
+_STEP = re.compile(r"^(?P<run>.+)/step-(?P<step>\d{8})/manifest\.json$")
 
 
 class CheckpointError(Exception):
@@ -41,20 +44,16 @@ class Manifest:
     seeds: dict[str, int]
     """Seeds of the run (data order, parameter init)."""
     files: dict[str, dict] = field(default_factory=dict)
-    """Relative path -> {size, sha256} of every file of the step except the manifest."""
+    """Path relative to the step -> {size, sha256} of every file of the step except the manifest."""
+    created_at: float = 0.0
+    """Unix seconds of the commit."""
+
+    def total_bytes(self) -> int:
+        return sum(f["size"] for f in self.files.values())
 
 
-def step_dir(root: str | Path, run_id: str, step: int) -> Path:
-    return Path(root) / run_id / f"step-{step:08d}"
-
-
-def uri_to_path(uri: str) -> Path:
-    """`file://./x` or `file:///abs` or a plain path -> a local path."""
-    if uri.startswith("file://"):
-        return Path(uri[len("file://"):])
-    if "://" in uri:
-        raise CheckpointError(f"checkpoint.uri {uri!r}: only file:// is supported by this store")
-    return Path(uri)
+def step_prefix(run_id: str, step: int) -> str:
+    return f"{run_id}/step-{step:08d}"
 
 
 def sha256_file(path: Path) -> str:
@@ -65,87 +64,112 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def describe_files(directory: Path) -> dict[str, dict]:
-    out = {}
-    for path in sorted(directory.rglob("*")):
-        if path.is_file() and path.name != MANIFEST and not path.name.endswith(".tmp"):
-            out[str(path.relative_to(directory))] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-    return out
+def describe(paths: dict[str, Path]) -> dict[str, dict]:
+    """{relative name: {size, sha256}} of local files."""
+    return {rel: {"size": p.stat().st_size, "sha256": sha256_file(p)} for rel, p in sorted(paths.items())}
 
 
-def commit(directory: Path, manifest: Manifest) -> Manifest:
-    """Describe the step's files and write the manifest last, atomically: this is the commit."""
-    final = Manifest(**{**asdict(manifest), "files": describe_files(directory)})
-    tmp = directory / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(asdict(final), f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
+def write_rank_marker(store: ObjectStore, prefix: str, rank: int, files: dict[str, dict]) -> None:
+    store.put_bytes(f"{prefix}/{RANKS}/rank-{rank}.json", json.dumps(files).encode())
+
+
+def wait_for_ranks(store: ObjectStore, prefix: str, world_size: int, *, timeout_s: float,
+                   poll_s: float = 0.2) -> dict[str, dict]:
+    """Every rank's file digests, once all `world_size` markers exist; CheckpointError on timeout
+    (a rank died mid-save: the step stays uncommitted)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        markers = [o.key for o in store.list(f"{prefix}/{RANKS}/") if o.key.endswith(".json")]
+        if len(markers) >= world_size:
+            files: dict[str, dict] = {}
+            for key in markers:
+                files.update(json.loads(store.get_bytes(key)))
+            return files
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{prefix}: only {len(markers)} of {world_size} ranks finished writing "
+                                  f"within {timeout_s:.0f} s; the step stays uncommitted")
+        time.sleep(poll_s)
+
+
+def commit(store: ObjectStore, manifest: Manifest) -> Manifest:
+    """Write the manifest last, if absent: this is the commit. A second committer of the same step
+    (another attempt) gets CheckpointError and changes nothing."""
+    final = Manifest(**{**asdict(manifest), "created_at": manifest.created_at or time.time()})
+    key = f"{step_prefix(manifest.run_id, manifest.step)}/{MANIFEST}"
+    try:
+        store.put_bytes(key, json.dumps(asdict(final), indent=1, sort_keys=True).encode(), if_absent=True)
+    except AlreadyExists:
+        raise CheckpointError(f"step {manifest.step} of {manifest.run_id} is already committed") from None
     return final
 
 
-def read_manifest(directory: Path) -> Manifest:
+def read_manifest(store: ObjectStore, run_id: str, step: int) -> Manifest:
+    key = f"{step_prefix(run_id, step)}/{MANIFEST}"
     try:
-        raw = json.loads((directory / MANIFEST).read_text())
-        return Manifest(**raw)
-    except (OSError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{directory}: no valid manifest ({e})") from None
+        return Manifest(**json.loads(store.get_bytes(key)))
+    except (StoreError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{key}: no valid manifest ({e})") from None
 
 
-def verify(directory: Path, manifest: Manifest) -> None:
-    """Raise CheckpointError when a file is missing, has another size or another sha256."""
+def verify(store: ObjectStore, manifest: Manifest, *, checksums: bool = True) -> None:
+    """Raise CheckpointError when a file is missing, has another size or (checksums) another sha256."""
+    prefix = step_prefix(manifest.run_id, manifest.step)
+    present = {o.key[len(prefix) + 1:]: o.size for o in store.list(prefix + "/")}
     for rel, want in manifest.files.items():
-        path = directory / rel
-        if not path.is_file():
-            raise CheckpointError(f"{directory}: {rel} is missing")
-        if path.stat().st_size != want["size"]:
-            raise CheckpointError(f"{directory}: {rel} has {path.stat().st_size} bytes, manifest says {want['size']}")
-        if sha256_file(path) != want["sha256"]:
-            raise CheckpointError(f"{directory}: {rel} fails its sha256 check")
+        if rel not in present:
+            raise CheckpointError(f"{prefix}: {rel} is missing")
+        if present[rel] != want["size"]:
+            raise CheckpointError(f"{prefix}: {rel} has {present[rel]} bytes, the manifest says {want['size']}")
+        if checksums:
+            h = hashlib.sha256()
+            chunk = 8 << 20
+            for start in range(0, want["size"], chunk):
+                h.update(store.get_bytes(f"{prefix}/{rel}", start, min(start + chunk, want["size"])))
+            if h.hexdigest() != want["sha256"]:
+                raise CheckpointError(f"{prefix}: {rel} fails its sha256 check")
 
 
-def committed_steps(root: str | Path, run_id: str) -> list[tuple[int, Path]]:
-    """(step, dir) of every step that has a manifest file, oldest first (not yet verified)."""
-    base = Path(root) / run_id
-    if not base.is_dir():
-        return []
-    found = []
-    for child in base.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and (child / MANIFEST).is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
+def committed_steps(store: ObjectStore, run_id: str) -> list[int]:
+    """Steps that have a manifest object, oldest first (not yet verified)."""
+    steps = []
+    for obj in store.list(f"{run_id}/"):
+        m = _STEP.match(obj.key)
+        if m and m.group("run") == run_id:
+            steps.append(int(m.group("step")))
+    return sorted(steps)
 
 
-def latest_verified(root: str | Path, run_id: str) -> tuple[Manifest, Path, list[str]] | None:
-    """The newest step whose manifest and files verify, plus why newer steps were skipped."""
+def latest_verified(store: ObjectStore, run_id: str, *, below: int | None = None
+                    ) -> tuple[Manifest, list[str]] | None:
+    """The newest step (optionally below a step) whose manifest and files verify, plus why newer
+    steps were skipped."""
     skipped: list[str] = []
-    for _, directory in reversed(committed_steps(root, run_id)):
+    for step in reversed(committed_steps(store, run_id)):
+        if below is not None and step >= below:
+            continue
         try:
-            manifest = read_manifest(directory)
-            verify(directory, manifest)
+            manifest = read_manifest(store, run_id, step)
+            verify(store, manifest)
         except CheckpointError as e:
             skipped.append(str(e))
             continue
-        return manifest, directory, skipped
+        return manifest, skipped
     return None
 
 
-def apply_retention(root: str | Path, run_id: str, keep: int) -> list[int]:
+def apply_retention(store: ObjectStore, run_id: str, keep: int) -> list[int]:
     """Delete all but the newest `keep` committed steps, and uncommitted leftovers older than the
-    newest commit (a crashed save). Called only after a commit, so the last good step survives."""
-    steps = committed_steps(root, run_id)
+    newest commit (crashed saves). Called only after a commit, so the last good step survives."""
+    steps = committed_steps(store, run_id)
     if not steps:
         return []
-    newest = steps[-1][0]
-    removed = []
-    for step, directory in steps[:-keep] if keep < len(steps) else []:
-        shutil.rmtree(directory, ignore_errors=True)
-        removed.append(step)
-    committed = {s for s, _ in steps}
-    for child in (Path(root) / run_id).iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and int(m.group(1)) < newest and int(m.group(1)) not in committed:
-            shutil.rmtree(child, ignore_errors=True)
+    removed = steps[:-keep] if keep < len(steps) else []
+    for step in removed:
+        store.delete_prefix(step_prefix(run_id, step) + "/")
+    committed = set(steps)
+    leftovers = {int(m.group(1)) for o in store.list(f"{run_id}/")
+                 if (m := re.match(rf"^{re.escape(run_id)}/step-(\d{{8}})/", o.key))}
+    for step in sorted(leftovers):
+        if step < steps[-1] and step not in committed:
+            store.delete_prefix(step_prefix(run_id, step) + "/")
     return removed

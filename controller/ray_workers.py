@@ -100,9 +100,10 @@ class RayWorkerGroup:
                 rank=rank, world_size=world, store_host=self.store_host, store_port=self._store.port,
                 store_prefix=f"{attempt.run_id}/attempt-{attempt.attempt}/", config=attempt.config,
                 attempt=attempt.attempt, start_step=attempt.start_step, cursor=attempt.cursor,
-                resume_from=attempt.resume_from, collective_timeout_s=self.collective_timeout_s,
-                run_id=attempt.run_id, checkpoint_root=attempt.checkpoint_root,
-                checkpoint_every=attempt.checkpoint_every, checkpoint_keep=attempt.checkpoint_keep,
+                resume_step=attempt.resume_step, collective_timeout_s=self.collective_timeout_s,
+                run_id=attempt.run_id, checkpoint_uri=attempt.checkpoint_uri,
+                checkpoint_every=attempt.checkpoint_every, checkpoint_auto=attempt.checkpoint_auto,
+                checkpoint_keep=attempt.checkpoint_keep, mtbf_s=attempt.mtbf_s,
             ))
             for rank, actor in enumerate(self.actors)
         ]

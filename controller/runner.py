@@ -8,10 +8,9 @@ Ctrl-C included.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Callable
 
-from checkpointing.manifest import CheckpointError, uri_to_path
+from checkpointing.store import ObjectStore, StoreError, open_store
 from controller.placement import Placement, PlacementError, place
 from controller.planner import MeshPlan, PlanError, plan_mesh
 from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
@@ -21,19 +20,20 @@ from controller.state import RunController, RunState
 Tick = Callable[[RunController], None]
 
 
-def checkpoint_root(spec: RunSpec) -> Path:
-    """The spec's checkpoint folder, absolute (actors do not share our cwd) and proven writable."""
+def checkpoint_store(spec: RunSpec) -> ObjectStore:
+    """The spec's checkpoint store (a local path made absolute: actors do not share our cwd),
+    proven writable by a probe object."""
+    uri = spec.checkpoint.uri
     try:
-        root = uri_to_path(spec.checkpoint.uri).resolve()
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".goodput-write-test-{time.time_ns()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except CheckpointError as e:
-        raise SpecError(str(e)) from None
+        store = open_store(uri)
+        probe = f".goodput-write-test-{time.time_ns()}"
+        store.put_bytes(probe, b"ok")
+        store.delete_prefix(probe)
+    except StoreError as e:
+        raise SpecError(f"checkpoint.uri {uri!r} cannot be written: {e}") from None
     except OSError as e:
-        raise SpecError(f"checkpoint.uri {spec.checkpoint.uri!r} cannot be written: {e.strerror}") from None
-    return root
+        raise SpecError(f"checkpoint.uri {uri!r} cannot be written: {e.strerror}") from None
+    return store
 
 
 def make_cluster(spec: RunSpec) -> LocalRayCluster | RemoteRayCluster:
@@ -47,9 +47,9 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
     """Run the spec on a started cluster until the run ends; cancel on Ctrl-C (and re-raise)."""
     from controller.ray_workers import RayWorkerGroup
 
-    root = checkpoint_root(spec)
+    store = checkpoint_store(spec)
     group = RayWorkerGroup()
-    controller = RunController(spec, cluster.topology(), group, now=time.time(), checkpoint_root=root)
+    controller = RunController(spec, cluster.topology(), group, now=time.time(), checkpoint_store=store)
     try:
         while not controller.step(time.time()).terminal:
             if on_tick is not None:
@@ -81,7 +81,7 @@ def plan_local(spec: RunSpec) -> tuple[MeshPlan, Placement]:
 
 def preflight(spec: RunSpec) -> None:
     """Everything that can be checked without a cluster, so bad input starts nothing."""
-    checkpoint_root(spec)
+    checkpoint_store(spec)
     if spec.cluster.address is None:
         plan_local(spec)
     elif (fixed := spec.fixed_mesh()) is not None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from checkpointing.manifest import latest_verified
+from checkpointing.store import ObjectStore
 from controller.events import EventLog
 from controller.placement import Placement, PlacementError, place
 from controller.planner import MeshPlan, PlanError, plan_mesh
@@ -57,14 +57,18 @@ class AttemptSpec:
     """Step to continue from."""
     cursor: int = 0
     """Sample cursor at start_step."""
-    resume_from: str | None = None
-    """Committed checkpoint folder to load, if any."""
-    checkpoint_root: str | None = None
-    """Where checkpoints go."""
+    resume_step: int | None = None
+    """Committed checkpoint step to load, if any."""
+    checkpoint_uri: str | None = None
+    """Object store of the checkpoints."""
     checkpoint_every: int = 0
-    """Steps between checkpoints."""
+    """Steps between checkpoints (0: none, unless auto)."""
+    checkpoint_auto: bool = False
+    """Young/Daly interval instead of a fixed one."""
     checkpoint_keep: int = 3
     """Committed steps kept."""
+    mtbf_s: float | None = None
+    """MTBF for the Young/Daly rule."""
 
 
 class GroupStatus(str, enum.Enum):
@@ -107,12 +111,12 @@ def group_errors(errors: dict[int, str]) -> str:
 
 class RunController:
     def __init__(self, spec: RunSpec, topology: Topology, worker_group: WorkerGroup, *, now: float,
-                 checkpoint_root: Path | None = None, run_id: str | None = None) -> None:
+                 checkpoint_store: ObjectStore | None = None, run_id: str | None = None) -> None:
         self.spec = spec
         self.run_id = run_id or spec.name
         self.topology = topology
         self.worker_group = worker_group
-        self.checkpoint_root = checkpoint_root
+        self.checkpoint_store = checkpoint_store
         self.state = RunState.PENDING
         self.attempt = -1
         self.plan: MeshPlan | None = None
@@ -172,21 +176,22 @@ class RunController:
     def _on_launching(self, now: float) -> None:
         assert self.config is not None and self.placement is not None
         self.attempt += 1
-        start_step, cursor, resume_from = 0, 0, None
-        if self.checkpoint_root is not None:
-            found = latest_verified(self.checkpoint_root, self.run_id)
+        start_step, cursor, resume_step = 0, 0, None
+        if self.checkpoint_store is not None:
+            found = latest_verified(self.checkpoint_store, self.run_id)
             if found is not None:
-                manifest, directory, skipped = found
+                manifest, skipped = found
                 for reason in skipped:
                     self.events.add(now, self.attempt, "checkpoint_unusable", reason=reason)
-                start_step, cursor, resume_from = manifest.step, manifest.cursor, str(directory)
+                start_step, cursor, resume_step = manifest.step, manifest.cursor, manifest.step
         every = self.spec.checkpoint.every_steps
+        mtbf_h = self.spec.checkpoint.mtbf_hours
         attempt = AttemptSpec(
             run_id=self.run_id, attempt=self.attempt, config=self.config, placement=self.placement,
-            start_step=start_step, cursor=cursor, resume_from=resume_from,
-            checkpoint_root=str(self.checkpoint_root) if self.checkpoint_root else None,
-            checkpoint_every=every if isinstance(every, int) else 0,
-            checkpoint_keep=self.spec.checkpoint.keep,
+            start_step=start_step, cursor=cursor, resume_step=resume_step,
+            checkpoint_uri=self.checkpoint_store.uri if self.checkpoint_store else None,
+            checkpoint_every=every if isinstance(every, int) else 0, checkpoint_auto=every == "auto",
+            checkpoint_keep=self.spec.checkpoint.keep, mtbf_s=mtbf_h * 3600 if mtbf_h else None,
         )
         self._attempt_started_at = now
         try:
@@ -199,7 +204,7 @@ class RunController:
         self.events.add(now, self.attempt, "attempt_started",
                         mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp},
                         placement=list(self.placement.rows()), start_step=start_step,
-                        resume_from=resume_from)
+                        resume_step=resume_step)
         if start_step >= self.spec.train.steps:
             self.worker_group.shutdown()
             self._finish(now, RunState.SUCCEEDED, "succeeded")

@@ -1,13 +1,21 @@
 """Save and load a trainer's model and optimizer with torch.distributed.checkpoint (DCP).
 
-Every rank writes its own shards; parameter and optimizer-state names are global FQNs, so a step
-saved on one mesh loads onto another. The manifest (checkpointing.manifest) is written by rank 0
-only after every rank finished writing: a save that dies midway leaves no manifest.
+Every rank writes its own shards; names are global FQNs, so a step saved on one mesh loads onto
+another. Saving is asynchronous by default: the loop blocks only while DCP stages the state to host
+memory; writing, uploading to the object store and the commit run in a background thread. Each rank
+uploads its own files and leaves a marker with their digests; rank 0 writes the manifest (the commit)
+when every marker is there. A rank that dies midway leaves no marker, so no manifest.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -16,12 +24,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from checkpointing.manifest import Manifest, commit
+from checkpointing.manifest import (
+    CheckpointError, Manifest, apply_retention, commit, describe, sha256_file, step_prefix,
+    wait_for_ranks, write_rank_marker,
+)
+from checkpointing.store import ObjectStore, StoreError
+from trainer.report import ReportSink
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _state(trainer) -> dict:  # type: ignore[no-untyped-def]
+def trainer_state(trainer: Any) -> dict:
+    """{"model": ..., "optim": ...} of every stage module this rank owns, keyed by global names."""
     model: dict = {}
     optim: dict = {}
     for part, opt in zip(trainer.parts, trainer.optimizers):
@@ -30,28 +44,116 @@ def _state(trainer) -> dict:  # type: ignore[no-untyped-def]
     return {"model": model, "optim": optim}
 
 
-def save(trainer, directory: Path, *, run_id: str) -> Manifest | None:  # type: ignore[no-untyped-def]
-    """Collective: every rank writes its shards; rank 0 commits. Returns the manifest on rank 0."""
-    directory.mkdir(parents=True, exist_ok=True)
-    dcp.save(_state(trainer), checkpoint_id=str(directory))
-    dist.barrier()
-    manifest = None
-    if dist.get_rank() == 0:
+@dataclass
+class SaveTiming:
+    step: int
+    """Step saved."""
+    blocked_s: float
+    """Time the training loop was blocked (staging, or the whole save when synchronous)."""
+
+
+class Checkpointer:
+    """One per rank and attempt. Collective to construct (it creates the checkpoint process group)."""
+
+    def __init__(self, store: ObjectStore, *, run_id: str, attempt: int, keep: int, sink: ReportSink,
+                 staging_dir: Path, use_async: bool = True, commit_timeout_s: float = 300.0) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.attempt = attempt
+        self.keep = keep
+        self.sink = sink
+        self.staging_dir = staging_dir
+        self.use_async = use_async
+        self.commit_timeout_s = commit_timeout_s
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        # A separate gloo group: the background save's collectives must not interleave with training's.
+        self._pg = dist.new_group(backend="gloo") if use_async else None
+        self._thread: threading.Thread | None = None
+        self.failures: list[str] = []
+
+    def save(self, trainer: Any) -> SaveTiming:
+        self.wait()  # a save still in flight is waited for, not duplicated
+        prefix = step_prefix(self.run_id, trainer.step)
+        local = self.store.local_path(prefix) or self.staging_dir / f"rank-{self.rank}" / prefix
+        local.mkdir(parents=True, exist_ok=True)
         mesh = trainer.config.mesh
-        manifest = commit(directory, Manifest(
-            run_id=run_id, step=trainer.step, attempt=trainer.attempt,
+        manifest = Manifest(
+            run_id=self.run_id, step=trainer.step, attempt=self.attempt,
             mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, world_size=mesh.world_size,
-            cursor=trainer.cursor,
-            seeds={"data": trainer.config.data.seed, "init": trainer.config.train.seed},
-        ))
-    dist.barrier()
-    return manifest
+            cursor=trainer.cursor, seeds={"data": trainer.config.data.seed, "init": trainer.config.train.seed},
+        )
+        t0 = time.perf_counter()
+        state = trainer_state(trainer)
+        future = None
+        if self.use_async:
+            future = dcp.async_save(state, checkpoint_id=str(local), process_group=self._pg)
+        else:
+            dcp.save(state, checkpoint_id=str(local))
+        blocked = time.perf_counter() - t0
+        self._thread = threading.Thread(target=self._finish, args=(future, local, prefix, manifest, t0),
+                                        name=f"checkpoint-step-{trainer.step}", daemon=True)
+        self._thread.start()
+        if not self.use_async:
+            self.wait()
+            blocked = time.perf_counter() - t0
+        return SaveTiming(step=trainer.step, blocked_s=blocked)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _finish(self, future: Any, local: Path, prefix: str, manifest: Manifest, t0: float) -> None:
+        try:
+            if future is not None:
+                future.result()
+            own = {p.name: p for p in local.iterdir() if re.fullmatch(rf"__{self.rank}_\d+\.distcp", p.name)}
+            if self.rank == 0:
+                own[".metadata"] = local / ".metadata"
+            digests = describe(own)
+            for rel, path in own.items():
+                self.store.put_file(f"{prefix}/{rel}", path)
+            write_rank_marker(self.store, prefix, self.rank, digests)
+            if self.rank == 0:
+                files = wait_for_ranks(self.store, prefix, self.world_size, timeout_s=self.commit_timeout_s)
+                final = commit(self.store, Manifest(**{**manifest.__dict__, "files": files}))
+                removed = apply_retention(self.store, self.run_id, self.keep)
+                self.sink.event("checkpoint_committed", {
+                    "step": final.step, "uri": f"{self.store.uri}/{prefix}", "bytes": final.total_bytes(),
+                    "seconds": time.perf_counter() - t0, "removed": removed})
+        except (CheckpointError, StoreError, OSError, RuntimeError) as e:
+            self.failures.append(str(e))
+            self.sink.event("checkpoint_failed", {"step": manifest.step, "error": str(e)})
+        finally:
+            if self.store.local_path(prefix) is None:
+                shutil.rmtree(local, ignore_errors=True)
+
+    def close(self) -> None:
+        self.wait()
+        if self._pg is not None:
+            dist.destroy_process_group(self._pg)
+            self._pg = None
 
 
-def load(trainer, directory: Path) -> None:  # type: ignore[no-untyped-def]
-    """Collective: fill the trainer's model and optimizer from a committed step (any mesh)."""
-    state = _state(trainer)
-    dcp.load(state, checkpoint_id=str(directory))
-    for part, opt in zip(trainer.parts, trainer.optimizers):
-        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
+def load(trainer: Any, store: ObjectStore, manifest: Manifest, cache_dir: Path) -> None:
+    """Collective: fill the trainer's model and optimizer from a committed step saved on any mesh.
+    From a remote store, every file is downloaded and checked against the manifest first."""
+    prefix = step_prefix(manifest.run_id, manifest.step)
+    local = store.local_path(prefix)
+    cleanup = None
+    if local is None:
+        local = cleanup = cache_dir / f"rank-{dist.get_rank()}" / prefix
+        for rel, want in manifest.files.items():
+            store.download(f"{prefix}/{rel}", local / rel)
+            if sha256_file(local / rel) != want["sha256"]:
+                raise CheckpointError(f"{prefix}/{rel} read from {store.uri} fails its sha256 check")
+    try:
+        state = trainer_state(trainer)
+        dcp.load(state, checkpoint_id=str(local))
+        for part, opt in zip(trainer.parts, trainer.optimizers):
+            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
+    finally:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
 import torch.distributed as dist
 
+from checkpointing.manifest import read_manifest
+from checkpointing.policy import DEFAULT_MTBF_S, interval_steps
+from checkpointing.store import open_store
 from trainer.config import TrainerConfig, config_from_dict
 from trainer.parallel import build_mesh, choose_device, init_process_group
 from trainer.report import JsonlSink, ReportSink, StepReport
@@ -42,18 +44,26 @@ class WorkerArgs:
     """Step to continue from (with `cursor`, from a checkpoint's manifest)."""
     cursor: int = 0
     """Global sample cursor at `start_step`."""
-    resume_from: str | None = None
-    """Checkpoint directory to load before training; None starts from the seeded init."""
     collective_timeout_s: float = 120.0
     """Process-group timeout: a collective waiting longer than this fails."""
     run_id: str = "run"
     """Run id; names the checkpoint folder."""
-    checkpoint_root: str | None = None
-    """Local folder holding `{run_id}/step-N/`; None saves nothing."""
+    checkpoint_uri: str | None = None
+    """Object store of the checkpoints (file://PATH or s3://BUCKET/PREFIX); None saves nothing."""
     checkpoint_every: int = 0
     """Save every this many steps (and at the last step); 0 saves nothing."""
+    checkpoint_auto: bool = False
+    """Choose the interval by the Young/Daly rule from the measured save cost and `mtbf_s`."""
+    checkpoint_async: bool = True
+    """Block only for staging; write, upload and commit in the background."""
     checkpoint_keep: int = 3
     """Committed steps to keep."""
+    mtbf_s: float | None = None
+    """Mean time between failures for the Young/Daly rule (configured or observed)."""
+    resume_step: int | None = None
+    """Committed step to load before training (from `checkpoint_uri`); None starts from the seeded init."""
+    staging_dir: str = "/tmp/goodput-staging"
+    """Local scratch for shards on their way to a remote store."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +83,7 @@ StepHook = Callable[["object", StepReport], None]
 
 def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = None) -> WorkerSummary:
     """Train one rank to `config.train.steps`; `on_step(trainer, report)` runs after every step."""
+    from trainer.checkpoint import Checkpointer, load
     from trainer.train import Trainer  # torch-heavy; keep `import trainer.worker` cheap for launchers
 
     args.config.validate(world_size=args.world_size)
@@ -81,47 +92,62 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
     store = dist.PrefixStore(args.store_prefix, base)
     init_process_group(rank=args.rank, world_size=args.world_size, store=store, backend=choice.backend,
                        timeout_s=args.collective_timeout_s)
+    checkpointer = None
     try:
         mesh = build_mesh(args.config.mesh, choice.device.type)
         trainer = Trainer(args.config, mesh, choice, attempt=args.attempt)
         trainer.step, trainer.cursor = args.start_step, args.cursor
-        if args.resume_from is not None:
-            from trainer.checkpoint import load
-
-            load(trainer, Path(args.resume_from))
-            sink.event("restored", {"step": trainer.step, "path": args.resume_from})
+        ckpt_store = open_store(args.checkpoint_uri) if args.checkpoint_uri else None
+        if ckpt_store is not None and args.resume_step is not None:
+            manifest = read_manifest(ckpt_store, args.run_id, args.resume_step)
+            load(trainer, ckpt_store, manifest, Path(args.staging_dir) / "restore")
+            trainer.step, trainer.cursor = manifest.step, manifest.cursor
+            sink.event("restored", {"step": manifest.step, "cursor": manifest.cursor,
+                                    "saved_on_mesh": manifest.mesh})
+        if ckpt_store is not None and (args.checkpoint_every > 0 or args.checkpoint_auto):
+            checkpointer = Checkpointer(ckpt_store, run_id=args.run_id, attempt=args.attempt,
+                                        keep=args.checkpoint_keep, sink=sink, use_async=args.checkpoint_async,
+                                        staging_dir=Path(args.staging_dir))
+        interval = _Interval(args)
         last: StepReport | None = None
         while trainer.step < args.config.train.steps:
             last = trainer.train_step()
             sink.report(last)
             if on_step is not None:
                 on_step(trainer, last)
-            if _checkpoint_due(args, trainer.step):
-                _save(args, trainer, sink)
+            if checkpointer is not None and interval.due(trainer.step, args.config.train.steps):
+                timing = checkpointer.save(trainer)
+                interval.measured(timing.blocked_s, last.step_time_s, sink)
         return WorkerSummary(rank=args.rank, step=trainer.step, cursor=trainer.cursor,
                              last_loss=last.loss if last else None)
     finally:
+        if checkpointer is not None:
+            checkpointer.close()
         dist.destroy_process_group()
 
 
-def _checkpoint_due(args: WorkerArgs, step: int) -> bool:
-    if args.checkpoint_root is None or args.checkpoint_every <= 0:
-        return False
-    return step % args.checkpoint_every == 0 or step == args.config.train.steps
+class _Interval:
+    """Fixed every-N steps, or Young/Daly from the measured blocking cost of the first save."""
 
+    FIRST_AUTO_STEP = 10
 
-def _save(args: WorkerArgs, trainer: "object", sink: ReportSink) -> None:
-    from checkpointing.manifest import apply_retention, step_dir
-    from trainer.checkpoint import save
+    def __init__(self, args: WorkerArgs) -> None:
+        self.every = args.checkpoint_every if not args.checkpoint_auto else self.FIRST_AUTO_STEP
+        self.auto = args.checkpoint_auto
+        self.mtbf_s = args.mtbf_s or DEFAULT_MTBF_S
+        self.chosen = False
 
-    assert args.checkpoint_root is not None
-    directory = step_dir(args.checkpoint_root, args.run_id, trainer.step)  # type: ignore[attr-defined]
-    t0 = time.perf_counter()
-    manifest = save(trainer, directory, run_id=args.run_id)
-    if manifest is not None:
-        removed = apply_retention(args.checkpoint_root, args.run_id, args.checkpoint_keep)
-        sink.event("checkpoint_committed", {"step": manifest.step, "path": str(directory),
-                                            "seconds": time.perf_counter() - t0, "removed": removed})
+    def due(self, step: int, last_step: int) -> bool:
+        return step == last_step or step % self.every == 0
+
+    def measured(self, blocked_s: float, step_time_s: float, sink: ReportSink) -> None:
+        if not self.auto or self.chosen:
+            return
+        self.every = interval_steps(blocked_s, self.mtbf_s, step_time_s)
+        self.chosen = True
+        sink.event("checkpoint_interval", {"steps": self.every, "save_cost_s": blocked_s,
+                                           "mtbf_s": self.mtbf_s, "step_time_s": step_time_s,
+                                           "rule": "young_daly"})
 
 
 def main(argv: list[str] | None = None) -> None:

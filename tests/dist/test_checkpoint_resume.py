@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from checkpointing.manifest import committed_steps, read_manifest, verify
+from checkpointing.store import LocalStore
 from tests.dist.harness import run_ranks
 from trainer.config import DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig, config_to_dict
 
@@ -40,19 +41,18 @@ def two_runs(*, rank: int, world_size: int, store_port: int, config: dict, root:
         return hook
 
     common = dict(rank=rank, world_size=world_size, store_host="127.0.0.1", store_port=store_port,
-                  config=cfg, checkpoint_every=2, checkpoint_keep=5)
+                  config=cfg, checkpoint_every=2, checkpoint_keep=5, checkpoint_uri=f"file://{root}",
+                  staging_dir=f"{root}/staging")
     # Uninterrupted: 4 steps, checkpoints at 2 and 4.
-    run_worker(WorkerArgs(store_prefix="a", run_id="straight", checkpoint_root=root, **common),  # type: ignore[arg-type]
+    run_worker(WorkerArgs(store_prefix="a", run_id="straight", **common),  # type: ignore[arg-type]
                ListSink(), grab("straight"))
     # Interrupted after step 2 (its own checkpoints), resumed from step 2 as a new attempt.
     short = TrainerConfig(model=cfg.model, data=cfg.data, mesh=cfg.mesh,
                           train=TrainConfig(**{**cfg.train.__dict__, "steps": 2}))
-    run_worker(WorkerArgs(**{**common, "config": short}, store_prefix="b", run_id="resumed",  # type: ignore[arg-type]
-                          checkpoint_root=root), ListSink())
+    run_worker(WorkerArgs(**{**common, "config": short}, store_prefix="b", run_id="resumed"),  # type: ignore[arg-type]
+               ListSink())
     sink = ListSink()
-    run_worker(WorkerArgs(**common, store_prefix="c", run_id="resumed", checkpoint_root=root, attempt=1,  # type: ignore[arg-type]
-                          start_step=2, cursor=2 * cfg.train.global_batch,
-                          resume_from=str(Path(root) / "resumed" / "step-00000002")),
+    run_worker(WorkerArgs(**common, store_prefix="c", run_id="resumed", attempt=1, resume_step=2),  # type: ignore[arg-type]
                sink, grab("resumed"))
     out["events"] = sink.events
     return out
@@ -70,10 +70,11 @@ def test_resume_same_mesh_is_bit_identical(tmp_path: Path) -> None:
         assert set(r["straight"]) == set(r["resumed"])
         for name, value in r["straight"].items():
             assert torch.equal(value, r["resumed"][name]), f"{name} differs after resume"
-        assert ("restored", {"step": 2, "path": str(tmp_path / "resumed" / "step-00000002")}) in r["events"]
-    assert [s for s, _ in committed_steps(tmp_path, "straight")] == [2, 4]
-    for step, directory in committed_steps(tmp_path, "straight"):
-        manifest = read_manifest(directory)
-        verify(directory, manifest)
+        assert ("restored", {"step": 2, "cursor": 16, "saved_on_mesh": {"dp": 2, "pp": 2, "tp": 1}}) in r["events"]
+    store = LocalStore(tmp_path)
+    assert committed_steps(store, "straight") == [2, 4]
+    for step in committed_steps(store, "straight"):
+        manifest = read_manifest(store, "straight", step)
+        verify(store, manifest)
         assert manifest.step == step and manifest.cursor == step * 8 and manifest.world_size == 4
-        assert any(name.endswith(".distcp") for name in manifest.files)
+        assert sorted(manifest.files) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]

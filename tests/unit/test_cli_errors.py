@@ -62,7 +62,7 @@ def test_checkpoint_uri_that_cannot_be_written(tmp_path: Path) -> None:
 def test_unsupported_checkpoint_scheme(tmp_path: Path) -> None:
     spec = copy.deepcopy(BASE)
     spec["checkpoint"]["uri"] = "gs://bucket/runs"
-    assert "only file://" in one_line(run_cli(tmp_path, "run", spec=spec))
+    assert "use file://PATH or s3://BUCKET/PREFIX" in one_line(run_cli(tmp_path, "run", spec=spec))
 
 
 def test_plan_json(tmp_path: Path) -> None:

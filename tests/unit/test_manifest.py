@@ -1,15 +1,18 @@
-"""The commit protocol: no manifest, no step; a corrupted file makes a step unusable and the previous
-one is used; retention never removes the newest commit."""
+"""The commit protocol over an object store: no manifest, no step; a corrupted or missing file makes
+a step unusable and the previous one is used; a step commits once; retention keeps the newest."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from checkpointing.manifest import (
-    Manifest, apply_retention, commit, committed_steps, latest_verified, step_dir,
+    CheckpointError, Manifest, apply_retention, commit, committed_steps, describe, latest_verified,
+    step_prefix, wait_for_ranks, write_rank_marker,
 )
+from checkpointing.store import LocalStore
 from controller.spec import parse_spec
 from controller.state import RunController, RunState
 from tests.unit.fakes import FakeWorkerGroup
@@ -17,62 +20,93 @@ from tests.unit.fakes import FakeWorkerGroup
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def write_step(root: Path, step: int, *, committed: bool = True) -> Path:
-    d = step_dir(root, "run", step)
-    d.mkdir(parents=True)
-    (d / "__0_0.distcp").write_bytes(bytes(range(256)) * (step + 1))
-    (d / ".metadata").write_bytes(b"meta")
+def write_step(store: LocalStore, step: int, *, committed: bool = True, ranks: int = 2) -> Path:
+    prefix = step_prefix("run", step)
+    directory = store.root / prefix
+    directory.mkdir(parents=True)
+    files = {}
+    for rank in range(ranks):
+        path = directory / f"__{rank}_0.distcp"
+        path.write_bytes(bytes(range(256)) * (step + rank + 1))
+        files[path.name] = path
+    (directory / ".metadata").write_bytes(b"meta")
+    files[".metadata"] = directory / ".metadata"
     if committed:
-        commit(d, Manifest(run_id="run", step=step, attempt=0, mesh={"dp": 1, "pp": 1, "tp": 1},
-                           world_size=1, cursor=step * 4, seeds={"data": 0, "init": 0}))
-    return d
+        commit(store, Manifest(run_id="run", step=step, attempt=0, mesh={"dp": ranks, "pp": 1, "tp": 1},
+                               world_size=ranks, cursor=step * 4, seeds={"data": 0, "init": 0},
+                               files=describe(files)))
+    return directory
 
 
 def test_uncommitted_step_is_invisible(tmp_path: Path) -> None:
-    write_step(tmp_path, 10)
-    write_step(tmp_path, 20, committed=False)
-    assert [s for s, _ in committed_steps(tmp_path, "run")] == [10]
-    found = latest_verified(tmp_path, "run")
+    store = LocalStore(tmp_path)
+    write_step(store, 10)
+    write_step(store, 20, committed=False)
+    assert committed_steps(store, "run") == [10]
+    found = latest_verified(store, "run")
     assert found is not None and found[0].step == 10
 
 
-def test_corrupted_shard_falls_back_to_previous(tmp_path: Path) -> None:
-    write_step(tmp_path, 10)
-    d = write_step(tmp_path, 20)
-    data = bytearray((d / "__0_0.distcp").read_bytes())
+def test_flipped_byte_falls_back_to_previous(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    write_step(store, 10)
+    d = write_step(store, 20)
+    data = bytearray((d / "__1_0.distcp").read_bytes())
     data[100] ^= 0x01
-    (d / "__0_0.distcp").write_bytes(bytes(data))
-    found = latest_verified(tmp_path, "run")
+    (d / "__1_0.distcp").write_bytes(bytes(data))
+    found = latest_verified(store, "run")
     assert found is not None
-    manifest, directory, skipped = found
-    assert manifest.step == 10 and directory.name == "step-00000010"
-    assert len(skipped) == 1 and "sha256" in skipped[0]
+    manifest, skipped = found
+    assert manifest.step == 10
+    assert len(skipped) == 1 and "__1_0.distcp fails its sha256 check" in skipped[0]
 
 
 def test_missing_file_falls_back(tmp_path: Path) -> None:
-    write_step(tmp_path, 10)
-    (write_step(tmp_path, 20) / ".metadata").unlink()
-    found = latest_verified(tmp_path, "run")
-    assert found is not None and found[0].step == 10 and "missing" in found[2][0]
+    store = LocalStore(tmp_path)
+    write_step(store, 10)
+    (write_step(store, 20) / ".metadata").unlink()
+    found = latest_verified(store, "run")
+    assert found is not None and found[0].step == 10 and ".metadata is missing" in found[1][0]
+
+
+def test_a_step_commits_once(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    write_step(store, 10)
+    with pytest.raises(CheckpointError, match="step 10 of run is already committed"):
+        commit(store, Manifest(run_id="run", step=10, attempt=1, mesh={}, world_size=1, cursor=0, seeds={}))
+
+
+def test_commit_waits_for_every_rank(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    prefix = step_prefix("run", 5)
+    write_rank_marker(store, prefix, 0, {"a": {"size": 1, "sha256": "x"}})
+    with pytest.raises(CheckpointError, match="only 1 of 2 ranks finished writing"):
+        wait_for_ranks(store, prefix, 2, timeout_s=0.3, poll_s=0.05)
+    write_rank_marker(store, prefix, 1, {"b": {"size": 2, "sha256": "y"}})
+    assert set(wait_for_ranks(store, prefix, 2, timeout_s=1)) == {"a", "b"}
 
 
 def test_retention_keeps_newest(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
     for step in (10, 20, 30, 40):
-        write_step(tmp_path, step)
-    write_step(tmp_path, 35, committed=False)
-    assert apply_retention(tmp_path, "run", keep=2) == [10, 20]
-    assert [s for s, _ in committed_steps(tmp_path, "run")] == [30, 40]
-    assert not step_dir(tmp_path, "run", 35).exists()
+        write_step(store, step)
+    write_step(store, 35, committed=False)
+    assert apply_retention(store, "run", keep=2) == [10, 20]
+    assert committed_steps(store, "run") == [30, 40]
+    assert not (tmp_path / step_prefix("run", 35)).exists()
 
 
 def test_controller_resumes_from_latest_verified(tmp_path: Path) -> None:
-    write_step(tmp_path, 10)
-    write_step(tmp_path, 20)
+    store = LocalStore(tmp_path)
+    write_step(store, 10)
+    d = write_step(store, 20)
+    (d / "__0_0.distcp").write_bytes(b"torn")
     spec = parse_spec({**yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()), "name": "run"})
     group = FakeWorkerGroup()
-    c = RunController(spec, spec.topology(), group, now=0.0, checkpoint_root=tmp_path)
+    c = RunController(spec, spec.topology(), group, now=0.0, checkpoint_store=store)
     while c.state is not RunState.RUNNING:
         c.step(1.0)
     attempt = group.started[0]
-    assert attempt.start_step == 20 and attempt.cursor == 80
-    assert attempt.resume_from == str(step_dir(tmp_path, "run", 20))
+    assert attempt.start_step == 10 and attempt.cursor == 40 and attempt.resume_step == 10
+    unusable = c.events.of_kind("checkpoint_unusable")
+    assert len(unusable) == 1 and "step-00000020" in unusable[0].detail["reason"]

@@ -29,7 +29,7 @@ def test_happy_path_state_by_state() -> None:
     assert c.step(102.0) is RunState.LAUNCHING
     assert c.plan is not None and c.plan.mesh.world_size == 8
     assert c.step(103.0) is RunState.RUNNING
-    assert len(g.started) == 1 and g.started[0].attempt == 0 and g.started[0].resume_from is None
+    assert len(g.started) == 1 and g.started[0].attempt == 0 and g.started[0].resume_step is None
     g.finish_steps(1, 5)
     assert c.step(104.0) is RunState.RUNNING
     assert c.to_dict(104.0)["step"] == 5
