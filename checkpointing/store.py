@@ -151,16 +151,20 @@ class S3Store:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
+        from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError
         from tenacity import (
             RetryError, Retrying, retry_if_exception, stop_after_delay, wait_exponential_jitter,
         )
 
-        def retryable(e: BaseException) -> bool:
+        def retryable(e: BaseException | None) -> bool:
             if isinstance(e, ClientError):
                 err = e.response.get("Error", {})
                 status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
                 return err.get("Code") in _RETRYABLE_CODES or status in _RETRYABLE_CODES
+            if isinstance(e, S3UploadFailedError):  # managed transfers wrap the ClientError
+                return retryable(e.__cause__ or e.__context__) or any(
+                    f"({code})" in str(e) for code in _RETRYABLE_CODES)
             return isinstance(e, BotoConnectionError)
 
         started = time.monotonic()
@@ -177,6 +181,8 @@ class S3Store:
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") == "PreconditionFailed":
                 raise AlreadyExists(f"{what}: {self.uri} already has it") from None
+            raise StoreError(f"{what} on {self.uri} failed: {e}") from None
+        except (S3UploadFailedError, BotoConnectionError) as e:
             raise StoreError(f"{what} on {self.uri} failed: {e}") from None
         raise AssertionError("unreachable")
 
@@ -227,11 +233,14 @@ class S3Store:
 
 
 def open_store(uri: str, **s3_options: Any) -> ObjectStore:
-    """`file://PATH`, a plain path, or `s3://bucket/prefix`."""
+    """`file://PATH`, a plain path, or `s3://bucket/prefix`. GOODPUT_S3_RETRY_BUDGET_S bounds how
+    long one S3 call keeps retrying (default 30 s)."""
     if uri.startswith("s3://"):
         bucket, _, prefix = uri[len("s3://"):].partition("/")
         if not bucket:
             raise StoreError(f"checkpoint.uri {uri!r} names no bucket; use s3://BUCKET/PREFIX")
+        if "GOODPUT_S3_RETRY_BUDGET_S" in os.environ:
+            s3_options.setdefault("retry_budget_s", float(os.environ["GOODPUT_S3_RETRY_BUDGET_S"]))
         return S3Store(bucket, prefix, **s3_options)
     if uri.startswith("file://"):
         return LocalStore(Path(uri[len("file://"):]).resolve())

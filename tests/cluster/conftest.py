@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import psutil
 import pytest
 
 from controller.ray_cluster import LocalRayCluster
 from controller.spec import LocalClusterSpec
+
+if TYPE_CHECKING:
+    from tests.support.s3 import S3Server
 
 
 def _ray_children() -> list[psutil.Process]:
@@ -33,3 +36,29 @@ def ray_cluster() -> Iterator[LocalRayCluster]:
             pass
     still = [p.pid for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not still, f"processes left behind by the cluster: {still}"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["S3Server"]:
+    """moto in server mode on 127.0.0.1 behind a fault-injecting proxy; AWS_* env points at it so
+    spawned rank processes see it too."""
+    from tests.support.s3 import S3Server, restore_env, set_env
+
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    saved = set_env(server.env())
+    try:
+        yield server
+    finally:
+        restore_env(saved)
+        server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server: "S3Server", request: pytest.FixtureRequest) -> Iterator[str]:
+    import re
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-")
+    s3_server.create_bucket(name)
+    s3_server.proxy.heal()
+    yield name
+    s3_server.proxy.heal()

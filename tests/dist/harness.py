@@ -23,8 +23,10 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: st
         pickle.dump(result, f)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
-    """Run fn(rank=, world_size=, store_port=, **kwargs) in world_size spawned processes."""
+def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 300.0,
+              may_die: frozenset[int] = frozenset(), **kwargs: Any) -> list[Any]:
+    """Run fn(rank=, world_size=, store_port=, **kwargs) in world_size spawned processes. Ranks in
+    `may_die` may exit without a result (fault-injection tests); their result is None."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
@@ -42,7 +44,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 300.0,
         for r in range(world_size):
             path = os.path.join(out_dir, f"{r}.pkl")
             if not os.path.exists(path):
-                errors.append(f"rank {r}: exited with code {procs[r].exitcode} and no result")
+                if r in may_die:
+                    results.append(None)
+                else:
+                    errors.append(f"rank {r}: exited with code {procs[r].exitcode} and no result")
                 continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)

@@ -1,0 +1,53 @@
+"""Rank-side helpers of the checkpoint fault tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+
+def train_through_outage(*, rank: int, world_size: int, store_port: int, config: dict, uri: str) -> list:
+    from trainer.config import config_from_dict
+    from trainer.report import ListSink
+    from trainer.worker import WorkerArgs, run_worker
+
+    sink = ListSink()
+    summary = run_worker(WorkerArgs(rank=rank, world_size=world_size, store_host="127.0.0.1",
+                                    store_port=store_port, store_prefix="outage", config=config_from_dict(config),
+                                    run_id="outage", checkpoint_uri=uri, checkpoint_every=2), sink)
+    return [summary.step, sink.events]
+
+
+def die_mid_save(*, rank: int, world_size: int, store_port: int, config: dict, root: str) -> dict:
+    """Commit step 2, then at step 4 rank 1 dies after writing its shard but before its marker."""
+    import trainer.checkpoint as ckpt
+    from checkpointing.store import LocalStore
+    from trainer.config import config_from_dict
+    from trainer.parallel import build_mesh, choose_device, init_process_group
+    from trainer.report import ListSink
+    from trainer.train import Trainer
+
+    cfg = config_from_dict(config)
+    store = dist.PrefixStore("crash", dist.TCPStore("127.0.0.1", store_port, is_master=False))
+    init_process_group(rank=rank, world_size=world_size, store=store, backend="gloo", timeout_s=60)
+    sink = ListSink()
+    trainer = Trainer(cfg, build_mesh(cfg.mesh, "cpu"), choose_device("float32"))
+    checkpointer = ckpt.Checkpointer(LocalStore(Path(root)), run_id="crash", attempt=0, keep=5, sink=sink,
+                                     staging_dir=Path(root) / "staging", commit_timeout_s=3.0)
+    for _ in range(2):
+        trainer.train_step()
+    checkpointer.save(trainer)
+    checkpointer.wait()
+    for _ in range(2):
+        trainer.train_step()
+    if rank == 1:
+        def killed(*args: Any, **kwargs: Any) -> None:
+            os._exit(1)  # SIGKILL-like: no cleanup, no marker
+
+        ckpt.write_rank_marker = killed  # type: ignore[assignment]
+    checkpointer.save(trainer)
+    checkpointer.wait()
+    return {"events": sink.events}

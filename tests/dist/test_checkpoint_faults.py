@@ -1,0 +1,39 @@
+"""A rank that dies mid-save leaves the step invisible; the previous step stays the latest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from checkpointing.manifest import committed_steps, latest_verified, step_prefix
+from checkpointing.store import LocalStore
+from tests.dist.ckpt_faults import die_mid_save
+from tests.dist.harness import run_ranks
+from trainer.config import DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig, config_to_dict
+
+pytestmark = pytest.mark.dist
+
+
+def small(dp: int = 2) -> TrainerConfig:
+    return TrainerConfig(
+        model=ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16),
+        data=DataConfig(seed=0),
+        train=TrainConfig(steps=6, global_batch=4, micro_batch=2, lr=1e-2, dtype="float32"),
+        mesh=MeshShape(dp=dp),
+    )
+
+
+def test_rank_killed_mid_save_leaves_no_manifest(tmp_path: Path) -> None:
+    results = run_ranks(die_mid_save, 2, may_die=frozenset({1}), config=config_to_dict(small()), root=str(tmp_path))
+    assert results[1] is None, "rank 1 was meant to die"
+    store = LocalStore(tmp_path)
+    assert committed_steps(store, "crash") == [2]
+    found = latest_verified(store, "crash")
+    assert found is not None and found[0].step == 2
+    step4 = tmp_path / step_prefix("crash", 4)
+    assert (step4 / "__1_0.distcp").exists(), "rank 1 did write its shard before dying"
+    assert not (step4 / "manifest.json").exists()
+    kinds = [k for k, _ in results[0]["events"]]
+    assert kinds == ["checkpoint_committed", "checkpoint_failed"]
+    assert "only 1 of 2 ranks finished writing" in results[0]["events"][1][1]["error"]
