@@ -133,6 +133,41 @@ def cmd_plan(opts: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoints(opts: argparse.Namespace) -> int:
+    import time
+
+    from checkpointing.manifest import CheckpointError, committed_steps, read_manifest, verify
+    from checkpointing.store import StoreError, open_store
+
+    try:
+        store = open_store(opts.uri)
+        rows = []
+        for step in committed_steps(store, opts.run):
+            row: dict[str, Any] = {"step": step}
+            try:
+                m = read_manifest(store, opts.run, step)
+                row.update(attempt=m.attempt, mesh=m.mesh, world_size=m.world_size, cursor=m.cursor,
+                           bytes=m.total_bytes(), files=len(m.files), age_s=round(time.time() - m.created_at, 1))
+                verify(store, m, checksums=not opts.quick)
+                row["verification"] = "sizes ok" if opts.quick else "verified"
+            except CheckpointError as e:
+                row["verification"] = f"unusable: {e}"
+            rows.append(row)
+    except StoreError as e:
+        raise CliError(str(e)) from None
+    if opts.json:
+        _emit_json(rows)
+        return 0
+    if not rows:
+        print(f"no committed checkpoints for run {opts.run!r} under {store.uri}")
+    for r in rows:
+        mesh = r.get("mesh") or {}
+        print(f"step {r['step']:>8}  {r.get('bytes', 0) / 2**20:>9.1f} MiB  age {r.get('age_s', 0):>9.0f} s  "
+              f"mesh dp{mesh.get('dp')} pp{mesh.get('pp')} tp{mesh.get('tp')}  attempt {r.get('attempt')}  "
+              f"{r['verification']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="goodput", description="Fault-tolerant LLM training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("spec")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=cmd_plan)
+    ckpts = sub.add_parser("checkpoints", help="committed checkpoints of a run: size, age, mesh, verification")
+    ckpts.add_argument("run")
+    ckpts.add_argument("--uri", default="file://./goodput-runs", help="the run spec's checkpoint.uri")
+    ckpts.add_argument("--quick", action="store_true", help="check sizes only, not sha256")
+    ckpts.add_argument("--json", action="store_true")
+    ckpts.set_defaults(func=cmd_checkpoints)
     return parser
 
 

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict,
@@ -42,6 +45,19 @@ def trainer_state(trainer: Any) -> dict:
         model.update(get_model_state_dict(part))
         optim.update(get_optimizer_state_dict(part, opt, options=_FLAT))
     return {"model": model, "optim": optim}
+
+
+class _ReusedBufferStager(BlockingAsyncStager):
+    """DCP's blocking stager with its buffer cache, pinned only where there is a GPU to pin for
+    (the stock one always pins, which a CPU-only machine cannot)."""
+
+    def __init__(self) -> None:
+        super().__init__(cache_staged_state_dict=True)
+
+    def stage(self, state_dict: dict) -> dict:
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache)
 
 
 @dataclass
@@ -69,6 +85,9 @@ class Checkpointer:
         self.world_size = dist.get_world_size()
         # A separate gloo group: the background save's collectives must not interleave with training's.
         self._pg = dist.new_group(backend="gloo") if use_async else None
+        # Staging buffers are allocated once and reused: the loop then only pays for the copy.
+        # Safe because a save waits for the previous one before staging again.
+        self._stager = _ReusedBufferStager() if use_async else None
         self._thread: threading.Thread | None = None
         self.failures: list[str] = []
 
@@ -87,7 +106,8 @@ class Checkpointer:
         state = trainer_state(trainer)
         future = None
         if self.use_async:
-            future = dcp.async_save(state, checkpoint_id=str(local), process_group=self._pg)
+            future = dcp.async_save(state, checkpoint_id=str(local), process_group=self._pg,
+                                    async_stager=self._stager)
         else:
             dcp.save(state, checkpoint_id=str(local))
         blocked = time.perf_counter() - t0

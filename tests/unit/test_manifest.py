@@ -110,3 +110,22 @@ def test_controller_resumes_from_latest_verified(tmp_path: Path) -> None:
     assert attempt.start_step == 10 and attempt.cursor == 40 and attempt.resume_step == 10
     unusable = c.events.of_kind("checkpoint_unusable")
     assert len(unusable) == 1 and "step-00000020" in unusable[0].detail["reason"]
+
+
+def test_checkpoints_command_lists_and_verifies(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    store = LocalStore(tmp_path)
+    write_step(store, 10)
+    d = write_step(store, 20)
+    (d / ".metadata").write_bytes(b"META")  # same size, other bytes
+    proc = subprocess.run([sys.executable, "-m", "controller", "checkpoints", "run", "--uri", f"file://{tmp_path}",
+                           "--json"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [r["step"] for r in rows] == [10, 20]
+    assert rows[0]["verification"] == "verified" and rows[0]["mesh"] == {"dp": 2, "pp": 1, "tp": 1}
+    assert rows[0]["bytes"] == sum(len(bytes(range(256))) * (10 + r + 1) for r in range(2)) + 4
+    assert rows[1]["verification"].startswith("unusable:") and "sha256" in rows[1]["verification"]
