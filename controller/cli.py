@@ -57,7 +57,7 @@ def _describe(event: dict) -> str:
         return f"planned mesh {d['mesh']}: {d['explanation']}"
     if kind == "attempt_started":
         nodes = sorted({r["node"] for r in d["placement"]})
-        src = f"from {d['resume_from']} (step {d['start_step']})" if d.get("resume_from") else "from scratch"
+        src = f"from checkpoint step {d['resume_step']}" if d.get("resume_step") is not None else "from scratch"
         return f"attempt {event['attempt']} started on {nodes} {src}"
     if kind == "checkpoint_committed":
         return f"checkpoint committed at step {d['step']} ({d['seconds']:.2f} s)"

@@ -1,0 +1,88 @@
+"""The failure policy, table-driven: replace with a spare, shrink dp, wait, fail, grow back."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.failure_policy import (
+    Action, ElasticLimits, FailureCause, FailureEvent, decide, grow_target,
+)
+from controller.topology import NodeState, Topology
+from trainer.config import MeshShape
+
+MESH = MeshShape(dp=2, pp=2, tp=2)
+LIMITS = ElasticLimits(min_dp=1, max_failures=3, wait_for_capacity_s=60)
+
+
+def topo(nodes: int, spares: int) -> Topology:
+    return Topology.from_local(nodes=nodes, gpus_per_node=2, racks=2, spares=spares)
+
+
+def lost(*nodes: str) -> FailureEvent:
+    return FailureEvent(time=0.0, cause=FailureCause.NODE_LOST, nodes=nodes)
+
+
+def run(event: FailureEvent, topology: Topology, *, failures: int = 0, limits: ElasticLimits = LIMITS,
+        mesh: MeshShape = MESH, global_batch: int = 16, micro_batch: int = 2, now: float = 0.0,
+        waiting_since: float | None = None):
+    return decide(now, event=event, failures_so_far=failures, mesh=mesh, spec_mesh=MESH, topology=topology,
+                  limits=limits, global_batch=global_batch, micro_batch=micro_batch, waiting_since=waiting_since)
+
+
+@pytest.mark.parametrize(
+    "nodes, spares, lost_nodes, action, dp",
+    [
+        (5, 1, ("node-1",), Action.REPLACE, 2),
+        (6, 2, ("node-0", "node-1"), Action.REPLACE, 2),
+        (4, 0, ("node-1",), Action.SHRINK, 1),
+        (5, 1, ("node-0", "node-1"), Action.SHRINK, 1),
+        (8, 0, ("node-3",), Action.SHRINK, 2),   # 7 healthy nodes still hold dp2
+    ],
+)
+def test_node_loss(nodes: int, spares: int, lost_nodes: tuple[str, ...], action: Action, dp: int) -> None:
+    d = run(lost(*lost_nodes), topo(nodes, spares))
+    assert d.action is action
+    assert d.mesh is not None and (d.mesh.dp, d.mesh.pp, d.mesh.tp) == (dp, 2, 2)
+    for n in lost_nodes:
+        assert d.topology.node(n).state is NodeState.LOST
+    if action is Action.REPLACE:
+        assert "spare" in d.reason and len(d.topology.spares()) == spares - len(lost_nodes)
+
+
+def test_shrink_keeps_global_batch_by_micro_batches() -> None:
+    d = run(lost("node-1"), topo(4, 0))
+    assert "8 micro-batches per step keep global batch 16" in d.reason
+
+
+def test_shrink_skips_dp_that_does_not_divide_the_batch() -> None:
+    mesh = MeshShape(dp=4, pp=1, tp=2)
+    # 4 nodes x 2 GPUs, one lost: 3 TP groups left, but 12 % (3 * 2) == 0 -> dp 3; with batch 16 -> dp 2.
+    assert run(lost("node-0"), topo(4, 0), mesh=mesh, global_batch=12).mesh == MeshShape(dp=3, pp=1, tp=2)
+    assert run(lost("node-0"), topo(4, 0), mesh=mesh, global_batch=16).mesh == MeshShape(dp=2, pp=1, tp=2)
+
+
+def test_below_min_dp_waits_then_fails() -> None:
+    limits = ElasticLimits(min_dp=2, max_failures=3, wait_for_capacity_s=60)
+    d = run(lost("node-1"), topo(4, 0), limits=limits, now=100.0)
+    assert d.action is Action.WAIT and "dp 1 < elastic.min_dp = 2" in d.reason
+    d = run(lost("node-1"), topo(4, 0), limits=limits, now=170.0, waiting_since=100.0)
+    assert d.action is Action.FAIL and "after waiting 70 s" in d.reason
+
+
+def test_failure_budget() -> None:
+    d = run(lost("node-1"), topo(5, 1), failures=3)
+    assert d.action is Action.FAIL and "4 failures exceed elastic.max_failures = 3" in d.reason
+
+
+def test_rank_death_on_a_healthy_node_restarts_same_mesh() -> None:
+    d = run(FailureEvent(time=0.0, cause=FailureCause.RANK_DIED, ranks=(3,)), topo(4, 0))
+    assert d.action is Action.RESTART and d.mesh == MESH
+
+
+def test_grow_back_when_capacity_returns() -> None:
+    shrunk = MeshShape(dp=1, pp=2, tp=2)
+    t = topo(4, 0).with_state("node-1", NodeState.LOST)
+    assert grow_target(shrunk, MESH, t, 16, 2) is None
+    t = t.with_state("node-1", NodeState.HEALTHY)
+    assert grow_target(shrunk, MESH, t, 16, 2) == MESH
+    assert grow_target(MESH, MESH, t, 16, 2) is None
