@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.config import (
     DataConfig, MeshShape, ModelConfig, Schedule, TrainConfig, TrainerConfig,
@@ -93,11 +93,22 @@ class HealthSpec(_Strict):
     straggler_ratio: float = Field(default=1.5, gt=1)
     sdc_every_steps: int = Field(default=10, ge=0)
     hang_factor: float = Field(default=3.0, gt=1)
+    # The timeout hierarchy: collective timeout < hang verdict floor < give-up (elastic.wait_for_capacity_s).
+    collective_timeout_s: float = Field(default=30.0, gt=0)
+    hang_floor_s: float = Field(default=45.0, gt=0)
+
+    @model_validator(mode="after")
+    def _hierarchy(self) -> "HealthSpec":
+        if self.hang_floor_s <= self.collective_timeout_s:
+            raise ValueError(f"health.hang_floor_s = {self.hang_floor_s} must exceed "
+                             f"health.collective_timeout_s = {self.collective_timeout_s}")
+        return self
 
 
 class ElasticSpec(_Strict):
     min_dp: int = Field(default=1, gt=0)
     max_failures: int = Field(default=10, ge=0)
+    wait_for_capacity_s: float = Field(default=300.0, gt=0)
 
 
 class DrillSpec(_Strict):

@@ -21,8 +21,14 @@ from controller.placement import Placement, PlacementError, place
 from controller.planner import MeshPlan, PlanError, plan_mesh
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
-from controller.topology import Topology
-from trainer.config import TrainerConfig
+from controller.attribution import ATTRIBUTION_GRACE_S, attribute
+from controller.drills import DrillInjector, drill_reports
+from controller.failure_policy import (
+    Action, Decision, ElasticLimits, FailureCause, FailureEvent, decide, grow_target,
+)
+from controller.topology import NodeState, Topology
+from health.hang import hang_verdict
+from trainer.config import MeshShape, TrainerConfig
 from trainer.report import StepReport
 
 
@@ -87,6 +93,12 @@ class PollResult:
     """(rank, kind, detail) since the last poll."""
     errors: dict[int, str] = field(default_factory=dict)
     """rank -> error, when status is FAILED."""
+    dead_nodes: set[str] = field(default_factory=set)
+    """Nodes of this attempt that Ray reports dead."""
+    dead_ranks: set[int] = field(default_factory=set)
+    """Ranks whose actor died (process gone), as opposed to raising."""
+    unresponsive: set[int] = field(default_factory=set)
+    """Ranks that did not answer a status call in time (stopped or wedged)."""
 
 
 class WorkerGroup(Protocol):
@@ -111,7 +123,9 @@ def group_errors(errors: dict[int, str]) -> str:
 
 class RunController:
     def __init__(self, spec: RunSpec, topology: Topology, worker_group: WorkerGroup, *, now: float,
-                 checkpoint_store: ObjectStore | None = None, run_id: str | None = None) -> None:
+                 checkpoint_store: ObjectStore | None = None, run_id: str | None = None,
+                 injector: DrillInjector | None = None,
+                 topology_source: Callable[[], Topology] | None = None) -> None:
         self.spec = spec
         self.run_id = run_id or spec.name
         self.topology = topology
@@ -130,12 +144,19 @@ class RunController:
         self.badput: dict[str, float] = {"startup": 0.0, "checkpoint": 0.0}
         self._attempt_started_at = now
         self._cancel_requested = False
+        self.injector = injector
+        self.topology_source = topology_source
+        self.pending_drills = sorted(spec.drills, key=lambda d: d.at_step)
+        self.failures: list[FailureEvent] = []
+        self._waiting_since: float | None = None
+        self._reset_attempt_tracking()
         self.events.add(now, 0, "submitted", name=spec.name)
         self._handlers: dict[RunState, Callable[[float], None]] = {
             RunState.PENDING: self._on_pending,
             RunState.PLANNING: self._on_planning,
             RunState.LAUNCHING: self._on_launching,
             RunState.RUNNING: self._on_running,
+            RunState.RECOVERING: self._on_recovering,
         }
 
     # -- the machine -----------------------------------------------------------------------------
@@ -194,6 +215,7 @@ class RunController:
             checkpoint_keep=self.spec.checkpoint.keep, mtbf_s=mtbf_h * 3600 if mtbf_h else None,
         )
         self._attempt_started_at = now
+        self._reset_attempt_tracking()
         try:
             self.worker_group.start(attempt)
         except Exception as e:  # noqa: BLE001 - any launch failure ends the attempt with its reason
@@ -211,22 +233,166 @@ class RunController:
             return
         self.state = RunState.RUNNING
 
+    def _reset_attempt_tracking(self) -> None:
+        self._errors: dict[int, str] = {}
+        self._dead_ranks: set[int] = set()
+        self._signal_since: float | None = None
+        self._last_step: dict[int, int] = {}
+        self._last_report_at: dict[int, float] = {}
+        self._attempt_step_times: list[float] = []
+
     def _on_running(self, now: float) -> None:
         result = self.worker_group.poll()
         for report in result.reports:
             first = not self.progress.history or self.progress.history[-1]["attempt"] != self.attempt
-            if self.progress.add(report) and first:
-                self.badput["startup"] += max(0.0, now - self._attempt_started_at - report.step_time_s)
+            self._last_step[report.rank] = report.step
+            self._last_report_at[report.rank] = now
+            if self.progress.add(report):
+                self._attempt_step_times.append(report.step_time_s)
+                if first:
+                    self.badput["startup"] += max(0.0, now - self._attempt_started_at - report.step_time_s)
+                    if self.attempt > 0:
+                        self.events.add(now, self.attempt, "first_step_after_recovery", step=report.step)
         for rank, kind, detail in result.events:
             if kind == "checkpoint_committed":
                 self.badput["checkpoint"] += float(detail.get("seconds", 0.0))
             self.events.add(now, self.attempt, kind, rank=rank, **detail)
-        if result.status is GroupStatus.FINISHED:
+            if kind == "checkpoint_committed" and self._maybe_grow(now):
+                return
+        failure = self._detect(now, result)
+        if failure is not None:
+            self._recover(now, failure)
+        elif result.status is GroupStatus.FINISHED:
             self.worker_group.shutdown()
             self._finish(now, RunState.SUCCEEDED, "succeeded", step=self.progress.step)
-        elif result.status is GroupStatus.FAILED:
-            self.worker_group.shutdown()
-            self._fail(now, "worker_failed", group_errors(result.errors))
+        else:
+            self._run_due_drills(now)
+
+    def _detect(self, now: float, result: PollResult) -> FailureEvent | None:
+        assert self.placement is not None
+        self._errors.update(result.errors)
+        self._dead_ranks |= result.dead_ranks
+        if (self._errors or self._dead_ranks or result.dead_nodes) and self._signal_since is None:
+            self._signal_since = now
+        grace_over = self._signal_since is not None and now - self._signal_since >= ATTRIBUTION_GRACE_S
+        failure = attribute(now, errors=self._errors, dead_nodes=result.dead_nodes, dead_ranks=self._dead_ranks,
+                            unresponsive=result.unresponsive, node_of_rank=self.placement.node_of_rank,
+                            grace_over=grace_over)
+        if failure is not None or self._signal_since is not None or not self._attempt_step_times:
+            return failure
+        verdict = hang_verdict(now, last_step=self._last_step, last_report_at=self._last_report_at,
+                               recent_step_times=self._attempt_step_times, factor=self.spec.health.hang_factor,
+                               floor_s=self.spec.health.hang_floor_s)
+        if verdict is None:
+            return None
+        ranks = tuple(sorted(result.unresponsive)) or verdict.ranks
+        return FailureEvent(time=now, cause=FailureCause.HANG, ranks=ranks,
+                            message=f"no progress for {verdict.silent_s:.1f} s (limit {verdict.threshold_s:.1f} s)")
+
+    def _recover(self, now: float, failure: FailureEvent) -> None:
+        assert self.config is not None
+        self.events.add(now, self.attempt, "failure_detected", cause=failure.cause.value, nodes=list(failure.nodes),
+                        ranks=list(failure.ranks), message=failure.message)
+        self.worker_group.shutdown()
+        decision = decide(
+            now, event=failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
+            spec_mesh=self.spec.fixed_mesh() or self.config.mesh, topology=self.topology, limits=self._limits(),
+            global_batch=self.spec.train.global_batch, micro_batch=self.spec.train.micro_batch,
+            waiting_since=self._waiting_since)
+        self.failures.append(failure)
+        self._apply(now, decision)
+
+    def _apply(self, now: float, decision: Decision) -> None:
+        mesh = decision.mesh
+        self.events.add(now, self.attempt, "decision", action=decision.action.value, reason=decision.reason,
+                        mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp} if mesh else None)
+        for node in self.topology.nodes:
+            new_state = decision.topology.node(node.name).state
+            if new_state is NodeState.LOST and node.state is not NodeState.LOST:
+                self.events.add(now, self.attempt, "quarantined", node=node.name, reason="lost")
+        self.topology = decision.topology
+        if decision.action is Action.FAIL:
+            self._fail(now, "failure_budget" if "max_failures" in decision.reason else "no_capacity",
+                       decision.reason)
+            return
+        if decision.action is Action.WAIT:
+            self._waiting_since = self._waiting_since or now
+            self.state = RunState.RECOVERING
+            return
+        assert mesh is not None
+        self._waiting_since = None
+        self.config = self.spec.trainer_config(mesh)
+        self.placement = place(mesh, self.topology)
+        self.state = RunState.LAUNCHING
+
+    def _on_recovering(self, now: float) -> None:
+        """Waiting below min_dp: look for capacity again; fail once the wait is over."""
+        if self.topology_source is not None:
+            self.topology = _merge_returned(self.topology, self.topology_source())
+        assert self.config is not None and self.failures
+        last = self.failures[-1]
+        decision = decide(
+            now, event=FailureEvent(time=now, cause=last.cause), failures_so_far=len(self.failures) - 1,
+            mesh=self.config.mesh, spec_mesh=self.spec.fixed_mesh() or self.config.mesh, topology=self.topology,
+            limits=self._limits(), global_batch=self.spec.train.global_batch,
+            micro_batch=self.spec.train.micro_batch, waiting_since=self._waiting_since)
+        if decision.action is Action.RESTART:  # no node lost this time: capacity is what the topology says
+            target = grow_target(MeshShape(dp=0, pp=self.config.mesh.pp, tp=self.config.mesh.tp),
+                                 self.spec.fixed_mesh() or self.config.mesh, self.topology,
+                                 self.spec.train.global_batch, self.spec.train.micro_batch)
+            if target is None or target.dp < self.spec.elastic.min_dp:
+                if now - (self._waiting_since or now) >= self.spec.elastic.wait_for_capacity_s:
+                    self._fail(now, "no_capacity", f"no capacity for dp >= {self.spec.elastic.min_dp} after "
+                                                   f"{self.spec.elastic.wait_for_capacity_s:.0f} s")
+                return
+            decision = Decision(action=Action.SHRINK if target.dp < self.config.mesh.dp else Action.GROW,
+                                mesh=target, topology=self.topology, reason=f"capacity for dp {target.dp}")
+        if decision.action is not Action.WAIT:
+            self._apply(now, decision)
+
+    def _maybe_grow(self, now: float) -> bool:
+        """At a checkpoint boundary, grow back towards the spec's mesh if lost nodes returned."""
+        if self.topology_source is None or self.config is None:
+            return False
+        spec_mesh = self.spec.fixed_mesh() or self.config.mesh
+        if self.config.mesh.dp >= spec_mesh.dp:
+            return False
+        merged = _merge_returned(self.topology, self.topology_source())
+        target = grow_target(self.config.mesh, spec_mesh, merged, self.spec.train.global_batch,
+                             self.spec.train.micro_batch)
+        if target is None:
+            return False
+        self.worker_group.shutdown()
+        self._apply(now, Decision(action=Action.GROW, mesh=target, topology=merged,
+                                  reason=f"capacity returned: dp {self.config.mesh.dp} -> {target.dp} at the "
+                                         f"step-{self.progress.step} checkpoint"))
+        return True
+
+    def _run_due_drills(self, now: float) -> None:
+        if self.injector is None or not self.pending_drills or self.attempt_steps() == 0:
+            return
+        drill = self.pending_drills[0]
+        if self.progress.step < drill.at_step:
+            return
+        self.pending_drills.pop(0)
+        assert self.placement is not None
+        last_rank = self.placement.mesh.world_size - 1
+        target = drill.target or (self.placement.node_of_rank[last_rank] if drill.kind == "kill-node"
+                                  else str(last_rank))
+        try:
+            detail = self.injector.inject(drill.kind, target)
+        except Exception as e:  # noqa: BLE001 - a drill that cannot be injected is reported, not fatal
+            self.events.add(now, self.attempt, "drill_failed", drill=drill.kind, target=target, error=str(e))
+            return
+        self.events.add(now, self.attempt, "drill_injected", drill=drill.kind, target=target,
+                        step=self.progress.step, **detail)
+
+    def attempt_steps(self) -> int:
+        return len(self._attempt_step_times)
+
+    def _limits(self) -> ElasticLimits:
+        e = self.spec.elastic
+        return ElasticLimits(min_dp=e.min_dp, max_failures=e.max_failures, wait_for_capacity_s=e.wait_for_capacity_s)
 
     def _fail(self, now: float, code: str, message: str) -> None:
         self.error = RunError(code, message)
@@ -257,7 +423,19 @@ class RunController:
             "goodput": self.goodput(now),
             "error": {"code": self.error.code, "message": self.error.message} if self.error else None,
         }
+        out["drills"] = drill_reports(list(self.events))
         if full:
             out["history"] = self.progress.history
             out["events"] = [e.to_dict() for e in self.events]
         return out
+
+
+def _merge_returned(ours: Topology, live: Topology) -> Topology:
+    """Nodes we marked lost that the cluster shows alive again become healthy; nodes unknown to us
+    are ignored (a later issue may adopt them)."""
+    alive = {n.name for n in live.nodes}
+    merged = ours
+    for node in ours.nodes:
+        if node.state is NodeState.LOST and node.name in alive:
+            merged = merged.with_state(node.name, NodeState.HEALTHY)
+    return merged

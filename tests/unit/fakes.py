@@ -43,3 +43,25 @@ class FakeWorkerGroup:
 
     def complete(self) -> None:
         self._pending.status = GroupStatus.FINISHED
+
+    def lose_node(self, node: str) -> None:
+        self._pending.status = GroupStatus.FAILED
+        self._pending.dead_nodes.add(node)
+
+    def kill_rank(self, rank: int) -> None:
+        self._pending.status = GroupStatus.FAILED
+        self._pending.dead_ranks.add(rank)
+
+
+class FakeInjector:
+    def __init__(self, group: FakeWorkerGroup) -> None:
+        self.group = group
+        self.injected: list[tuple[str, str]] = []
+
+    def inject(self, kind: str, target: str) -> dict:
+        self.injected.append((kind, target))
+        if kind == "kill-node":
+            self.group.lose_node(target)
+        elif kind == "kill-rank":
+            self.group.kill_rank(int(target))
+        return {"pid": 1234}

@@ -10,7 +10,8 @@ import yaml
 
 from controller.spec import parse_spec
 from controller.state import RunController, RunState, group_errors
-from tests.unit.fakes import FakeWorkerGroup
+from controller.attribution import ATTRIBUTION_GRACE_S
+from tests.unit.fakes import FakeInjector, FakeWorkerGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
@@ -48,20 +49,99 @@ def test_happy_path_state_by_state() -> None:
     assert c.step(130.0) is RunState.SUCCEEDED, "terminal states do not move"
 
 
-def test_worker_error_fails_the_run_with_grouped_reason() -> None:
+def start_running(c: RunController) -> None:
+    t = 101.0
+    while c.state is not RunState.RUNNING:
+        c.step(t)
+        t += 1
+
+
+def test_worker_error_restarts_after_attribution_grace() -> None:
     c, g = controller()
-    for t in (1, 2, 3):
-        c.step(100.0 + t)
+    start_running(c)
     g.finish_steps(1, 2)
-    g.error_worker(3, "Traceback...\nRuntimeError: CUDA error: an illegal memory access")
-    g.error_worker(5, "Traceback...\nRuntimeError: CUDA error: an illegal memory access")
-    g.error_worker(6, "ActorDiedError: the actor died unexpectedly")
-    assert c.step(110.0) is RunState.FAILED
-    assert c.error is not None and c.error.code == "worker_failed"
-    assert c.error.message == ("ranks [3, 5]: RuntimeError: CUDA error: an illegal memory access; "
-                               "ranks [6]: ActorDiedError: the actor died unexpectedly")
-    assert g.shutdowns == 1
-    assert c.events.kinds()[-1] == "failed"
+    g.error_worker(3, "Traceback...\nValueError: bad token id 999")
+    g.error_worker(5, "Traceback...\nRuntimeError: [gloo] Connection closed by peer")
+    assert c.step(110.0) is RunState.RUNNING, "held for the grace period: a node death may explain it"
+    assert c.step(110.0 + ATTRIBUTION_GRACE_S) is RunState.LAUNCHING
+    detected = c.events.of_kind("failure_detected")[0].detail
+    assert detected["cause"] == "worker_error" and detected["ranks"] == [3]
+    assert "ValueError: bad token id 999" in detected["message"]
+    assert c.events.of_kind("decision")[0].detail["action"] == "restart"
+    assert c.step(120.0) is RunState.RUNNING and g.started[-1].attempt == 1
+
+
+def test_failure_budget_ends_the_run() -> None:
+    raw = copy.deepcopy(BASE)
+    raw["elastic"]["max_failures"] = 1
+    c, g = controller(raw)
+    t = 100.0
+    for _ in range(2):
+        start_running(c)
+        g.finish_steps(1, 2)
+        g.kill_rank(1)
+        while c.state is RunState.RUNNING:
+            t += 1.0
+            c.step(t)
+    assert c.state is RunState.FAILED
+    assert c.error is not None and c.error.code == "failure_budget"
+    assert "2 failures exceed elastic.max_failures = 1" in c.error.message
+
+
+def test_node_loss_with_spare_replaces_same_mesh() -> None:
+    raw = copy.deepcopy(BASE)
+    raw["cluster"]["local"].update(nodes=5, spares=1)
+    c, g = controller(raw)
+    start_running(c)
+    g.finish_steps(1, 25)
+    g.lose_node("node-1")
+    assert c.step(130.0) is RunState.LAUNCHING, "a dead node needs no grace period"
+    assert c.events.of_kind("decision")[0].detail["action"] == "replace"
+    c.step(131.0)
+    attempt = g.started[-1]
+    assert attempt.attempt == 1 and attempt.config.mesh == g.started[0].config.mesh
+    assert "node-1" not in attempt.placement.node_of_rank and "node-4" in attempt.placement.node_of_rank
+    g.finish_steps(21, 22)
+    c.step(140.0)
+    assert c.events.of_kind("first_step_after_recovery")[0].detail["step"] == 21
+    assert [h["step"] for h in c.progress.history][-3:] == [20, 21, 22], "steps redone after the commit"
+
+
+def test_node_loss_without_spare_shrinks_dp_and_keeps_batch() -> None:
+    c, g = controller()
+    start_running(c)
+    g.lose_node("node-2")
+    c.step(130.0)
+    c.step(131.0)
+    attempt = g.started[-1]
+    assert (attempt.config.mesh.dp, attempt.config.mesh.pp, attempt.config.mesh.tp) == (1, 2, 2)
+    assert attempt.config.train.global_batch == 16 and attempt.config.num_microbatches() == 8
+    assert "node-2" not in attempt.placement.node_of_rank
+    assert c.events.of_kind("quarantined")[0].detail["node"] == "node-2"
+
+
+def test_drill_from_the_spec_is_injected_and_reported() -> None:
+    raw = copy.deepcopy(BASE)
+    raw["cluster"]["local"].update(nodes=5, spares=1)
+    raw["drills"] = [{"kind": "kill-node", "at_step": 5}]
+    spec = parse_spec(raw)
+    g = FakeWorkerGroup()
+    injector = FakeInjector(g)
+    c = RunController(spec, spec.topology(), g, now=100.0, injector=injector)
+    start_running(c)
+    g.finish_steps(1, 4)
+    c.step(110.0)
+    assert injector.injected == []
+    g.finish_steps(5, 6)
+    c.step(111.0)
+    assert injector.injected == [("kill-node", g.started[0].placement.node_of_rank[-1])]
+    c.step(112.5)  # the fake loses the node at once
+    c.step(113.0)
+    g.finish_steps(1, 1)
+    c.step(120.0)
+    (report,) = c.to_dict(120.0)["drills"]
+    assert report["kind"] == "kill-node" and report["decision"] == "replace" and report["outcome"] == "recovered"
+    assert report["detection_s"] == 1.5 and report["recovery_s"] == 9.0 and report["steps_lost"] == 6
 
 
 @pytest.mark.parametrize("at_state", [RunState.PLANNING, RunState.LAUNCHING, RunState.RUNNING])

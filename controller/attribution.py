@@ -1,0 +1,49 @@
+"""Who caused a failure. Pure.
+
+When one rank dies its ring neighbours fail within milliseconds with collective errors; those are
+symptoms. The cause is, in order: a dead node (Ray marked it dead), a dead rank (its actor died), a
+rank that stopped answering (hung), a rank whose own code raised, and only then the collectives.
+Actor deaths are held for a short grace period because a node's death is noticed a moment after
+its actors' deaths, and replacing a node is a different decision from restarting a rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+from controller.failure_policy import FailureCause, FailureEvent
+
+ATTRIBUTION_GRACE_S = 3.0
+_SYMPTOM = re.compile(
+    r"gloo|nccl|DistBackendError|Connection closed|Connection reset|connection reset|Broken pipe|"
+    r"timed out|Timed out|timeout|ECONNRESET|peer|Socket", re.IGNORECASE)
+
+
+def is_collective_symptom(message: str) -> bool:
+    return bool(_SYMPTOM.search(message))
+
+
+def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_ranks: set[int],
+              unresponsive: set[int], node_of_rank: tuple[str, ...], grace_over: bool) -> FailureEvent | None:
+    """The failure's cause, or None while it is too early to tell (or nothing failed)."""
+    if dead_nodes:
+        ranks = tuple(r for r, n in enumerate(node_of_rank) if n in dead_nodes)
+        return FailureEvent(time=now, cause=FailureCause.NODE_LOST, nodes=tuple(sorted(dead_nodes)), ranks=ranks,
+                            message=f"node(s) {sorted(dead_nodes)} lost with ranks {list(ranks)}")
+    if not (errors or dead_ranks) or not grace_over:
+        return None
+    if dead_ranks:
+        ranks = tuple(sorted(dead_ranks))
+        nodes = sorted({node_of_rank[r] for r in ranks})
+        return FailureEvent(time=now, cause=FailureCause.RANK_DIED, ranks=ranks,
+                            message=f"rank(s) {list(ranks)} died on {nodes}; their nodes are alive")
+    if unresponsive:
+        ranks = tuple(sorted(unresponsive))
+        return FailureEvent(time=now, cause=FailureCause.HANG, ranks=ranks,
+                            message=f"rank(s) {list(ranks)} stopped answering; the others' collectives timed out")
+    own = {r: m for r, m in errors.items() if not is_collective_symptom(m)}
+    if own:
+        return FailureEvent(time=now, cause=FailureCause.WORKER_ERROR, ranks=tuple(sorted(own)),
+                            message="; ".join(f"rank {r}: {m.strip().splitlines()[-1]}" for r, m in sorted(own.items())))
+    return FailureEvent(time=now, cause=FailureCause.COLLECTIVE_ERROR, ranks=tuple(sorted(errors)),
+                        message=f"collective errors on ranks {sorted(errors)} with no other cause found")

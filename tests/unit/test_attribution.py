@@ -1,0 +1,45 @@
+"""Failures are attributed to their cause, not to the survivors that noticed."""
+
+from __future__ import annotations
+
+from controller.attribution import attribute
+from controller.failure_policy import FailureCause
+
+NODES = ("n0", "n0", "n1", "n1")
+GLOO = "RayTaskError: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+
+
+def run(**kw):  # type: ignore[no-untyped-def]
+    base = dict(errors={}, dead_nodes=set(), dead_ranks=set(), unresponsive=set(), node_of_rank=NODES,
+                grace_over=True)
+    return attribute(1.0, **{**base, **kw})
+
+
+def test_dead_node_wins_at_once() -> None:
+    f = run(errors={0: GLOO}, dead_ranks={2, 3}, dead_nodes={"n1"}, grace_over=False)
+    assert f is not None and f.cause is FailureCause.NODE_LOST and f.nodes == ("n1",) and f.ranks == (2, 3)
+
+
+def test_dead_rank_waits_for_grace_then_names_the_rank() -> None:
+    assert run(errors={1: GLOO}, dead_ranks={2}, grace_over=False) is None
+    f = run(errors={1: GLOO, 3: GLOO}, dead_ranks={2})
+    assert f is not None and f.cause is FailureCause.RANK_DIED and f.ranks == (2,) and f.nodes == ()
+
+
+def test_hung_rank_is_the_one_that_stopped_answering() -> None:
+    f = run(errors={0: "DistBackendError: Timed out", 1: GLOO, 3: GLOO}, unresponsive={2})
+    assert f is not None and f.cause is FailureCause.HANG and f.ranks == (2,)
+
+
+def test_own_exception_beats_collective_symptoms() -> None:
+    f = run(errors={0: GLOO, 1: "Traceback\nValueError: boom"})
+    assert f is not None and f.cause is FailureCause.WORKER_ERROR and f.ranks == (1,)
+
+
+def test_only_symptoms() -> None:
+    f = run(errors={0: GLOO, 1: GLOO})
+    assert f is not None and f.cause is FailureCause.COLLECTIVE_ERROR
+
+
+def test_nothing_failed() -> None:
+    assert run() is None
