@@ -4,6 +4,7 @@ so `goodput --help` is instant; every command takes --json and fails with one cl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any, Callable
@@ -39,7 +40,10 @@ def cmd_run(opts: argparse.Namespace) -> int:
             if c.progress.history:
                 view.update(c.progress, attempt=max(c.attempt, 0))
 
-        run = run_foreground(spec, on_tick=on_tick)
+        # Ray's own messages (a raylet's death notice, for one) print to sys.stdout from its threads;
+        # stdout is kept for the final result alone, so while the run lasts they go to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            run = run_foreground(spec, on_tick=on_tick)
     if opts.json:
         _emit_json(run)
     else:

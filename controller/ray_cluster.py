@@ -9,11 +9,13 @@ SIGKILL of its raylet, the same thing a real node loss does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import sys
 import socket
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 from controller.spec import LocalClusterSpec
 from controller.topology import Node, NodeState, Topology
@@ -60,10 +62,11 @@ class LocalRayCluster:
 
         system_config = FAST_HEALTH_CHECK if self.fast_failure_detection else {}
         try:
-            self._cluster = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": 1, "num_gpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False,
-                "_system_config": system_config,
-            })
+            with self._children_log():
+                self._cluster = Cluster(initialize_head=True, head_node_args={
+                    "num_cpus": 1, "num_gpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+                    "_system_config": system_config,
+                })
             for i in range(self.local.nodes):
                 self.add_node(i)
             _ray().init(address=self._cluster.address, log_to_driver=False, logging_level="WARNING",
@@ -80,11 +83,33 @@ class LocalRayCluster:
                   "gpu_memory_gb": str(self.local.gpu_memory_gb)}
         if spare:
             labels["spare"] = "true"
-        self._nodes[name] = self._cluster.add_node(
-            num_cpus=self.local.gpus_per_node, num_gpus=self.local.gpus_per_node,
-            node_ip_address="127.0.0.1", labels=labels,
-        )
+        with self._children_log():
+            self._nodes[name] = self._cluster.add_node(
+                num_cpus=self.local.gpus_per_node, num_gpus=self.local.gpus_per_node,
+                node_ip_address="127.0.0.1", labels=labels,
+            )
         return name
+
+    @contextlib.contextmanager
+    def _children_log(self) -> Iterator[None]:
+        """Processes started in here (raylets, GCS) inherit a log file as stdout/stderr instead of
+        ours: a dying raylet dumps its state there, not into `goodput run --json`."""
+        assert self._tmp is not None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        with open(os.path.join(self._tmp, "raylets.log"), "ab") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
 
     def kill_node(self, name: str) -> None:
         """SIGKILL the node's raylet (and with it its workers)."""

@@ -4,12 +4,19 @@ die; a fresh key prefix per attempt)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from typing import Any
 
 from controller.state import AttemptSpec, GroupStatus, PollResult
 from trainer.report import StepReport
 from trainer.worker import WorkerArgs, WorkerSummary
+
+
+UNRESPONSIVE_S = 3.0
+"""A rank that has not answered a drain call for this long counts as unresponsive."""
 
 
 class RankActor:
@@ -64,6 +71,9 @@ class RayWorkerGroup:
         self.actors: list[Any] = []
         self._runs: list[Any] = []
         self._finished: set[int] = set()
+        self._drains: dict[int, tuple[Any, float]] = {}
+        self._nodes: set[str] = set()
+        self._stopped_pids: list[int] = []
 
     def start(self, attempt: AttemptSpec) -> None:
         import ray
@@ -95,6 +105,8 @@ class RayWorkerGroup:
             for rank in range(world)
         ]
         self._finished = set()
+        self._drains = {}
+        self._nodes = set(placement.node_of_rank)
         self._runs = [
             actor.run.remote(WorkerArgs(
                 rank=rank, world_size=world, store_host=self.store_host, store_port=self._store.port,
@@ -110,26 +122,47 @@ class RayWorkerGroup:
 
     def poll(self) -> PollResult:
         import ray
+        from ray.exceptions import ActorDiedError, RayActorError
 
-        errors: dict[int, str] = {}
+        result = PollResult(GroupStatus.RUNNING)
         ready, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
         ready_ids = {r.hex() for r in ready}
         for rank, ref in enumerate(self._runs):
             if rank in self._finished or ref.hex() not in ready_ids:
                 continue
+            self._finished.add(rank)
             try:
                 ray.get(ref)
-                self._finished.add(rank)
-            except Exception as e:  # noqa: BLE001 - the error is the rank's, reported as is
-                errors[rank] = f"{type(e).__name__}: {e}"
-                self._finished.add(rank)
-        result = PollResult(GroupStatus.RUNNING, errors=errors)
-        drains = {rank: actor.drain.remote() for rank, actor in enumerate(self.actors)}
-        done, _ = ray.wait(list(drains.values()), num_returns=len(drains), timeout=5.0)
+            except (ActorDiedError, RayActorError):
+                result.dead_ranks.add(rank)  # the process is gone: a cause, not a symptom
+            except Exception as e:  # noqa: BLE001 - the rank's own error, reported as is
+                result.errors[rank] = f"{type(e).__name__}: {e}"
+        self._collect(result)
+        result.dead_nodes = self._dead_nodes()
+        if result.errors or result.dead_ranks or result.dead_nodes:
+            result.status = GroupStatus.FAILED
+        elif len(self._finished) == len(self._runs):
+            result.status = GroupStatus.FINISHED
+        return result
+
+    def _collect(self, result: PollResult) -> None:
+        """Drain every live rank's reports; a drain still unanswered after UNRESPONSIVE_S marks the
+        rank unresponsive (a stopped process cannot answer). One drain in flight per rank."""
+        import ray
+
+        now = time.monotonic()
+        for rank, actor in enumerate(self.actors):
+            if rank not in self._drains and rank not in result.dead_ranks:
+                self._drains[rank] = (actor.drain.remote(), now)
+        refs = [ref for ref, _ in self._drains.values()]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
         done_ids = {r.hex() for r in done}
-        for rank, ref in drains.items():
+        for rank, (ref, issued) in list(self._drains.items()):
             if ref.hex() not in done_ids:
+                if now - issued > UNRESPONSIVE_S:
+                    result.unresponsive.add(rank)
                 continue
+            del self._drains[rank]
             try:
                 reports, events = ray.get(ref)
             except Exception:  # noqa: BLE001 - a dead actor has nothing left to say
@@ -137,24 +170,51 @@ class RayWorkerGroup:
             result.reports.extend(reports)
             result.events.extend((rank, kind, detail) for kind, detail in events)
         result.reports.sort(key=lambda r: (r.step, r.rank))
-        if errors:
-            result.status = GroupStatus.FAILED
-        elif len(self._finished) == len(self._runs):
-            result.status = GroupStatus.FINISHED
-        return result
+
+    def _dead_nodes(self) -> set[str]:
+        """Nodes of this attempt with no alive Ray node carrying their `node` label."""
+        import ray
+
+        alive, seen = set(), set()
+        for info in ray.nodes():
+            name = (info.get("Labels") or {}).get("node")
+            if name in self._nodes:
+                seen.add(name)
+                if info.get("Alive"):
+                    alive.add(name)
+        return seen - alive
+
+    def stop_rank(self, rank: int) -> int:
+        """SIGSTOP one rank's process (the hang-rank drill); shutdown resumes it so Ray can kill it."""
+        pid = int(self.where()[rank]["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        self._stopped_pids.append(pid)
+        return pid
+
+    def kill_rank(self, rank: int) -> int:
+        """SIGKILL one rank's process (the kill-rank drill)."""
+        pid = int(self.where()[rank]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        return pid
 
     def where(self) -> list[dict[str, Any]]:
         import ray
 
-        return ray.get([a.where.remote() for a in self.actors], timeout=30)
+        return ray.get([a.where.remote() for a in self.actors], timeout=10)
 
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        for pid in self._stopped_pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self._stopped_pids = []
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        self.actors, self._runs = [], []
+        self.actors, self._runs, self._drains = [], [], {}
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None

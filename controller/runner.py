@@ -45,11 +45,13 @@ def make_cluster(spec: RunSpec) -> LocalRayCluster | RemoteRayCluster:
 def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick: Tick | None = None,
           poll_s: float = 0.2) -> RunController:
     """Run the spec on a started cluster until the run ends; cancel on Ctrl-C (and re-raise)."""
+    from controller.ray_drills import RayDrillInjector
     from controller.ray_workers import RayWorkerGroup
 
     store = checkpoint_store(spec)
-    group = RayWorkerGroup()
-    controller = RunController(spec, cluster.topology(), group, now=time.time(), checkpoint_store=store)
+    group = RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s)
+    controller = RunController(spec, cluster.topology(), group, now=time.time(), checkpoint_store=store,
+                               injector=RayDrillInjector(cluster, group), topology_source=cluster.topology)
     try:
         while not controller.step(time.time()).terminal:
             if on_tick is not None:
