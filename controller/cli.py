@@ -78,6 +78,10 @@ def _summary(run: dict) -> dict:
         "ettr": run["goodput"]["ettr"],
         "badput_seconds": {k: round(v, 2) for k, v in run["goodput"]["badput_seconds"].items()},
         "checkpoints": sum(1 for e in run["events"] if e["kind"] == "checkpoint_committed"),
+        **{f"drill {i + 1}": (f"{d['kind']} {d['target']} at step {d['at_step']}: {d['cause']} -> {d['decision']}, "
+                              f"detected in {d.get('detection_s', float('nan')):.1f} s, first step after "
+                              f"{d.get('recovery_s', float('nan')):.1f} s, {d['steps_lost']} steps redone, "
+                              f"{d['outcome']}") for i, d in enumerate(run.get("drills", []))},
     }
 
 

@@ -8,6 +8,7 @@ Ctrl-C included.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from checkpointing.store import ObjectStore, StoreError, open_store
@@ -16,6 +17,7 @@ from controller.planner import MeshPlan, PlanError, plan_mesh
 from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
 from controller.spec import LocalClusterSpec, RunSpec, SpecError
 from controller.state import RunController, RunState
+from controller.topology import NodeState, Topology
 
 Tick = Callable[[RunController], None]
 
@@ -36,6 +38,17 @@ def checkpoint_store(spec: RunSpec) -> ObjectStore:
     return store
 
 
+def spec_view(topology: Topology, spec: RunSpec) -> Topology:
+    """On an embedded cluster the spec says which nodes the run has (node-0..N-1) and which of them
+    are spares (the last `spares`); raylets beyond them (a shared test cluster) are not the run's."""
+    local = spec.cluster.local
+    if spec.cluster.address or local is None:
+        return topology
+    ours = {f"node-{i}": (NodeState.SPARE if i >= local.nodes - local.spares else NodeState.HEALTHY)
+            for i in range(local.nodes)}
+    return Topology(tuple(replace(n, state=ours[n.name]) for n in topology.nodes if n.name in ours))
+
+
 def make_cluster(spec: RunSpec) -> LocalRayCluster | RemoteRayCluster:
     if spec.cluster.address:
         return RemoteRayCluster(spec.cluster.address)
@@ -50,8 +63,12 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
 
     store = checkpoint_store(spec)
     group = RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s)
-    controller = RunController(spec, cluster.topology(), group, now=time.time(), checkpoint_store=store,
-                               injector=RayDrillInjector(cluster, group), topology_source=cluster.topology)
+
+    def topology() -> Topology:
+        return spec_view(cluster.topology(), spec)
+
+    controller = RunController(spec, topology(), group, now=time.time(), checkpoint_store=store,
+                               injector=RayDrillInjector(cluster, group), topology_source=topology)
     try:
         while not controller.step(time.time()).terminal:
             if on_tick is not None:

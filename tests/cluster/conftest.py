@@ -22,7 +22,7 @@ def _ray_children() -> list[psutil.Process]:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[LocalRayCluster]:
-    cluster = LocalRayCluster(LocalClusterSpec(nodes=4, gpus_per_node=2, racks=2, spares=0))
+    cluster = LocalRayCluster(LocalClusterSpec(nodes=5, gpus_per_node=2, racks=2, spares=0))
     cluster.start()
     try:
         yield cluster

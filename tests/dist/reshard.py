@@ -44,7 +44,8 @@ def save_on_mesh(*, rank: int, world_size: int, store_port: int, config: dict, u
     return captured["state"] if captured["keep"] else {}
 
 
-def load_on_mesh(*, rank: int, world_size: int, store_port: int, config: dict, uri: str, step: int) -> dict:
+def load_on_mesh(*, rank: int, world_size: int, store_port: int, config: dict, uri: str, step: int,
+                 run_id: str = "reshard") -> dict:
     from checkpointing.manifest import read_manifest
     from checkpointing.store import open_store
     from trainer.checkpoint import load
@@ -59,7 +60,7 @@ def load_on_mesh(*, rank: int, world_size: int, store_port: int, config: dict, u
         mesh = build_mesh(cfg.mesh, "cpu")
         trainer = Trainer(cfg, mesh, choose_device(cfg.train.dtype))
         ckpt = open_store(uri)
-        manifest = read_manifest(ckpt, "reshard", step)
+        manifest = read_manifest(ckpt, run_id, step)
         load(trainer, ckpt, manifest, cache_dir=__import__("pathlib").Path("/tmp/goodput-test-cache"))
         state = full_state(trainer)
         keep = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0

@@ -3,7 +3,6 @@ bit-identical after reassembly, and the data cursor carried."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
