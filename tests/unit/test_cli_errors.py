@@ -75,7 +75,7 @@ def test_plan_json(tmp_path: Path) -> None:
 
 def test_plan_infeasible(tmp_path: Path) -> None:
     spec = copy.deepcopy(BASE)
-    spec["cluster"]["local"]["spares"] = 2
+    spec["cluster"]["local"].update(nodes=4, spares=2)
     assert "8 GPUs but the healthy nodes offer 4" in one_line(run_cli(tmp_path, "plan", spec=spec))
 
 

@@ -108,7 +108,9 @@ def test_node_loss_with_spare_replaces_same_mesh() -> None:
 
 
 def test_node_loss_without_spare_shrinks_dp_and_keeps_batch() -> None:
-    c, g = controller()
+    raw = copy.deepcopy(BASE)
+    raw["cluster"]["local"].update(nodes=4, spares=0)
+    c, g = controller(raw)
     start_running(c)
     g.lose_node("node-2")
     c.step(130.0)
@@ -157,7 +159,7 @@ def test_cancel_from_any_live_state(at_state: RunState) -> None:
 
 def test_infeasible_plan_fails_before_launch() -> None:
     raw = copy.deepcopy(BASE)
-    raw["cluster"]["local"]["spares"] = 2
+    raw["cluster"]["local"].update(nodes=4, spares=2)
     c, g = controller(raw)
     c.step(101.0)
     assert c.step(102.0) is RunState.FAILED
