@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from checkpointing.manifest import latest_verified
+from checkpointing.policy import observed_mtbf_s
 from checkpointing.store import ObjectStore
 from controller.events import EventLog
 from controller.placement import Placement, PlacementError, place
@@ -212,7 +213,8 @@ class RunController:
             start_step=start_step, cursor=cursor, resume_step=resume_step,
             checkpoint_uri=self.checkpoint_store.uri if self.checkpoint_store else None,
             checkpoint_every=every if isinstance(every, int) else 0, checkpoint_auto=every == "auto",
-            checkpoint_keep=self.spec.checkpoint.keep, mtbf_s=mtbf_h * 3600 if mtbf_h else None,
+            checkpoint_keep=self.spec.checkpoint.keep,
+            mtbf_s=observed_mtbf_s(now - self.created_at, len(self.failures), mtbf_h * 3600 if mtbf_h else None),
         )
         self._attempt_started_at = now
         self._reset_attempt_tracking()

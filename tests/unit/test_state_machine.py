@@ -69,6 +69,7 @@ def test_worker_error_restarts_after_attribution_grace() -> None:
     assert "ValueError: bad token id 999" in detected["message"]
     assert c.events.of_kind("decision")[0].detail["action"] == "restart"
     assert c.step(120.0) is RunState.RUNNING and g.started[-1].attempt == 1
+    assert g.started[-1].mtbf_s == 20.0, "Young/Daly uses the run's observed MTBF after a failure"
 
 
 def test_failure_budget_ends_the_run() -> None:
