@@ -14,6 +14,9 @@ import re
 from controller.failure_policy import FailureCause, FailureEvent
 
 ATTRIBUTION_GRACE_S = 3.0
+NODE_SUSPECT_GRACE_S = 20.0
+"""When every rank of a node died at once the node itself is suspect: wait this long for Ray to
+declare it dead (its default health checks take ~13 s) before treating it as rank deaths."""
 _SYMPTOM = re.compile(
     r"gloo|nccl|DistBackendError|Connection closed|Connection reset|connection reset|Broken pipe|"
     r"timed out|Timed out|timeout|ECONNRESET|peer|Socket", re.IGNORECASE)
@@ -24,13 +27,17 @@ def is_collective_symptom(message: str) -> bool:
 
 
 def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_ranks: set[int],
-              unresponsive: set[int], node_of_rank: tuple[str, ...], grace_over: bool) -> FailureEvent | None:
-    """The failure's cause, or None while it is too early to tell (or nothing failed)."""
+              unresponsive: set[int], node_of_rank: tuple[str, ...], signal_age_s: float | None
+              ) -> FailureEvent | None:
+    """The failure's cause, or None while it is too early to tell (or nothing failed).
+    `signal_age_s`: time since the first failure signal of the attempt."""
     if dead_nodes:
         ranks = tuple(r for r, n in enumerate(node_of_rank) if n in dead_nodes)
         return FailureEvent(time=now, cause=FailureCause.NODE_LOST, nodes=tuple(sorted(dead_nodes)), ranks=ranks,
                             message=f"node(s) {sorted(dead_nodes)} lost with ranks {list(ranks)}")
-    if not (errors or dead_ranks) or not grace_over:
+    if not (errors or dead_ranks) or signal_age_s is None or signal_age_s < ATTRIBUTION_GRACE_S:
+        return None
+    if dead_ranks and signal_age_s < NODE_SUSPECT_GRACE_S and _whole_node_died(dead_ranks, node_of_rank):
         return None
     if dead_ranks:
         ranks = tuple(sorted(dead_ranks))
@@ -47,3 +54,10 @@ def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_
                             message="; ".join(f"rank {r}: {m.strip().splitlines()[-1]}" for r, m in sorted(own.items())))
     return FailureEvent(time=now, cause=FailureCause.COLLECTIVE_ERROR, ranks=tuple(sorted(errors)),
                         message=f"collective errors on ranks {sorted(errors)} with no other cause found")
+
+
+def _whole_node_died(dead_ranks: set[int], node_of_rank: tuple[str, ...]) -> bool:
+    for node in {node_of_rank[r] for r in dead_ranks}:
+        if all(r in dead_ranks for r, n in enumerate(node_of_rank) if n == node):
+            return True
+    return False

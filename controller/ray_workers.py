@@ -61,7 +61,7 @@ class RankActor:
 
 
 class RayWorkerGroup:
-    def __init__(self, *, store_host: str = "127.0.0.1", launch_timeout_s: float = 120.0,
+    def __init__(self, *, store_host: str = "127.0.0.1", launch_timeout_s: float = 60.0,
                  collective_timeout_s: float = 120.0) -> None:
         self.store_host = store_host
         self.launch_timeout_s = launch_timeout_s

@@ -22,7 +22,7 @@ from controller.placement import Placement, PlacementError, place
 from controller.planner import MeshPlan, PlanError, plan_mesh
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
-from controller.attribution import ATTRIBUTION_GRACE_S, attribute
+from controller.attribution import attribute
 from controller.drills import DrillInjector, drill_reports
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, decide, grow_target,
@@ -222,7 +222,7 @@ class RunController:
             self.worker_group.start(attempt)
         except Exception as e:  # noqa: BLE001 - any launch failure ends the attempt with its reason
             self.worker_group.shutdown()
-            self._fail(now, "launch_failed", f"{type(e).__name__}: {e}")
+            self._launch_failed(now, f"{type(e).__name__}: {e}")
             return
         mesh = self.config.mesh
         self.events.add(now, self.attempt, "attempt_started",
@@ -242,6 +242,18 @@ class RunController:
         self._last_step: dict[int, int] = {}
         self._last_report_at: dict[int, float] = {}
         self._attempt_step_times: list[float] = []
+
+    def _launch_failed(self, now: float, message: str) -> None:
+        """A first launch that fails ends the run; a relaunch during recovery is one more failure
+        (a node may have died without Ray saying so yet: nodes missing from the cluster are lost)."""
+        if self.attempt == 0 or self.topology_source is None:
+            self._fail(now, "launch_failed", message)
+            return
+        assert self.placement is not None
+        live = {n.name for n in self.topology_source().nodes}
+        missing = tuple(sorted(set(self.placement.node_of_rank) - live))
+        cause = FailureCause.NODE_LOST if missing else FailureCause.WORKER_ERROR
+        self._recover(now, FailureEvent(time=now, cause=cause, nodes=missing, message=f"relaunch failed: {message}"))
 
     def _on_running(self, now: float) -> None:
         result = self.worker_group.poll()
@@ -276,10 +288,10 @@ class RunController:
         self._dead_ranks |= result.dead_ranks
         if (self._errors or self._dead_ranks or result.dead_nodes) and self._signal_since is None:
             self._signal_since = now
-        grace_over = self._signal_since is not None and now - self._signal_since >= ATTRIBUTION_GRACE_S
+        age = None if self._signal_since is None else now - self._signal_since
         failure = attribute(now, errors=self._errors, dead_nodes=result.dead_nodes, dead_ranks=self._dead_ranks,
                             unresponsive=result.unresponsive, node_of_rank=self.placement.node_of_rank,
-                            grace_over=grace_over)
+                            signal_age_s=age)
         if failure is not None or self._signal_since is not None or not self._attempt_step_times:
             return failure
         verdict = hang_verdict(now, last_step=self._last_step, last_report_at=self._last_report_at,

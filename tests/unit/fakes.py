@@ -16,8 +16,12 @@ class FakeWorkerGroup:
     # -- what the controller calls
     def start(self, attempt: AttemptSpec) -> None:
         if self._fail_start is not None:
-            raise self._fail_start
+            error, self._fail_start = self._fail_start, None
+            raise error
         self.started.append(attempt)
+
+    def fail_next_start(self, error: Exception) -> None:
+        self._fail_start = error
 
     def poll(self) -> PollResult:
         result, self._pending = self._pending, PollResult(GroupStatus.RUNNING)

@@ -11,17 +11,17 @@ GLOO = "RayTaskError: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connecti
 
 def run(**kw):  # type: ignore[no-untyped-def]
     base = dict(errors={}, dead_nodes=set(), dead_ranks=set(), unresponsive=set(), node_of_rank=NODES,
-                grace_over=True)
+                signal_age_s=5.0)
     return attribute(1.0, **{**base, **kw})
 
 
 def test_dead_node_wins_at_once() -> None:
-    f = run(errors={0: GLOO}, dead_ranks={2, 3}, dead_nodes={"n1"}, grace_over=False)
+    f = run(errors={0: GLOO}, dead_ranks={2, 3}, dead_nodes={"n1"}, signal_age_s=0.0)
     assert f is not None and f.cause is FailureCause.NODE_LOST and f.nodes == ("n1",) and f.ranks == (2, 3)
 
 
 def test_dead_rank_waits_for_grace_then_names_the_rank() -> None:
-    assert run(errors={1: GLOO}, dead_ranks={2}, grace_over=False) is None
+    assert run(errors={1: GLOO}, dead_ranks={2}, signal_age_s=1.0) is None
     f = run(errors={1: GLOO, 3: GLOO}, dead_ranks={2})
     assert f is not None and f.cause is FailureCause.RANK_DIED and f.ranks == (2,) and f.nodes == ()
 
@@ -43,3 +43,9 @@ def test_only_symptoms() -> None:
 
 def test_nothing_failed() -> None:
     assert run() is None
+
+
+def test_all_ranks_of_a_node_dead_waits_for_the_node_verdict() -> None:
+    assert run(errors={0: GLOO}, dead_ranks={2, 3}, signal_age_s=10.0) is None, "Ray may not know yet"
+    f = run(errors={0: GLOO}, dead_ranks={2, 3}, signal_age_s=25.0)
+    assert f is not None and f.cause is FailureCause.RANK_DIED and f.ranks == (2, 3)

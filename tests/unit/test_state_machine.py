@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from controller.spec import parse_spec
+from controller.topology import Topology
 from controller.state import RunController, RunState, group_errors
 from controller.attribution import ATTRIBUTION_GRACE_S
 from tests.unit.fakes import FakeInjector, FakeWorkerGroup
@@ -192,3 +193,28 @@ def test_rank_events_join_the_timeline() -> None:
 
 def test_group_errors_is_stable_for_one_rank() -> None:
     assert group_errors({2: "boom"}) == "ranks [2]: boom"
+
+
+def test_relaunch_that_cannot_place_finds_the_silent_dead_node() -> None:
+    """A rank died and Ray has not yet declared its node dead: the restart cannot be placed; the
+    controller then sees the node missing from the cluster and replaces it instead of failing."""
+    raw = copy.deepcopy(BASE)
+    spec = parse_spec(raw)
+    live = {"topology": spec.topology()}
+    g = FakeWorkerGroup()
+    c = RunController(spec, spec.topology(), g, now=100.0, topology_source=lambda: live["topology"])
+    start_running(c)
+    g.kill_rank(7)
+    c.step(110.0)
+    c.step(140.0)
+    assert c.state is RunState.LAUNCHING and c.events.of_kind("decision")[0].detail["action"] == "restart"
+    lost = g.started[0].placement.node_of_rank[7]
+    live["topology"] = Topology(tuple(n for n in spec.topology().nodes if n.name != lost))
+    g.fail_next_start(TimeoutError("placement group not ready"))
+    c.step(141.0)
+    assert c.state is RunState.LAUNCHING
+    detected = c.events.of_kind("failure_detected")[-1].detail
+    assert detected["cause"] == "node_lost" and detected["nodes"] == [lost]
+    assert c.events.of_kind("decision")[-1].detail["action"] == "replace"
+    c.step(142.0)
+    assert c.state is RunState.RUNNING and lost not in g.started[-1].placement.node_of_rank
