@@ -1,8 +1,9 @@
 """The run controller: an explicit state machine advanced one step per `step(now)` call.
 
 pending -> planning -> launching -> running -> succeeded | failed | cancelled
-(`recovering` is entered on a worker failure once a failure policy exists; today a failure fails the
-run with the per-rank errors grouped into one message.)
+A failure while running is attributed (controller.attribution), handed to the failure policy, and
+the decision acted on: back to launching with a new mesh/placement (a new attempt), or recovering
+while it waits for capacity, or failed.
 
 Plain Python: the worker group is injected (Ray in production, a fake in tests) and time is passed
 in. The controller decides; the worker group only does what it is told.
