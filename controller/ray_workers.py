@@ -100,7 +100,6 @@ class RayWorkerGroup:
             actor_cls.options(
                 num_cpus=0, num_gpus=1, max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
             ).remote()
             for rank in range(world)
         ]
