@@ -1,0 +1,66 @@
+"""Ctrl-C on `goodput run` cancels cleanly: the run ends cancelled and nothing it started (raylets,
+GCS, workers) is left running."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    spec = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
+    spec.update(name="cancel-me", drills=[])
+    spec["checkpoint"]["uri"] = f"file://{tmp_path}/ckpt"
+    spec["train"]["steps"] = 1000
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "goodput-ray-*")))
+    log = open(tmp_path / "stderr.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "controller", "run", str(path)], stdout=subprocess.DEVNULL,
+                            stderr=log, cwd=tmp_path)
+    ours: set[str] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            ours |= set(glob.glob(os.path.join(tempfile.gettempdir(), "goodput-ray-*"))) - before
+            if "step 1:" in (tmp_path / "stderr.log").read_text():
+                break
+            assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-2000:]
+            time.sleep(0.5)
+        else:
+            pytest.fail("the run did not reach its first step in 180 s")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    stderr = (tmp_path / "stderr.log").read_text()
+    assert code == 130 and stderr.strip().splitlines()[-1] == "goodput: cancelled", stderr[-2000:]
+    assert len(ours) == 1, ours
+    (tmp,) = ours
+    time.sleep(2)
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(tmp in part for part in (p.info["cmdline"] or [])) and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p.info["pid"])
+        except psutil.NoSuchProcess:
+            continue
+    assert not left, f"processes of the cancelled run still running: {left}"
+    assert not os.path.exists(tmp), "the embedded cluster's temp dir is removed"
