@@ -171,7 +171,7 @@ class S3Store:
         try:
             for attempt in Retrying(retry=retry_if_exception(retryable), reraise=False,
                                     stop=stop_after_delay(self.retry_budget_s),
-                                    wait=wait_exponential_jitter(initial=0.2, max=5.0)):
+                                    wait=wait_exponential_jitter(multiplier=0.2, max=5.0)):
                 with attempt:
                     return fn()
         except RetryError as e:

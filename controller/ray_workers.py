@@ -199,7 +199,7 @@ class RayWorkerGroup:
     def where(self) -> list[dict[str, Any]]:
         import ray
 
-        return ray.get([a.where.remote() for a in self.actors], timeout=10)
+        return ray.get([a.where.remote() for a in self.actors], timeout=60)
 
     def shutdown(self) -> None:
         import ray
