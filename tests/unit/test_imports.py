@@ -18,7 +18,12 @@ ALLOWED = {
     "checkpointing": {"checkpointing"},
     "health": {"health"},
 }
-PURE_MODULES = ["trainer.config", "trainer.report", "controller.spec", "controller.progress", "controller.cli"]
+PURE_MODULES = [
+    "trainer.config", "trainer.report", "trainer.data", "controller.spec", "controller.progress", "controller.cli",
+    "controller.topology", "controller.planner", "controller.placement", "controller.failure_policy",
+    "controller.attribution", "controller.state", "controller.events", "controller.drills",
+    "checkpointing.manifest", "checkpointing.policy", "checkpointing.store", "health.hang",
+]
 
 
 def project_imports(path: Path) -> set[str]:
