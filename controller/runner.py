@@ -12,11 +12,11 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from checkpointing.store import ObjectStore, StoreError, open_store
-from controller.placement import Placement, PlacementError, place
-from controller.planner import MeshPlan, PlanError, plan_mesh
+from controller.placement import Placement
+from controller.planner import MeshPlan
 from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
 from controller.spec import LocalClusterSpec, RunSpec, SpecError
-from controller.state import RunController, RunState
+from controller.state import RunController, RunState, plan_run
 from controller.topology import NodeState, Topology
 
 Tick = Callable[[RunController], None]
@@ -86,16 +86,7 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
 
 def plan_local(spec: RunSpec) -> tuple[MeshPlan, Placement]:
     """Plan and place on the spec's `cluster.local`; SpecError says what does not fit."""
-    fixed = spec.fixed_mesh()
-    if fixed is not None:
-        spec.trainer_config(fixed)  # shape errors first: they say more than memory ones
-    topology = spec.topology()
-    try:
-        plan = plan_mesh(spec.to_model_config(), spec.to_train_config(), topology, fixed=fixed)
-        spec.trainer_config(plan.mesh)
-        return plan, place(plan.mesh, topology)
-    except (PlanError, PlacementError) as e:
-        raise SpecError(str(e)) from None
+    return plan_run(spec, spec.topology())
 
 
 def preflight(spec: RunSpec) -> None:

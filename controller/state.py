@@ -115,6 +115,19 @@ class RunError:
     message: str
 
 
+def plan_run(spec: RunSpec, topology: Topology) -> tuple[MeshPlan, Placement]:
+    """Plan and place a spec on a topology; SpecError says what does not fit, in numbers."""
+    fixed = spec.fixed_mesh()
+    if fixed is not None:
+        spec.trainer_config(fixed)  # shape errors first: they say more than memory ones
+    try:
+        plan = plan_mesh(spec.to_model_config(), spec.to_train_config(), topology, fixed=fixed)
+        spec.trainer_config(plan.mesh)
+        return plan, place(plan.mesh, topology)
+    except (PlanError, PlacementError) as e:
+        raise SpecError(str(e)) from None
+
+
 def group_errors(errors: dict[int, str]) -> str:
     """One readable message from per-rank errors: identical messages are listed once with their ranks."""
     by_message: dict[str, list[int]] = {}
@@ -181,16 +194,11 @@ class RunController:
 
     def _on_planning(self, now: float) -> None:
         try:
-            fixed = self.spec.fixed_mesh()
-            if fixed is not None:
-                self.spec.trainer_config(fixed)  # shape errors first: they say more than memory ones
-            self.plan = plan_mesh(self.spec.to_model_config(), self.spec.to_train_config(), self.topology,
-                                  fixed=fixed)
-            self.config = self.spec.trainer_config(self.plan.mesh)
-            self.placement = place(self.plan.mesh, self.topology)
-        except (PlanError, PlacementError, SpecError) as e:
+            self.plan, self.placement = plan_run(self.spec, self.topology)
+        except SpecError as e:
             self._fail(now, "plan_infeasible", str(e))
             return
+        self.config = self.spec.trainer_config(self.plan.mesh)
         mesh = self.plan.mesh
         self.events.add(now, 0, "planned", mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp},
                         memory_per_gpu_bytes=self.plan.memory_per_gpu_bytes, explanation=self.plan.explanation)
