@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -19,6 +20,7 @@ from trainer.config import (  # noqa: E402
     DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig, config_from_dict, config_to_dict,
 )
 
+SCRATCH = Path(tempfile.gettempdir()) / "goodput-bench"
 CONFIG = TrainerConfig(model=ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128),
                        data=DataConfig(seed=0),
                        train=TrainConfig(steps=2, global_batch=16, micro_batch=2, dtype="float32"),
@@ -43,7 +45,7 @@ def _load(trainer, uri: str) -> None:  # type: ignore[no-untyped-def]
     from trainer.checkpoint import load
 
     store = open_store(uri)
-    load(trainer, store, read_manifest(store, "bench", 2), cache_dir=__import__("pathlib").Path("/tmp/goodput-bench"))
+    load(trainer, store, read_manifest(store, "bench", 2), cache_dir=SCRATCH)
 
 
 def save_then_regroup(*, rank: int, world_size: int, store_port: int, uri: str) -> float:
@@ -57,7 +59,7 @@ def save_then_regroup(*, rank: int, world_size: int, store_port: int, uri: str) 
     for _ in range(2):
         trainer.train_step()
     ckpt = Checkpointer(open_store(uri), run_id="bench", attempt=0, keep=1, sink=ListSink(),
-                        staging_dir=__import__("pathlib").Path("/tmp/goodput-bench"), use_async=False)
+                        staging_dir=SCRATCH, use_async=False)
     ckpt.save(trainer)
     ckpt.close()
     dist.barrier()

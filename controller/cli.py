@@ -96,7 +96,7 @@ def _run_torchrun(spec: Any, opts: argparse.Namespace) -> int:
     if mesh is None:
         raise CliError("--launcher torchrun needs a fixed mesh: give parallelism: {dp, tp, pp}")
     config = spec.trainer_config(mesh)
-    progress = RunProgress(total_steps=config.train.steps)
+    progress = RunProgress()
     with ProgressView(spec.name, config.train.steps, quiet=opts.json) as view:
         def on_report(report: Any) -> None:
             if progress.add(report):

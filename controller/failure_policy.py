@@ -72,7 +72,7 @@ class ElasticLimits:
     """How long to wait below min_dp before failing."""
 
 
-def _largest_dp(mesh: MeshShape, topology: Topology, global_batch: int, micro_batch: int) -> int:
+def largest_dp(mesh: MeshShape, topology: Topology, global_batch: int, micro_batch: int) -> int:
     """Largest dp <= mesh.dp with the batch divisible and a feasible placement on healthy nodes."""
     for dp in range(mesh.dp, 0, -1):
         if global_batch % (dp * micro_batch):
@@ -112,7 +112,7 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
                             reason=f"lost {lost_in_use}; spare {promoted} takes over, mesh unchanged")
         except PlacementError:
             pass  # spares too small for the mesh: fall through to shrinking
-    dp = _largest_dp(mesh, topology, global_batch, micro_batch)
+    dp = largest_dp(mesh, topology, global_batch, micro_batch)
     if dp >= limits.min_dp:
         new = MeshShape(dp=dp, pp=mesh.pp, tp=mesh.tp)
         return Decision(action=Action.SHRINK, mesh=new, topology=topology,
@@ -134,7 +134,7 @@ def grow_target(mesh: MeshShape, spec_mesh: MeshShape, topology: Topology, globa
     """The larger mesh the healthy nodes allow now, up to the spec's; None when nothing to grow."""
     if mesh.dp >= spec_mesh.dp:
         return None
-    dp = _largest_dp(spec_mesh, topology, global_batch, micro_batch)
+    dp = largest_dp(spec_mesh, topology, global_batch, micro_batch)
     if dp > mesh.dp:
         return MeshShape(dp=dp, pp=mesh.pp, tp=mesh.tp)
     return None

@@ -12,7 +12,6 @@ from trainer.report import StepReport
 class RunProgress:
     """Folds step reports of all ranks into per-step facts (loss from the last pipeline stage)."""
 
-    total_steps: int
     history: list[dict] = field(default_factory=list)
     """One entry per finished step: {step, loss, attempt}."""
     step_times: list[float] = field(default_factory=list)

@@ -40,7 +40,19 @@ def _ray():  # type: ignore[no-untyped-def]
     return ray
 
 
-class LocalRayCluster:
+class _RayClusterBase:
+    """What both kinds of cluster share: the topology read from Ray, and leaving Ray."""
+
+    def topology(self) -> Topology:
+        return topology_from_ray()
+
+    def _disconnect(self) -> None:
+        ray = _ray()
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+class LocalRayCluster(_RayClusterBase):
     """An embedded multi-raylet Ray cluster shaped like `cluster.local`."""
 
     def __init__(self, local: LocalClusterSpec, *, fast_failure_detection: bool = True) -> None:
@@ -115,13 +127,8 @@ class LocalRayCluster:
         """SIGKILL the node's raylet (and with it its workers)."""
         self._cluster.remove_node(self._nodes.pop(name), allow_graceful=False)
 
-    def topology(self) -> Topology:
-        return topology_from_ray()
-
     def shutdown(self) -> None:
-        ray = _ray()
-        if ray.is_initialized():
-            ray.shutdown()
+        self._disconnect()
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
@@ -135,7 +142,7 @@ class LocalRayCluster:
             self._tmp = None
 
 
-class RemoteRayCluster:
+class RemoteRayCluster(_RayClusterBase):
     """An existing Ray cluster at `cluster.address` (ray://HOST:PORT, HOST:PORT or auto)."""
 
     def __init__(self, address: str, *, connect_timeout_s: float = 5.0) -> None:
@@ -159,13 +166,8 @@ class RemoteRayCluster:
     def kill_node(self, name: str) -> None:
         raise ClusterError("kill-node drills need the embedded local cluster")
 
-    def topology(self) -> Topology:
-        return topology_from_ray()
-
     def shutdown(self) -> None:
-        ray = _ray()
-        if ray.is_initialized():
-            ray.shutdown()
+        self._disconnect()
 
 
 def topology_from_ray() -> Topology:

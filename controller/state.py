@@ -26,7 +26,7 @@ from controller.spec import RunSpec, SpecError
 from controller.attribution import attribute
 from controller.drills import DrillInjector, drill_reports
 from controller.failure_policy import (
-    Action, Decision, ElasticLimits, FailureCause, FailureEvent, decide, grow_target,
+    Action, Decision, ElasticLimits, FailureCause, FailureEvent, decide, grow_target, largest_dp,
 )
 from controller.topology import NodeState, Topology
 from health.hang import hang_verdict
@@ -155,7 +155,7 @@ class RunController:
         self.created_at = now
         self.finished_at: float | None = None
         self.events = EventLog(self.run_id)
-        self.progress = RunProgress(total_steps=spec.train.steps)
+        self.progress = RunProgress()
         self.badput: dict[str, float] = {"startup": 0.0, "checkpoint": 0.0}
         self._attempt_started_at = now
         self._cancel_requested = False
@@ -349,29 +349,21 @@ class RunController:
         self.state = RunState.LAUNCHING
 
     def _on_recovering(self, now: float) -> None:
-        """Waiting below min_dp: look for capacity again; fail once the wait is over."""
+        """Waiting below min_dp: launch as soon as the healthy nodes hold dp >= min_dp again; fail
+        once the wait is over."""
         if self.topology_source is not None:
             self.topology = _merge_returned(self.topology, self.topology_source())
-        assert self.config is not None and self.failures
-        last = self.failures[-1]
-        decision = decide(
-            now, event=FailureEvent(time=now, cause=last.cause), failures_so_far=len(self.failures) - 1,
-            mesh=self.config.mesh, spec_mesh=self.spec.fixed_mesh() or self.config.mesh, topology=self.topology,
-            limits=self._limits(), global_batch=self.spec.train.global_batch,
-            micro_batch=self.spec.train.micro_batch, waiting_since=self._waiting_since)
-        if decision.action is Action.RESTART:  # no node lost this time: capacity is what the topology says
-            target = grow_target(MeshShape(dp=0, pp=self.config.mesh.pp, tp=self.config.mesh.tp),
-                                 self.spec.fixed_mesh() or self.config.mesh, self.topology,
-                                 self.spec.train.global_batch, self.spec.train.micro_batch)
-            if target is None or target.dp < self.spec.elastic.min_dp:
-                if now - (self._waiting_since or now) >= self.spec.elastic.wait_for_capacity_s:
-                    self._fail(now, "no_capacity", f"no capacity for dp >= {self.spec.elastic.min_dp} after "
-                                                   f"{self.spec.elastic.wait_for_capacity_s:.0f} s")
-                return
-            decision = Decision(action=Action.SHRINK if target.dp < self.config.mesh.dp else Action.GROW,
-                                mesh=target, topology=self.topology, reason=f"capacity for dp {target.dp}")
-        if decision.action is not Action.WAIT:
-            self._apply(now, decision)
+        assert self.config is not None
+        mesh = self.config.mesh
+        dp = largest_dp(self.spec.fixed_mesh() or mesh, self.topology, self.spec.train.global_batch,
+                        self.spec.train.micro_batch)
+        if dp >= self.spec.elastic.min_dp:
+            self._apply(now, Decision(action=Action.SHRINK if dp < mesh.dp else Action.GROW,
+                                      mesh=MeshShape(dp=dp, pp=mesh.pp, tp=mesh.tp), topology=self.topology,
+                                      reason=f"capacity for dp {dp} after waiting {now - (self._waiting_since or now):.0f} s"))
+        elif now - (self._waiting_since or now) >= self.spec.elastic.wait_for_capacity_s:
+            self._fail(now, "no_capacity", f"no capacity for dp >= {self.spec.elastic.min_dp} after "
+                                           f"{self.spec.elastic.wait_for_capacity_s:.0f} s")
 
     def _maybe_grow(self, now: float) -> bool:
         """At a checkpoint boundary, grow back towards the spec's mesh if lost nodes returned."""

@@ -89,7 +89,6 @@ class Checkpointer:
         # Safe because a save waits for the previous one before staging again.
         self._stager = _ReusedBufferStager() if use_async else None
         self._thread: threading.Thread | None = None
-        self.failures: list[str] = []
 
     def save(self, trainer: Any) -> SaveTiming:
         self.wait()  # a save still in flight is waited for, not duplicated
@@ -143,7 +142,6 @@ class Checkpointer:
                     "step": final.step, "uri": f"{self.store.uri}/{prefix}", "bytes": final.total_bytes(),
                     "seconds": time.perf_counter() - t0, "removed": removed})
         except Exception as e:  # noqa: BLE001 - a failed save is an event; training goes on
-            self.failures.append(str(e))
             self.sink.event("checkpoint_failed", {"step": manifest.step, "error": str(e)})
         finally:
             if self.store.local_path(prefix) is None:

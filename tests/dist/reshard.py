@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ def load_on_mesh(*, rank: int, world_size: int, store_port: int, config: dict, u
         trainer = Trainer(cfg, mesh, choose_device(cfg.train.dtype))
         ckpt = open_store(uri)
         manifest = read_manifest(ckpt, run_id, step)
-        load(trainer, ckpt, manifest, cache_dir=__import__("pathlib").Path("/tmp/goodput-test-cache"))
+        load(trainer, ckpt, manifest, cache_dir=Path("/tmp/goodput-test-cache"))
         state = full_state(trainer)
         keep = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
         return {"state": state if keep else {}, "cursor": manifest.cursor}

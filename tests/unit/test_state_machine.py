@@ -218,3 +218,30 @@ def test_relaunch_that_cannot_place_finds_the_silent_dead_node() -> None:
     assert c.events.of_kind("decision")[-1].detail["action"] == "replace"
     c.step(142.0)
     assert c.state is RunState.RUNNING and lost not in g.started[-1].placement.node_of_rank
+
+
+def test_below_min_dp_waits_for_capacity_then_launches_or_fails() -> None:
+    raw = copy.deepcopy(BASE)
+    raw["cluster"]["local"].update(nodes=4, spares=0)
+    raw["elastic"].update(min_dp=2, wait_for_capacity_s=60)
+    spec = parse_spec(raw)
+    full = spec.topology()
+    live = {"topology": Topology(tuple(n for n in full.nodes if n.name != "node-2"))}
+    for node_returns, expected in ((True, RunState.LAUNCHING), (False, RunState.FAILED)):
+        live["topology"] = Topology(tuple(n for n in full.nodes if n.name != "node-2"))
+        g = FakeWorkerGroup()
+        c = RunController(spec, full, g, now=100.0, topology_source=lambda: live["topology"])
+        start_running(c)
+        g.lose_node("node-2")
+        assert c.step(110.0) is RunState.RECOVERING
+        assert c.events.of_kind("decision")[0].detail["action"] == "wait"
+        assert c.step(130.0) is RunState.RECOVERING, "still no capacity"
+        if node_returns:
+            live["topology"] = full
+        c.step(171.0)
+        assert c.state is expected
+        if expected is RunState.LAUNCHING:
+            decision = c.events.of_kind("decision")[-1].detail
+            assert decision["action"] == "grow" and decision["mesh"] == {"dp": 2, "pp": 2, "tp": 2}
+        else:
+            assert c.error is not None and c.error.code == "no_capacity" and "after 60 s" in c.error.message
