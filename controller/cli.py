@@ -26,6 +26,7 @@ def cmd_run(opts: argparse.Namespace) -> int:
     spec = load_spec(opts.spec)
     if opts.launcher == "torchrun":
         return _run_torchrun(spec, opts)
+    from controller.api import ApiBindError
     from controller.runner import run_foreground
     from controller.state import RunController
     from controller.ui import ProgressView
@@ -40,10 +41,18 @@ def cmd_run(opts: argparse.Namespace) -> int:
             if c.progress.history:
                 view.update(c.progress, attempt=max(c.attempt, 0))
 
+        def on_api(url: str) -> None:
+            view.note(f"API on {url}; from another shell: goodput drill {spec.name} kill-rank "
+                      f"(with GOODPUT_URL={url} if that is not the default)")
+
         # Ray's own messages (a raylet's death notice, for one) print to sys.stdout from its threads;
         # stdout is kept for the final result alone, so while the run lasts they go to stderr.
         with contextlib.redirect_stdout(sys.stderr):
-            run = run_foreground(spec, on_tick=on_tick)
+            try:
+                run = run_foreground(spec, on_tick=on_tick, api=_api_address(opts.api), on_api=on_api)
+            except ApiBindError as e:
+                raise CliError(f"{e.strerror}; give --api HOST:PORT with a free port (0 picks one) "
+                               "or --api off") from None
     if opts.json:
         _emit_json(run)
     else:
@@ -52,6 +61,15 @@ def cmd_run(opts: argparse.Namespace) -> int:
         error = run.get("error") or {}
         raise CliError(f"run {run['state']}: {error.get('message', 'see events')}")
     return 0
+
+
+def _api_address(value: str) -> tuple[str, int] | None:
+    if value == "off":
+        return None
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise CliError(f"--api {value!r}: give HOST:PORT (port 0 picks a free one) or off")
+    return host, int(port)
 
 
 def _describe(event: dict) -> str:
@@ -176,6 +194,71 @@ def cmd_checkpoints(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _client() -> Any:
+    from controller.client import Client
+
+    return Client()
+
+
+def cmd_drill(opts: argparse.Namespace) -> int:
+    """Inject a drill into a running run through its API; wait for the report unless --no-wait."""
+    import time
+
+    from controller.client import ApiClientError
+
+    client = _client()
+    try:
+        body = {"kind": opts.kind, "target": opts.target, "at_step": opts.at_step}
+        drill = client.call("POST", f"/v1/runs/{opts.run}/drills", body)
+        deadline = time.monotonic() + opts.timeout
+        while not opts.no_wait and drill["outcome"] in ("scheduled", "pending"):
+            if time.monotonic() > deadline:
+                raise CliError(f"drill {drill['id']} is still {drill['outcome']} after {opts.timeout:.0f} s; "
+                               f"see `goodput status {opts.run}`")
+            time.sleep(0.5)
+            drill = client.call("GET", f"/v1/drills/{drill['id']}")
+    except ApiClientError as e:
+        raise CliError(str(e)) from None
+    finally:
+        client.close()
+    if opts.json:
+        _emit_json(drill)
+    elif drill["outcome"] == "scheduled":
+        when = f"after step {drill['at_step']}" if drill.get("at_step") is not None else "now"
+        print(f"{drill['id']}: {drill['kind']} on run {opts.run} scheduled {when}")
+    else:
+        print(f"{drill['id']}: {drill['kind']} {drill.get('target')} at step {drill.get('at_step')} -> "
+              f"{drill['outcome']}")
+        for key in ("cause", "attributed_to", "decision", "detection_s", "recovery_s", "steps_lost", "error"):
+            if drill.get(key) is not None:
+                value = drill[key]
+                print(f"  {key:<14} {value:.2f} s" if key.endswith("_s") else f"  {key:<14} {value}")
+    return 0 if drill["outcome"] in ("recovered", "scheduled") else 1
+
+
+def cmd_status(opts: argparse.Namespace) -> int:
+    from controller.client import ApiClientError
+
+    client = _client()
+    try:
+        run = client.call("GET", f"/v1/runs/{opts.run}")
+    except ApiClientError as e:
+        raise CliError(str(e)) from None
+    finally:
+        client.close()
+    if opts.json:
+        _emit_json(run)
+        return 0
+    mesh = run["mesh"] or {}
+    print(f"{run['id']}: {run['state']}, step {run['step']}, loss {run['loss']}, attempt {run['attempt']}, "
+          f"mesh dp{mesh.get('dp')} pp{mesh.get('pp')} tp{mesh.get('tp')}, ETTR {run['goodput']['ettr']:.2f}")
+    for d in run.get("drills", []):
+        print(f"  {d['id']}: {d['kind']} {d['target']} at step {d['at_step']} -> {d['outcome']}")
+    if run.get("error"):
+        print(f"  error: {run['error']['message']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="goodput", description="Fault-tolerant LLM training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -184,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print the final run as one JSON document")
     run.add_argument("--launcher", choices=["ray", "torchrun"], default="ray",
                      help="ray: the fault-tolerant controller (default); torchrun: plain torchrun, no controller")
+    run.add_argument("--api", default="127.0.0.1:8470", metavar="HOST:PORT",
+                     help="serve the REST API here while the run lasts (for goodput drill/status); off: none")
     run.set_defaults(func=cmd_run)
     plan = sub.add_parser("plan", help="show mesh, rank -> node map and memory per GPU without running")
     plan.add_argument("spec")
@@ -195,6 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
     ckpts.add_argument("--quick", action="store_true", help="check sizes only, not sha256")
     ckpts.add_argument("--json", action="store_true")
     ckpts.set_defaults(func=cmd_checkpoints)
+    drill = sub.add_parser("drill", help="inject a failure into a running run and report how it recovered")
+    drill.add_argument("run")
+    drill.add_argument("kind", choices=["kill-node", "kill-rank", "hang-rank"])
+    drill.add_argument("--target", help="node name (kill-node) or rank number; default: the last rank")
+    drill.add_argument("--at-step", type=int, help="inject once this step is done; default: now")
+    drill.add_argument("--no-wait", action="store_true", help="return once scheduled, without the report")
+    drill.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the report")
+    drill.add_argument("--json", action="store_true")
+    drill.set_defaults(func=cmd_drill)
+    status = sub.add_parser("status", help="state, step, loss, mesh and drills of a running run")
+    status.add_argument("run")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
     return parser
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from checkpointing.store import ObjectStore, StoreError, open_store
+from controller.api import ApiServer, RunRegistry, create_app, token_from_env
 from controller.placement import Placement
 from controller.planner import MeshPlan
 from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
@@ -56,8 +57,9 @@ def make_cluster(spec: RunSpec) -> LocalRayCluster | RemoteRayCluster:
 
 
 def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick: Tick | None = None,
-          poll_s: float = 0.2) -> RunController:
-    """Run the spec on a started cluster until the run ends; cancel on Ctrl-C (and re-raise)."""
+          poll_s: float = 0.2, registry: RunRegistry | None = None) -> RunController:
+    """Run the spec on a started cluster until the run ends; cancel on Ctrl-C (and re-raise).
+    With a registry the run is visible to the API, which reads it between steps under its lock."""
     from controller.ray_drills import RayDrillInjector
     from controller.ray_workers import RayWorkerGroup
 
@@ -69,15 +71,22 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
 
     controller = RunController(spec, topology(), group, now=time.time(), checkpoint_store=store,
                                injector=RayDrillInjector(cluster, group), topology_source=topology)
+    registry = registry or RunRegistry()
+    registry.add(controller)
+
+    def advance() -> RunState:
+        with registry.lock:
+            return controller.step(time.time())
+
     try:
-        while not controller.step(time.time()).terminal:
+        while not advance().terminal:
             if on_tick is not None:
                 on_tick(controller)
             if controller.state is RunState.RUNNING:
                 time.sleep(poll_s)
     except BaseException:
         controller.cancel()
-        controller.step(time.time())
+        advance()
         raise
     finally:
         group.shutdown()
@@ -98,13 +107,23 @@ def preflight(spec: RunSpec) -> None:
         spec.trainer_config(fixed)
 
 
-def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None) -> dict[str, Any]:
-    """Start the cluster, run, stop the cluster; the final Run object."""
+def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None, api: tuple[str, int] | None = None,
+                   on_api: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Start the cluster, run, stop the cluster; the final Run object. With `api` (host, port) the
+    REST API serves the run while it lasts (its URL goes to `on_api`)."""
     preflight(spec)
-    cluster = make_cluster(spec)
-    cluster.start()
+    registry = RunRegistry()
+    server = ApiServer(create_app(registry, token=token_from_env()), *api).start() if api else None
     try:
-        controller = drive(spec, cluster, on_tick=on_tick)
+        if server is not None and on_api is not None:
+            on_api(server.url)
+        cluster = make_cluster(spec)
+        cluster.start()
+        try:
+            controller = drive(spec, cluster, on_tick=on_tick, registry=registry)
+        finally:
+            cluster.shutdown()
     finally:
-        cluster.shutdown()
+        if server is not None:
+            server.stop()
     return controller.to_dict(time.time())

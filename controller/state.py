@@ -24,7 +24,10 @@ from controller.planner import MeshPlan, PlanError, plan_mesh
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
 from controller.attribution import attribute
-from controller.drills import DrillInjector, drill_reports
+from controller.drills import (
+    DrillError, DrillInjector, DrillRequest, DrillSchedule, default_target, drill_reports, new_drill_id,
+    target_problem,
+)
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, decide, grow_target, largest_dp,
 )
@@ -161,7 +164,8 @@ class RunController:
         self._cancel_requested = False
         self.injector = injector
         self.topology_source = topology_source
-        self.pending_drills = sorted(spec.drills, key=lambda d: d.at_step)
+        self.drills = DrillSchedule([DrillRequest(id=new_drill_id(), kind=d.kind, at_step=d.at_step, target=d.target)
+                                     for d in spec.drills])
         self.failures: list[FailureEvent] = []
         self._waiting_since: float | None = None
         self._reset_attempt_tracking()
@@ -383,24 +387,46 @@ class RunController:
                                          f"step-{self.progress.step} checkpoint"))
         return True
 
+    def request_drill(self, now: float, kind: str, *, target: str | None = None,
+                      at_step: int | None = None) -> DrillRequest:
+        """Queue a drill on this live run (`goodput drill`, the REST API); DrillError says what to fix."""
+        if self.state.terminal:
+            raise DrillError(f"run {self.run_id!r} has {self.state.value}; drills need a live run")
+        request = self.drills.request(now, kind, target=target, at_step=at_step, step=self.progress.step,
+                                      placement=self.placement)
+        detail = request.to_dict()
+        self.events.add(now, max(self.attempt, 0), "drill_requested", drill=detail.pop("kind"), **detail)
+        return request
+
+    def drill(self, drill_id: str) -> dict[str, Any] | None:
+        """A drill's report once injected; before that, the request with outcome `scheduled`
+        (`not_injected` if the run ended first). None if no such drill."""
+        report = next((r for r in drill_reports(list(self.events)) if r["id"] == drill_id), None)
+        if report is not None:
+            return report
+        request = self.drills.find(drill_id)
+        if request is None:
+            return None
+        return {**request.to_dict(), "outcome": "not_injected" if self.state.terminal else "scheduled"}
+
     def _run_due_drills(self, now: float) -> None:
-        if self.injector is None or not self.pending_drills or self.attempt_steps() == 0:
+        if self.injector is None or self.attempt_steps() == 0:
             return
-        drill = self.pending_drills[0]
-        if self.progress.step < drill.at_step:
+        drill = self.drills.pop_due(self.progress.step)
+        if drill is None:
             return
-        self.pending_drills.pop(0)
         assert self.placement is not None
-        last_rank = self.placement.mesh.world_size - 1
-        target = drill.target or (self.placement.node_of_rank[last_rank] if drill.kind == "kill-node"
-                                  else str(last_rank))
+        target = drill.target or default_target(drill.kind, self.placement)
+        facts = {"id": drill.id, "drill": drill.kind, "target": target, "step": self.progress.step}
+        problem = target_problem(drill.kind, target, self.placement)
         try:
+            if problem is not None:
+                raise DrillError(problem)
             detail = self.injector.inject(drill.kind, target)
         except Exception as e:  # noqa: BLE001 - a drill that cannot be injected is reported, not fatal
-            self.events.add(now, self.attempt, "drill_failed", drill=drill.kind, target=target, error=str(e))
+            self.events.add(now, self.attempt, "drill_failed", **facts, error=str(e))
             return
-        self.events.add(now, self.attempt, "drill_injected", drill=drill.kind, target=target,
-                        step=self.progress.step, **detail)
+        self.events.add(now, self.attempt, "drill_injected", **facts, **detail)
 
     def attempt_steps(self) -> int:
         return len(self._attempt_step_times)

@@ -1,10 +1,13 @@
-"""Ctrl-C on `goodput run` cancels cleanly: the run ends cancelled and nothing it started (raylets,
-GCS, workers) is left running."""
+"""`goodput run` from a user's point of view: another shell reaches the running run through its API
+(`goodput status`, `goodput drill` with a real worker SIGKILLed and recovered), then Ctrl-C cancels
+cleanly: the run ends cancelled and nothing it started (raylets, GCS, workers) is left running."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +24,15 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+def goodput(url: str, *args: str) -> dict:
+    """Another shell: `goodput ARGS --json` against the run's API."""
+    proc = subprocess.run([sys.executable, "-m", "controller", *args, "--json"], capture_output=True, text=True,
+                          env={**os.environ, "GOODPUT_URL": url}, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_drill_from_another_shell_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
     spec = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
     spec.update(name="cancel-me", drills=[])
     spec["checkpoint"]["uri"] = f"file://{tmp_path}/ckpt"
@@ -30,7 +41,8 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(spec))
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "goodput-ray-*")))
     log = open(tmp_path / "stderr.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "controller", "run", str(path)], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "controller", "run", str(path), "--api", "127.0.0.1:0"],
+                            stdout=subprocess.DEVNULL,
                             stderr=log, cwd=tmp_path)
     ours: set[str] = set()
     try:
@@ -43,6 +55,14 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
             time.sleep(0.5)
         else:
             pytest.fail("the run did not reach its first step in 180 s")
+        found = re.search(r"API on (http://127\.0\.0\.1:\d+)", (tmp_path / "stderr.log").read_text())
+        assert found, "goodput run says where its API is"
+        url = found.group(1)
+        assert goodput(url, "status", "cancel-me")["state"] == "running"
+        report = goodput(url, "drill", "cancel-me", "kill-rank", "--target", "5", "--timeout", "200")
+        assert report["outcome"] == "recovered", report
+        assert report["cause"] == "rank_died" and report["attributed_to"]["ranks"] == [5]
+        assert report["decision"] == "restart" and report["recovery_s"] > 0
         proc.send_signal(signal.SIGINT)
         code = proc.wait(90)
     finally:

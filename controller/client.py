@@ -1,0 +1,50 @@
+"""A small client of the goodput REST API for the CLI: `GOODPUT_URL` (default the port `goodput run`
+serves on) and `GOODPUT_TOKEN`; every failure becomes one line that says what to do."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+
+from controller.api import DEFAULT_PORT, TOKEN_ENV
+
+URL_ENV = "GOODPUT_URL"
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+
+
+class ApiClientError(Exception):
+    """The API could not be reached or refused the call; the message is for the user."""
+
+
+class Client:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self.url = (url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
+        token = token or os.environ.get(TOKEN_ENV)
+        host = urlparse(self.url).hostname or ""
+        self._http = httpx.Client(
+            base_url=self.url, timeout=timeout_s,
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+            # a proxy from the environment must not capture calls to this machine
+            trust_env=host not in ("127.0.0.1", "localhost", "::1"),
+        )
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        try:
+            response = self._http.request(method, path, json=body)
+        except httpx.TransportError as e:
+            raise ApiClientError(f"no goodput API answers at {self.url} ({type(e).__name__}); `goodput run` serves "
+                                 f"one while its run lasts, or set {URL_ENV}") from None
+        if response.is_success:
+            return response.json()
+        try:
+            error = response.json()["error"]
+            message = f"{error['message']} ({error['code']}, HTTP {response.status_code})"
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {response.status_code} from {self.url}{path}: {response.text[:200]}"
+        raise ApiClientError(message)
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,156 @@
+"""The REST API over a run controller driven by a fake worker group: drills requested on a live run
+are injected at their step and reported, bad requests get a JSON error that says what to fix, a
+token guards every call, and the CLI's client reaches a real server on loopback."""
+
+from __future__ import annotations
+
+import copy
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from controller.api import ApiBindError, ApiServer, RunRegistry, create_app
+from controller.client import ApiClientError, Client
+from controller.drills import DrillSchedule
+from controller.spec import parse_spec
+from controller.state import RunController, RunState
+from tests.unit.fakes import FakeInjector, FakeWorkerGroup
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
+
+
+def live_run(**overrides: object) -> tuple[RunController, FakeWorkerGroup, FakeInjector, RunRegistry]:
+    raw = copy.deepcopy(BASE)
+    raw["drills"] = []
+    raw.update(overrides)
+    spec = parse_spec(raw)
+    group = FakeWorkerGroup()
+    injector = FakeInjector(group)
+    c = RunController(spec, spec.topology(), group, now=100.0, injector=injector)
+    t = 101.0
+    while c.state is not RunState.RUNNING:
+        c.step(t)
+        t += 1
+    registry = RunRegistry()
+    registry.add(c)
+    return c, group, injector, registry
+
+
+def test_drill_on_a_running_run_is_injected_at_its_step_and_reported() -> None:
+    c, g, injector, registry = live_run()
+    api = TestClient(create_app(registry, clock=lambda: 110.5))
+    g.finish_steps(1, 3)
+    c.step(110.0)
+    response = api.post("/v1/runs/tiny-gpt/drills", json={"kind": "kill-rank", "target": "5", "at_step": 4})
+    assert response.status_code == 202, response.text
+    drill = response.json()
+    assert drill["outcome"] == "scheduled" and drill["id"].startswith("drill-")
+    assert api.get(f"/v1/drills/{drill['id']}").json()["outcome"] == "scheduled"
+    c.step(111.0)
+    assert injector.injected == [], "not before its step"
+    g.finish_steps(4, 4)
+    c.step(112.0)
+    assert injector.injected == [("kill-rank", "5")]
+    assert api.get(f"/v1/drills/{drill['id']}").json()["outcome"] == "pending"
+    for t in (113.0, 117.0):  # the death is seen, then the attribution grace runs out
+        c.step(t)
+    c.step(118.0)
+    g.finish_steps(1, 1)
+    c.step(130.0)
+    report = api.get(f"/v1/drills/{drill['id']}").json()
+    assert report["outcome"] == "recovered", report
+    assert report["cause"] == "rank_died" and report["attributed_to"]["ranks"] == [5]
+    assert report["decision"] == "restart" and report["run_id"] == "tiny-gpt"
+    assert report["recovery_s"] == pytest.approx(130.0 - report["injected_at"])
+    kinds = [e["kind"] for e in api.get("/v1/runs/tiny-gpt/events").json()]
+    assert kinds.index("drill_requested") < kinds.index("drill_injected") < kinds.index("failure_detected")
+
+
+def test_drill_without_a_step_or_target_hits_the_last_rank_now() -> None:
+    c, g, injector, registry = live_run()
+    api = TestClient(create_app(registry, clock=lambda: 104.5))
+    assert api.post("/v1/runs/tiny-gpt/drills", json={"kind": "kill-node"}).status_code == 202
+    c.step(105.0)
+    assert injector.injected == [], "waits for the attempt's first step"
+    g.finish_steps(1, 1)
+    c.step(106.0)
+    assert injector.injected == [("kill-node", c.placement.node_of_rank[-1])]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("body, status, says", [
+    ({"kind": "bitflip"}, 400, "use one of kill-node, kill-rank, hang-rank"),
+    ({"kind": "kill-rank", "target": "8"}, 400, "give a rank from 0 to 7"),
+    ({"kind": "kill-node", "target": "node-4"}, 400, "runs no rank of the current attempt"),
+    ({"kind": "kill-rank", "at_step": 2}, 400, "the run is at step 3"),
+    ({"kind": "kill-rank", "at_step": -1}, 422, "at_step"),
+    ({"kind": "kill-rank", "when": 3}, 422, "when"),
+])
+def test_bad_drill_requests_say_what_to_fix(body: dict, status: int, says: str) -> None:
+    c, g, _, registry = live_run()
+    g.finish_steps(1, 3)
+    c.step(110.0)
+    response = TestClient(create_app(registry)).post("/v1/runs/tiny-gpt/drills", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert says in error["message"], error
+    assert c.drills.pending() == [], "nothing was scheduled"
+
+
+def test_unknown_run_ended_run_and_unknown_drill() -> None:
+    c, g, _, registry = live_run()
+    api = TestClient(create_app(registry, clock=lambda: 110.0))
+    response = api.post("/v1/runs/nope/drills", json={"kind": "kill-rank"})
+    assert response.status_code == 404 and "runs: tiny-gpt" in response.json()["error"]["message"]
+    assert api.get("/v1/drills/drill-00000000").status_code == 404
+    scheduled = api.post("/v1/runs/tiny-gpt/drills", json={"kind": "kill-rank", "at_step": 50}).json()
+    assert api.post("/v1/runs/tiny-gpt/cancel").json()["state"] == "running", "cancel takes effect on the next step"
+    c.step(120.0)
+    response = api.post("/v1/runs/tiny-gpt/drills", json={"kind": "kill-rank"})
+    assert response.status_code == 409 and "cancelled" in response.json()["error"]["message"]
+    assert api.get(f"/v1/drills/{scheduled['id']}").json()["outcome"] == "not_injected"
+
+
+def test_token_guards_everything_but_healthz() -> None:
+    _, _, _, registry = live_run()
+    api = TestClient(create_app(registry, token="s3cret"))
+    assert api.get("/healthz").status_code == 200
+    response = api.get("/v1/runs/tiny-gpt")
+    assert response.status_code == 401 and "Bearer" in response.json()["error"]["message"]
+    assert api.get("/v1/runs/tiny-gpt", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ok = api.get("/v1/runs/tiny-gpt", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and ok.json()["state"] == "running"
+
+
+def test_schedule_orders_drills_by_step_with_immediate_ones_first() -> None:
+    schedule = DrillSchedule()
+    late = schedule.request(0.0, "kill-rank", target=None, at_step=9, step=0, placement=None)
+    now = schedule.request(0.0, "hang-rank", target=None, at_step=None, step=0, placement=None)
+    early = schedule.request(0.0, "kill-node", target=None, at_step=4, step=0, placement=None)
+    assert schedule.pop_due(0) == now
+    assert schedule.pop_due(3) is None
+    assert schedule.pop_due(5) == early
+    assert schedule.find(late.id) == late and schedule.pop_due(9) == late and schedule.pending() == []
+
+
+def test_client_reaches_a_real_server_and_explains_failures() -> None:
+    c, _, _, registry = live_run()
+    server = ApiServer(create_app(registry), "127.0.0.1", 0).start()
+    try:
+        client = Client(server.url)
+        assert client.call("GET", "/v1/runs/tiny-gpt")["state"] == "running"
+        with pytest.raises(ApiClientError, match=r"drill kind 'slow' cannot be injected.*HTTP 400"):
+            client.call("POST", "/v1/runs/tiny-gpt/drills", {"kind": "slow"})
+        with pytest.raises(ApiBindError, match="cannot serve the API on 127.0.0.1"):
+            ApiServer(create_app(registry), "127.0.0.1", server.port)
+        client.close()
+    finally:
+        server.stop()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    with pytest.raises(ApiClientError, match="no goodput API answers at .* set GOODPUT_URL"):
+        Client(f"http://127.0.0.1:{free}").call("GET", "/v1/runs")
