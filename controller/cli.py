@@ -42,8 +42,7 @@ def cmd_run(opts: argparse.Namespace) -> int:
                 view.update(c.progress, attempt=max(c.attempt, 0))
 
         def on_api(url: str) -> None:
-            view.note(f"API on {url}; from another shell: goodput drill {spec.name} kill-rank "
-                      f"(with GOODPUT_URL={url} if that is not the default)")
+            view.note(f"API on {url} (goodput status|drill {spec.name}; GOODPUT_URL={url})")
 
         # Ray's own messages (a raylet's death notice, for one) print to sys.stdout from its threads;
         # stdout is kept for the final result alone, so while the run lasts they go to stderr.

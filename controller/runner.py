@@ -113,17 +113,17 @@ def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None, api: tuple[str
     REST API serves the run while it lasts (its URL goes to `on_api`)."""
     preflight(spec)
     registry = RunRegistry()
-    server = ApiServer(create_app(registry, token=token_from_env()), *api).start() if api else None
+    cluster = make_cluster(spec)
+    cluster.start()
+    server = None
     try:
-        if server is not None and on_api is not None:
-            on_api(server.url)
-        cluster = make_cluster(spec)
-        cluster.start()
-        try:
-            controller = drive(spec, cluster, on_tick=on_tick, registry=registry)
-        finally:
-            cluster.shutdown()
+        if api is not None:
+            server = ApiServer(create_app(registry, token=token_from_env()), *api).start()
+            if on_api is not None:
+                on_api(server.url)
+        controller = drive(spec, cluster, on_tick=on_tick, registry=registry)
     finally:
         if server is not None:
             server.stop()
+        cluster.shutdown()
     return controller.to_dict(time.time())
