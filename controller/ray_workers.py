@@ -1,6 +1,16 @@
-"""The Ray worker group: one actor per rank, pinned by a placement group to the node the placement
-chose, rendezvousing through a TCPStore hosted here in the controller (never in a rank that can
-die; a fresh key prefix per attempt)."""
+"""The Ray worker group: one actor per GPU slot, pinned to its node by a label selector, and one
+training process per rank forked from its actor for each attempt. Ranks rendezvous through a TCPStore
+hosted here in the controller (never in a rank that can die; a fresh key prefix per attempt).
+
+Why a forked process per attempt (measured, see benchmarks/regroup_vs_restart.py and
+benchmarks/recovery_drills.py): a fresh process spends seconds importing torch, while rebuilding the
+process group inside a surviving process takes under a second. But a gloo rank blocked in a
+collective cannot be freed from inside its process (`abort()` does not interrupt it in torch 2.13),
+only by its peers' sockets closing or its timeout. So each actor imports torch once ("warm") and
+forks the rank's training process from that warm image per attempt: ending an attempt is a SIGKILL of
+the forked processes (instant, and it frees every peer), starting one is a fork (milliseconds). Spare
+nodes get warm actors up front, so a replacement starts as fast as a survivor.
+"""
 
 from __future__ import annotations
 
@@ -16,35 +26,108 @@ from trainer.worker import WorkerArgs, WorkerSummary
 
 
 UNRESPONSIVE_S = 3.0
-"""A rank that has not answered a drain call for this long counts as unresponsive."""
+"""A rank whose process or actor has shown no sign of life for this long counts as unresponsive."""
+
+HEARTBEAT_S = 0.25
+"""How often a training process says it is alive (a thread of its own: a stopped process goes quiet,
+one blocked in a collective does not)."""
+
+
+class RankProcessDied(RuntimeError):
+    """The rank's training process ended by a signal or without a word: a cause, not a symptom."""
 
 
 class RankActor:
-    """Runs `trainer.worker.run_worker` for one rank and buffers what it reports. Concurrent
-    calls (max_concurrency=4): `run` trains while `drain` hands reports to the controller."""
+    """Holds one GPU slot on one node. `warm` imports torch; `run` forks this attempt's training process
+    and relays its reports; `stop` SIGKILLs it. Concurrent calls (max_concurrency=4): `run` waits on
+    the process while `drain` hands reports to the controller and `stop` ends it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reports: list[StepReport] = []
         self._events: list[tuple[str, dict]] = []
+        self._process: Any = None
+        self._beat: Any = None
+
+    def warm(self) -> dict[str, Any]:
+        import torch  # noqa: F401 - the point: pay the import once, before any attempt
+
+        import trainer.checkpoint  # noqa: F401
+        import trainer.train  # noqa: F401
+
+        return self.where()
 
     def where(self) -> dict[str, Any]:
-        import os
-
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids()}
+        process = self._process
+        return {"node_id": ctx.get_node_id(), "actor_pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
+                "pid": process.pid if process is not None and process.is_alive() else None}
 
     def run(self, args: WorkerArgs) -> WorkerSummary:
-        import torch
+        import multiprocessing
 
-        from trainer.worker import run_worker
+        ctx = multiprocessing.get_context("fork")
+        receive, send = ctx.Pipe(duplex=False)
+        beat = ctx.Value("d", time.time(), lock=False)
+        process = ctx.Process(target=_train_in_child, args=(args, send, beat, os.getpid()),
+                              name=f"goodput-rank-{args.rank}", daemon=True)
+        with self._lock:
+            self._beat = beat
+            process.start()
+            self._process = process
+        send.close()
+        summary: WorkerSummary | None = None
+        error: str | None = None
+        while True:
+            try:
+                kind, payload = receive.recv()
+            except (EOFError, OSError):
+                break
+            if kind == "report":
+                self.report(payload)
+            elif kind == "event":
+                self.event(*payload)
+            elif kind == "done":
+                summary = payload
+            elif kind == "error":
+                error = payload
+        process.join()
+        receive.close()
+        if process.exitcode is not None and process.exitcode < 0:
+            name = signal.Signals(-process.exitcode).name
+            raise RankProcessDied(f"rank {args.rank}'s training process (pid {process.pid}) was killed by {name}")
+        if error is not None:
+            raise RuntimeError(error)
+        if summary is None:
+            raise RankProcessDied(f"rank {args.rank}'s training process exited with code {process.exitcode} "
+                                  "without a result")
+        return summary
 
-        torch.set_num_threads(1)
-        return run_worker(args, self)
+    def stop(self) -> None:
+        """End this attempt's training process, even a stopped one; returns once it is gone."""
+        with self._lock:
+            process = self._process
+        if process is None or process.pid is None:
+            return
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(process.pid, sig)
+            except ProcessLookupError:
+                break
+        process.join(timeout=10)
 
-    # ReportSink
+    def signal_rank(self, sig: int) -> int:
+        """Send a signal to the training process (the kill-rank and hang-rank drills); its pid."""
+        with self._lock:
+            process = self._process
+        if process is None or not process.is_alive():
+            raise RuntimeError("this rank has no running training process")
+        os.kill(process.pid, sig)
+        return int(process.pid)
+
+    # ReportSink, fed from the pipe
     def report(self, report: StepReport) -> None:
         with self._lock:
             self._reports.append(report)
@@ -53,56 +136,106 @@ class RankActor:
         with self._lock:
             self._events.append((kind, detail))
 
-    def drain(self) -> tuple[list[StepReport], list[tuple[str, dict]]]:
+    def drain(self) -> tuple[list[StepReport], list[tuple[str, dict]], float | None]:
+        """Reports and events since the last drain, and how long the training process has been quiet
+        (None when none runs)."""
         with self._lock:
             out = (self._reports, self._events)
             self._reports, self._events = [], []
-        return out
+            process, beat = self._process, self._beat
+        quiet = time.time() - beat.value if process is not None and process.is_alive() and beat else None
+        return out[0], out[1], quiet
+
+
+class _PipeSink:
+    """The training process's ReportSink: everything goes up the pipe to its actor."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._lock = threading.Lock()
+
+    def put(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            self._send.send((kind, payload))
+
+    def report(self, report: StepReport) -> None:
+        self.put("report", report)
+
+    def event(self, kind: str, detail: dict) -> None:
+        self.put("event", (kind, detail))
+
+
+def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int) -> None:
+    """Body of the forked training process. It never touches Ray (the fork has none of Ray's threads)
+    and ends with its actor: the heartbeat thread exits the process once the actor is gone."""
+    import traceback
+
+    import torch
+
+    from trainer.worker import run_worker
+
+    def heartbeat() -> None:
+        while True:
+            if os.getppid() != actor_pid:
+                os._exit(1)
+            beat.value = time.time()
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    torch.set_num_threads(1)
+    sink = _PipeSink(send)
+    try:
+        sink.put("done", run_worker(args, sink))
+    except BaseException as e:  # noqa: BLE001 - the error goes to the controller, whatever it is
+        sink.put("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
+    finally:
+        send.close()
 
 
 class RayWorkerGroup:
-    def __init__(self, *, store_host: str = "127.0.0.1", launch_timeout_s: float = 60.0,
-                 collective_timeout_s: float = 120.0) -> None:
+    def __init__(self, *, store_host: str = "127.0.0.1", launch_timeout_s: float = 120.0,
+                 collective_timeout_s: float = 120.0, warm: bool = True) -> None:
         self.store_host = store_host
         self.launch_timeout_s = launch_timeout_s
         self.collective_timeout_s = collective_timeout_s
+        self.warm = warm
+        """Keep actors (and their imported torch) across attempts; False: fresh actors per attempt."""
         self._store: Any = None
-        self._pg: Any = None
+        self._pool: dict[str, list[Any]] = {}
+        """node -> its warm actors, idle or assigned."""
         self.actors: list[Any] = []
+        """This attempt's actor of each rank."""
         self._runs: list[Any] = []
         self._finished: set[int] = set()
         self._drains: dict[int, tuple[Any, float]] = {}
         self._nodes: set[str] = set()
-        self._stopped_pids: list[int] = []
 
     def start(self, attempt: AttemptSpec) -> None:
         import ray
         import torch.distributed as dist
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if self._store is None:
             self._store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False)
         placement = attempt.placement
         world = placement.mesh.world_size
-        self._pg = placement_group(
-            [{"GPU": 1}] * world, strategy="PACK",
-            bundle_label_selector=[{"node": node} for node in placement.node_of_rank],
-        )
-        try:
-            ray.get(self._pg.ready(), timeout=self.launch_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(
-                f"the placement group for {world} ranks on nodes {placement.nodes_used()} was not ready in "
-                f"{self.launch_timeout_s:.0f} s: those nodes lack free GPU slots") from None
-        actor_cls = ray.remote(RankActor)
-        self.actors = [
-            actor_cls.options(
-                num_cpus=0, num_gpus=1, max_concurrency=4,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-            ).remote()
-            for rank in range(world)
-        ]
+        per_node = max(len(placement.ranks_on(node)) for node in placement.nodes_used())
+        wanted = {node: len(placement.ranks_on(node)) for node in placement.nodes_used()}
+        if self.warm:
+            for spare in placement.spares:
+                wanted[spare] = max(wanted.get(spare, 0), per_node)
+        new = self._grow_pool(wanted)
+        if new:
+            ready, _ = ray.wait([warm for _, warm in new], num_returns=len(new), timeout=self.launch_timeout_s)
+            if len(ready) < len(new):
+                late = sorted({node for node, warm in new if warm not in ready})
+                raise TimeoutError(f"workers on nodes {late} did not start in {self.launch_timeout_s:.0f} s: "
+                                   "those nodes lack free GPU slots or are gone")
+            ray.get(ready)  # an actor that died while importing raises here
+        taken: dict[str, int] = {}
+        self.actors = []
+        for node in placement.node_of_rank:
+            self.actors.append(self._pool[node][taken.get(node, 0)])
+            taken[node] = taken.get(node, 0) + 1
         self._finished = set()
         self._drains = {}
         self._nodes = set(placement.node_of_rank)
@@ -119,6 +252,21 @@ class RayWorkerGroup:
             for rank, actor in enumerate(self.actors)
         ]
 
+    def _grow_pool(self, wanted: dict[str, int]) -> list[tuple[str, Any]]:
+        """Start actors until each node has `wanted` of them; (node, warm() ref) of the new ones."""
+        import ray
+
+        actor_cls = ray.remote(RankActor)
+        new = []
+        for node, count in wanted.items():
+            pool = self._pool.setdefault(node, [])
+            while len(pool) < count:
+                actor: Any = actor_cls.options(num_cpus=0, num_gpus=1, max_concurrency=4,
+                                          label_selector={"node": node}).remote()
+                pool.append(actor)
+                new.append((node, actor.warm.remote()))
+        return new
+
     def poll(self) -> PollResult:
         import ray
         from ray.exceptions import ActorDiedError, RayActorError
@@ -132,8 +280,11 @@ class RayWorkerGroup:
             self._finished.add(rank)
             try:
                 ray.get(ref)
-            except (ActorDiedError, RayActorError):
+            except RankProcessDied:
                 result.dead_ranks.add(rank)  # the process is gone: a cause, not a symptom
+            except (ActorDiedError, RayActorError):
+                result.dead_ranks.add(rank)
+                self._forget(self.actors[rank])
             except Exception as e:  # noqa: BLE001 - the rank's own error, reported as is
                 result.errors[rank] = f"{type(e).__name__}: {e}"
         self._collect(result)
@@ -145,8 +296,9 @@ class RayWorkerGroup:
         return result
 
     def _collect(self, result: PollResult) -> None:
-        """Drain every live rank's reports; a drain still unanswered after UNRESPONSIVE_S marks the
-        rank unresponsive (a stopped process cannot answer). One drain in flight per rank."""
+        """Drain every live rank's reports. A rank is unresponsive when its drain is unanswered after
+        UNRESPONSIVE_S (a stopped actor) or its training process has been quiet that long (a stopped
+        process). One drain in flight per rank."""
         import ray
 
         now = time.monotonic()
@@ -163,9 +315,11 @@ class RayWorkerGroup:
                 continue
             del self._drains[rank]
             try:
-                reports, events = ray.get(ref)
+                reports, events, quiet_s = ray.get(ref)
             except Exception:  # noqa: BLE001 - a dead actor has nothing left to say
                 continue
+            if quiet_s is not None and quiet_s > UNRESPONSIVE_S and rank not in self._finished:
+                result.unresponsive.add(rank)
             result.reports.extend(reports)
             result.events.extend((rank, kind, detail) for kind, detail in events)
         result.reports.sort(key=lambda r: (r.step, r.rank))
@@ -181,20 +335,22 @@ class RayWorkerGroup:
                 seen.add(name)
                 if info.get("Alive"):
                     alive.add(name)
-        return seen - alive
+        dead = seen - alive
+        for node in dead:
+            self._pool.pop(node, None)  # its actors died with it
+        return dead
 
     def stop_rank(self, rank: int) -> int:
-        """SIGSTOP one rank's process (the hang-rank drill); shutdown resumes it so Ray can kill it."""
-        pid = int(self.where()[rank]["pid"])
-        os.kill(pid, signal.SIGSTOP)
-        self._stopped_pids.append(pid)
-        return pid
+        """SIGSTOP one rank's training process (the hang-rank drill); the attempt's end kills it."""
+        import ray
+
+        return int(ray.get(self.actors[rank].signal_rank.remote(signal.SIGSTOP), timeout=30))
 
     def kill_rank(self, rank: int) -> int:
-        """SIGKILL one rank's process (the kill-rank drill)."""
-        pid = int(self.where()[rank]["pid"])
-        os.kill(pid, signal.SIGKILL)
-        return pid
+        """SIGKILL one rank's training process (the kill-rank drill)."""
+        import ray
+
+        return int(ray.get(self.actors[rank].signal_rank.remote(signal.SIGKILL), timeout=30))
 
     def where(self) -> list[dict[str, Any]]:
         import ray
@@ -202,18 +358,32 @@ class RayWorkerGroup:
         return ray.get([a.where.remote() for a in self.actors], timeout=60)
 
     def shutdown(self) -> None:
+        """End the attempt: every rank's training process is gone when this returns. Warm actors stay
+        for the next attempt (all of them go with `close`, or here when not `warm`)."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
-        for pid in self._stopped_pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        self._stopped_pids = []
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+        if not self.warm:
+            self.close()
+            return
+        stops = [actor.stop.remote() for actor in self.actors]
+        done, _ = ray.wait(stops, num_returns=len(stops), timeout=15)
+        for actor, ref in zip(self.actors, stops):
+            if ref not in done:  # an actor that cannot stop its process goes with it
+                ray.kill(actor, no_restart=True)
+                self._forget(actor)
         self.actors, self._runs, self._drains = [], [], {}
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+
+    def _forget(self, actor: Any) -> None:
+        for pool in self._pool.values():
+            if actor in pool:
+                pool.remove(actor)
+
+    def close(self) -> None:
+        """Release everything: every actor, and with it every training process."""
+        import ray
+
+        for pool in self._pool.values():
+            for actor in pool:
+                ray.kill(actor, no_restart=True)
+        self._pool = {}
+        self.actors, self._runs, self._drains = [], [], {}

@@ -89,7 +89,7 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
         advance()
         raise
     finally:
-        group.shutdown()
+        group.close()
     return controller
 
 
