@@ -1,10 +1,11 @@
 """Who caused a failure. Pure.
 
 When one rank dies its ring neighbours fail within milliseconds with collective errors; those are
-symptoms. The cause is, in order: a dead node (Ray marked it dead), a dead rank (its actor died), a
+symptoms. The cause is, in order: a dead node (Ray marked it dead), a dead rank (its process died), a
 rank that stopped answering (hung), a rank whose own code raised, and only then the collectives.
 Actor deaths are held for a short grace period because a node's death is noticed a moment after
-its actors' deaths, and replacing a node is a different decision from restarting a rank.
+its actors' deaths, and replacing a node is a different decision from restarting a rank. A training
+process that died under a live actor needs no grace: the actor's answer proves its node alive.
 """
 
 from __future__ import annotations
@@ -27,23 +28,23 @@ def is_collective_symptom(message: str) -> bool:
 
 
 def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_ranks: set[int],
-              unresponsive: set[int], node_of_rank: tuple[str, ...], signal_age_s: float | None
-              ) -> FailureEvent | None:
+              unresponsive: set[int], node_of_rank: tuple[str, ...], signal_age_s: float | None,
+              on_live_nodes: frozenset[int] | set[int] = frozenset()) -> FailureEvent | None:
     """The failure's cause, or None while it is too early to tell (or nothing failed).
-    `signal_age_s`: time since the first failure signal of the attempt."""
+    `signal_age_s`: time since the first failure signal of the attempt. `on_live_nodes`: dead ranks
+    whose node is known to be alive (their actor said so): no grace is needed to rule out a node loss."""
     if dead_nodes:
         ranks = tuple(r for r, n in enumerate(node_of_rank) if n in dead_nodes)
         return FailureEvent(time=now, cause=FailureCause.NODE_LOST, nodes=tuple(sorted(dead_nodes)), ranks=ranks,
                             message=f"node(s) {sorted(dead_nodes)} lost with ranks {list(ranks)}")
+    if dead_ranks and dead_ranks <= on_live_nodes:
+        return _rank_died(now, dead_ranks, node_of_rank)
     if not (errors or dead_ranks) or signal_age_s is None or signal_age_s < ATTRIBUTION_GRACE_S:
         return None
     if dead_ranks and signal_age_s < NODE_SUSPECT_GRACE_S and _whole_node_died(dead_ranks, node_of_rank):
         return None
     if dead_ranks:
-        ranks = tuple(sorted(dead_ranks))
-        nodes = sorted({node_of_rank[r] for r in ranks})
-        return FailureEvent(time=now, cause=FailureCause.RANK_DIED, ranks=ranks,
-                            message=f"rank(s) {list(ranks)} died on {nodes}; their nodes are alive")
+        return _rank_died(now, dead_ranks, node_of_rank)
     if unresponsive:
         ranks = tuple(sorted(unresponsive))
         return FailureEvent(time=now, cause=FailureCause.HANG, ranks=ranks,
@@ -61,3 +62,10 @@ def _whole_node_died(dead_ranks: set[int], node_of_rank: tuple[str, ...]) -> boo
         if all(r in dead_ranks for r, n in enumerate(node_of_rank) if n == node):
             return True
     return False
+
+
+def _rank_died(now: float, dead_ranks: set[int], node_of_rank: tuple[str, ...]) -> FailureEvent:
+    ranks = tuple(sorted(dead_ranks))
+    nodes = sorted({node_of_rank[r] for r in ranks})
+    return FailureEvent(time=now, cause=FailureCause.RANK_DIED, ranks=ranks,
+                        message=f"rank(s) {list(ranks)} died on {nodes}; their nodes are alive")

@@ -207,6 +207,7 @@ class RayWorkerGroup:
         """This attempt's actor of each rank."""
         self._runs: list[Any] = []
         self._finished: set[int] = set()
+        self._failed: set[int] = set()
         self._drains: dict[int, tuple[Any, float]] = {}
         self._nodes: set[str] = set()
 
@@ -236,7 +237,7 @@ class RayWorkerGroup:
         for node in placement.node_of_rank:
             self.actors.append(self._pool[node][taken.get(node, 0)])
             taken[node] = taken.get(node, 0) + 1
-        self._finished = set()
+        self._finished, self._failed = set(), set()
         self._drains = {}
         self._nodes = set(placement.node_of_rank)
         self._runs = [
@@ -282,6 +283,7 @@ class RayWorkerGroup:
                 ray.get(ref)
             except RankProcessDied:
                 result.dead_ranks.add(rank)  # the process is gone: a cause, not a symptom
+                result.on_live_nodes.add(rank)  # and its actor, so its node, answered
             except (ActorDiedError, RayActorError):
                 result.dead_ranks.add(rank)
                 self._forget(self.actors[rank])
@@ -289,7 +291,8 @@ class RayWorkerGroup:
                 result.errors[rank] = f"{type(e).__name__}: {e}"
         self._collect(result)
         result.dead_nodes = self._dead_nodes()
-        if result.errors or result.dead_ranks or result.dead_nodes:
+        self._failed |= set(result.errors) | result.dead_ranks
+        if self._failed or result.dead_nodes:  # failed stays failed: later polls must not read "finished"
             result.status = GroupStatus.FAILED
         elif len(self._finished) == len(self._runs):
             result.status = GroupStatus.FINISHED
@@ -371,6 +374,12 @@ class RayWorkerGroup:
             if ref not in done:  # an actor that cannot stop its process goes with it
                 ray.kill(actor, no_restart=True)
                 self._forget(actor)
+        ended, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=5)
+        for ref in ended:  # the killed processes' errors are expected: read them so Ray does not log them
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001
+                pass
         self.actors, self._runs, self._drains = [], [], {}
 
     def _forget(self, actor: Any) -> None:

@@ -101,7 +101,9 @@ class PollResult:
     dead_nodes: set[str] = field(default_factory=set)
     """Nodes of this attempt that Ray reports dead."""
     dead_ranks: set[int] = field(default_factory=set)
-    """Ranks whose actor died (process gone), as opposed to raising."""
+    """Ranks whose process died (gone), as opposed to raising."""
+    on_live_nodes: set[int] = field(default_factory=set)
+    """Dead ranks whose node is known alive (the training process died under a live actor)."""
     unresponsive: set[int] = field(default_factory=set)
     """Ranks that did not answer a status call in time (stopped or wedged)."""
 
@@ -251,6 +253,7 @@ class RunController:
     def _reset_attempt_tracking(self) -> None:
         self._errors: dict[int, str] = {}
         self._dead_ranks: set[int] = set()
+        self._on_live_nodes: set[int] = set()
         self._signal_since: float | None = None
         self._last_step: dict[int, int] = {}
         self._last_report_at: dict[int, float] = {}
@@ -289,7 +292,7 @@ class RunController:
         failure = self._detect(now, result)
         if failure is not None:
             self._recover(now, failure)
-        elif result.status is GroupStatus.FINISHED:
+        elif result.status is GroupStatus.FINISHED and self._signal_since is None:
             self.worker_group.shutdown()
             self._finish(now, RunState.SUCCEEDED, "succeeded", step=self.progress.step)
         else:
@@ -299,12 +302,13 @@ class RunController:
         assert self.placement is not None
         self._errors.update(result.errors)
         self._dead_ranks |= result.dead_ranks
+        self._on_live_nodes |= result.on_live_nodes
         if (self._errors or self._dead_ranks or result.dead_nodes) and self._signal_since is None:
             self._signal_since = now
         age = None if self._signal_since is None else now - self._signal_since
         failure = attribute(now, errors=self._errors, dead_nodes=result.dead_nodes, dead_ranks=self._dead_ranks,
                             unresponsive=result.unresponsive, node_of_rank=self.placement.node_of_rank,
-                            signal_age_s=age)
+                            signal_age_s=age, on_live_nodes=self._on_live_nodes)
         if failure is not None or self._signal_since is not None or not self._attempt_step_times:
             return failure
         verdict = hang_verdict(now, last_step=self._last_step, last_report_at=self._last_report_at,

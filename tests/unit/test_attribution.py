@@ -26,6 +26,12 @@ def test_dead_rank_waits_for_grace_then_names_the_rank() -> None:
     assert f is not None and f.cause is FailureCause.RANK_DIED and f.ranks == (2,) and f.nodes == ()
 
 
+def test_process_death_under_a_live_actor_needs_no_grace() -> None:
+    f = run(errors={1: GLOO}, dead_ranks={2}, on_live_nodes={2}, signal_age_s=0.0)
+    assert f is not None and f.cause is FailureCause.RANK_DIED and f.ranks == (2,)
+    assert run(dead_ranks={2, 3}, on_live_nodes={2}, signal_age_s=0.0) is None, "rank 3's node may be dying"
+
+
 def test_hung_rank_is_the_one_that_stopped_answering() -> None:
     f = run(errors={0: "DistBackendError: Timed out", 1: GLOO, 3: GLOO}, unresponsive={2})
     assert f is not None and f.cause is FailureCause.HANG and f.ranks == (2,)
