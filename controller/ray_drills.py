@@ -1,5 +1,5 @@
 """Drills on a Ray cluster: the real thing, not a simulation. kill-node SIGKILLs a node's raylet
-(embedded cluster), kill-rank SIGKILLs a rank's worker process, hang-rank SIGSTOPs it."""
+(embedded cluster), kill-rank SIGKILLs a rank's training process, hang-rank SIGSTOPs it."""
 
 from __future__ import annotations
 

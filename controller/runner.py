@@ -57,14 +57,16 @@ def make_cluster(spec: RunSpec) -> LocalRayCluster | RemoteRayCluster:
 
 
 def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick: Tick | None = None,
-          poll_s: float = 0.2, registry: RunRegistry | None = None) -> RunController:
+          poll_s: float = 0.2, registry: RunRegistry | None = None, warm_workers: bool = True) -> RunController:
     """Run the spec on a started cluster until the run ends; cancel on Ctrl-C (and re-raise).
-    With a registry the run is visible to the API, which reads it between steps under its lock."""
+    With a registry the run is visible to the API, which reads it between steps under its lock.
+    `warm_workers=False` starts fresh actors for every attempt (the slower mechanism, kept to be
+    measured against: benchmarks/recovery_drills.py)."""
     from controller.ray_drills import RayDrillInjector
     from controller.ray_workers import RayWorkerGroup
 
     store = checkpoint_store(spec)
-    group = RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s)
+    group = RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s, warm=warm_workers)
 
     def topology() -> Topology:
         return spec_view(cluster.topology(), spec)
