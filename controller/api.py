@@ -180,5 +180,15 @@ class ApiServer:
         self._socket.close()
 
 
+def serve(app: FastAPI, host: str, port: int, *, any_port: bool = False) -> ApiServer:
+    """Serve `app` on host:port, or on a free port of host if that one is taken and `any_port`."""
+    try:
+        return ApiServer(app, host, port).start()
+    except ApiBindError:
+        if not any_port:
+            raise
+        return ApiServer(app, host, 0).start()
+
+
 def token_from_env() -> str | None:
     return os.environ.get(TOKEN_ENV) or None

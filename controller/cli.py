@@ -13,6 +13,9 @@ from controller.ray_cluster import ClusterError
 from controller.spec import SpecError, load_spec
 
 
+DEFAULT_API = "127.0.0.1:8470"
+
+
 class CliError(Exception):
     """An error the user can fix; printed as one line, exit code 2."""
 
@@ -48,7 +51,8 @@ def cmd_run(opts: argparse.Namespace) -> int:
         # stdout is kept for the final result alone, so while the run lasts they go to stderr.
         with contextlib.redirect_stdout(sys.stderr):
             try:
-                run = run_foreground(spec, on_tick=on_tick, api=_api_address(opts.api), on_api=on_api)
+                run = run_foreground(spec, on_tick=on_tick, api=_api_address(opts.api or DEFAULT_API),
+                                     api_any_port=opts.api is None, on_api=on_api)
             except ApiBindError as e:
                 raise CliError(f"{e.strerror}; give --api HOST:PORT with a free port (0 picks one) "
                                "or --api off") from None
@@ -266,8 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print the final run as one JSON document")
     run.add_argument("--launcher", choices=["ray", "torchrun"], default="ray",
                      help="ray: the fault-tolerant controller (default); torchrun: plain torchrun, no controller")
-    run.add_argument("--api", default="127.0.0.1:8470", metavar="HOST:PORT",
-                     help="serve the REST API here while the run lasts (for goodput drill/status); off: none")
+    run.add_argument("--api", metavar="HOST:PORT",
+                     help=f"serve the REST API here while the run lasts, for goodput drill/status (default "
+                          f"{DEFAULT_API}, or a free port if that one is taken); off: none")
     run.set_defaults(func=cmd_run)
     plan = sub.add_parser("plan", help="show mesh, rank -> node map and memory per GPU without running")
     plan.add_argument("spec")

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from checkpointing.store import ObjectStore, StoreError, open_store
-from controller.api import ApiServer, RunRegistry, create_app, token_from_env
+from controller.api import ApiServer, RunRegistry, create_app, serve, token_from_env
 from controller.placement import Placement
 from controller.planner import MeshPlan
 from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
@@ -110,9 +110,10 @@ def preflight(spec: RunSpec) -> None:
 
 
 def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None, api: tuple[str, int] | None = None,
-                   on_api: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   api_any_port: bool = False, on_api: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Start the cluster, run, stop the cluster; the final Run object. With `api` (host, port) the
-    REST API serves the run while it lasts (its URL goes to `on_api`)."""
+    REST API serves the run while it lasts (its URL goes to `on_api`); `api_any_port`: if that port
+    is taken, a free one."""
     preflight(spec)
     registry = RunRegistry()
     cluster = make_cluster(spec)
@@ -120,7 +121,7 @@ def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None, api: tuple[str
     server = None
     try:
         if api is not None:
-            server = ApiServer(create_app(registry, token=token_from_env()), *api).start()
+            server = serve(create_app(registry, token=token_from_env()), *api, any_port=api_any_port)
             if on_api is not None:
                 on_api(server.url)
         controller = drive(spec, cluster, on_tick=on_tick, registry=registry)

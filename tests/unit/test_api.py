@@ -12,7 +12,7 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from controller.api import ApiBindError, ApiServer, RunRegistry, create_app
+from controller.api import ApiBindError, ApiServer, RunRegistry, create_app, serve
 from controller.client import ApiClientError, Client
 from controller.drills import DrillSchedule
 from controller.spec import parse_spec
@@ -146,6 +146,9 @@ def test_client_reaches_a_real_server_and_explains_failures() -> None:
             client.call("POST", "/v1/runs/tiny-gpt/drills", {"kind": "slow"})
         with pytest.raises(ApiBindError, match="cannot serve the API on 127.0.0.1"):
             ApiServer(create_app(registry), "127.0.0.1", server.port)
+        other = serve(create_app(registry), "127.0.0.1", server.port, any_port=True)
+        assert other.port != server.port and Client(other.url).call("GET", "/healthz") == {"status": "ok"}
+        other.stop()
         client.close()
     finally:
         server.stop()
