@@ -17,7 +17,10 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# The demo starts over each time: a finished run's checkpoints would make the next one resume at
+# its last step with nothing left to train (goodput run resumes a run's latest checkpoint).
 run: $(STAMP)
+	@if [ -d goodput-runs/tiny-gpt ]; then echo "make run: removing the last demo's checkpoints (goodput-runs/tiny-gpt)"; rm -rf goodput-runs/tiny-gpt; fi
 	$(VENV)/bin/goodput run examples/tiny-gpt.yaml
 
 test: $(STAMP)

@@ -81,9 +81,12 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
             return controller.step(time.time())
 
     try:
-        while not advance().terminal:
+        while True:
+            ended = advance().terminal
             if on_tick is not None:
-                on_tick(controller)
+                on_tick(controller)  # the last step's events too
+            if ended:
+                break
             if controller.state is RunState.RUNNING:
                 time.sleep(poll_s)
     except BaseException:
