@@ -24,8 +24,9 @@ GLOBAL_BATCH = 8
 
 
 def spec(name: str, root: Path, *, nodes: int, spares: int, drills: list[dict], steps: int = 16,
-         every: int = 4) -> RunSpec:
+         every: int = 4, elastic: dict | None = None) -> RunSpec:
     return parse_spec({
+        "elastic": elastic or {},
         "name": name,
         "model": {"n_layers": 4, "d_model": 64, "n_heads": 4, "vocab_size": 64, "seq_len": 32},
         "data": {"kind": "synthetic", "seed": 0},
@@ -118,6 +119,33 @@ def test_kill_node_without_spare_shrinks_then_grows_back(ray_cluster: LocalRayCl
     check_cursor_accounting(tmp_path, "shrink")
     restored = [e.detail for e in c.events.of_kind("restored")]
     assert {d["saved_on_mesh"]["dp"] for d in restored} == {1, 2}, "resharded across dp changes both ways"
+
+
+def test_below_min_dp_waits_for_capacity_then_resumes_on_the_full_mesh(ray_cluster: LocalRayCluster,
+                                                                       tmp_path: Path) -> None:
+    s = spec("wait", tmp_path, nodes=4, spares=0, steps=12, drills=[{"kind": "kill-node", "at_step": 5}],
+             elastic={"min_dp": 2, "wait_for_capacity_s": 120})
+    waited: list[float] = []
+
+    def node_comes_back_while_waiting(c: RunController) -> None:
+        if c.state is RunState.RECOVERING and not waited:
+            waited.append(c.events.of_kind("decision")[-1].time)
+            ray_cluster.add_node(3)
+
+    try:
+        c = drive(s, ray_cluster, on_tick=node_comes_back_while_waiting)
+    finally:
+        restore_node(ray_cluster, "node-3")
+    assert c.state is RunState.SUCCEEDED, c.error
+    decisions = [e.detail for e in c.events.of_kind("decision")]
+    assert [d["action"] for d in decisions] == ["wait", "grow"], decisions
+    assert "elastic.min_dp = 2" in decisions[0]["reason"] and decisions[0]["mesh"] is None
+    assert decisions[1]["mesh"] == {"dp": 2, "pp": 2, "tp": 2}
+    attempts = c.events.of_kind("attempt_started")
+    assert [a.detail["mesh"]["dp"] for a in attempts] == [2, 2], "never ran below min_dp"
+    assert "node-3" in {r["node"] for r in attempts[1].detail["placement"]}
+    assert c.progress.step == 12
+    check_cursor_accounting(tmp_path, "wait")
 
 
 @pytest.mark.parametrize("kind, cause", [("kill-rank", "rank_died"), ("hang-rank", "hang")])
