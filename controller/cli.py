@@ -7,7 +7,7 @@ import argparse
 import contextlib
 import json
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from controller.ray_cluster import ClusterError
 from controller.spec import SpecError, load_spec
@@ -197,20 +197,25 @@ def cmd_checkpoints(opts: argparse.Namespace) -> int:
     return 0
 
 
-def _client() -> Any:
-    from controller.client import Client
+@contextlib.contextmanager
+def _api() -> Iterator[Any]:
+    """A client of the run's API (GOODPUT_URL); its failures become one-line CLI errors."""
+    from controller.client import ApiClientError, Client
 
-    return Client()
+    client = Client()
+    try:
+        yield client
+    except ApiClientError as e:
+        raise CliError(str(e)) from None
+    finally:
+        client.close()
 
 
 def cmd_drill(opts: argparse.Namespace) -> int:
     """Inject a drill into a running run through its API; wait for the report unless --no-wait."""
     import time
 
-    from controller.client import ApiClientError
-
-    client = _client()
-    try:
+    with _api() as client:
         body = {"kind": opts.kind, "target": opts.target, "at_step": opts.at_step}
         drill = client.call("POST", f"/v1/runs/{opts.run}/drills", body)
         deadline = time.monotonic() + opts.timeout
@@ -220,10 +225,6 @@ def cmd_drill(opts: argparse.Namespace) -> int:
                                f"see `goodput status {opts.run}`")
             time.sleep(0.5)
             drill = client.call("GET", f"/v1/drills/{drill['id']}")
-    except ApiClientError as e:
-        raise CliError(str(e)) from None
-    finally:
-        client.close()
     if opts.json:
         _emit_json(drill)
     elif drill["outcome"] == "scheduled":
@@ -236,19 +237,14 @@ def cmd_drill(opts: argparse.Namespace) -> int:
             if drill.get(key) is not None:
                 value = drill[key]
                 print(f"  {key:<14} {value:.2f} s" if key.endswith("_s") else f"  {key:<14} {value}")
-    return 0 if drill["outcome"] in ("recovered", "scheduled") else 1
+    if drill["outcome"] not in ("recovered", "scheduled"):
+        raise CliError(f"drill {drill['id']} ended {drill['outcome']}; see `goodput status {opts.run}`")
+    return 0
 
 
 def cmd_status(opts: argparse.Namespace) -> int:
-    from controller.client import ApiClientError
-
-    client = _client()
-    try:
+    with _api() as client:
         run = client.call("GET", f"/v1/runs/{opts.run}")
-    except ApiClientError as e:
-        raise CliError(str(e)) from None
-    finally:
-        client.close()
     if opts.json:
         _emit_json(run)
         return 0
