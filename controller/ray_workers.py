@@ -229,6 +229,9 @@ class RayWorkerGroup:
             ready, _ = ray.wait([warm for _, warm in new], num_returns=len(new), timeout=self.launch_timeout_s)
             if len(ready) < len(new):
                 late = sorted({node for node, warm in new if warm not in ready})
+                for node in late:  # actors that never started must not be handed out later
+                    for actor in self._pool.pop(node, []):
+                        ray.kill(actor, no_restart=True)
                 raise TimeoutError(f"workers on nodes {late} did not start in {self.launch_timeout_s:.0f} s: "
                                    "those nodes lack free GPU slots or are gone")
             ray.get(ready)  # an actor that died while importing raises here
