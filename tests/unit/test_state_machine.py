@@ -73,6 +73,29 @@ def test_worker_error_restarts_after_attribution_grace() -> None:
     assert g.started[-1].mtbf_s == 20.0, "Young/Daly uses the run's observed MTBF after a failure"
 
 
+def test_every_rank_ending_during_the_grace_period_is_not_success() -> None:
+    """The failure cascade can end every survivor before the cause is known: still a failure."""
+    c, g = controller()
+    start_running(c)
+    g.finish_steps(1, 2)
+    g.error_worker(5, "RuntimeError: [gloo] Connection closed by peer")
+    c.step(110.0)
+    g.complete()  # the group says every rank has ended
+    assert c.step(111.0) is RunState.RUNNING
+    assert c.step(110.0 + ATTRIBUTION_GRACE_S) is RunState.LAUNCHING
+    assert "succeeded" not in c.events.kinds()
+
+
+def test_process_death_on_a_live_node_restarts_without_grace() -> None:
+    c, g = controller()
+    start_running(c)
+    g.finish_steps(1, 2)
+    g.kill_rank(5)
+    g._pending.on_live_nodes.add(5)  # noqa: SLF001 - what the Ray group reports for a killed fork
+    assert c.step(110.0) is RunState.LAUNCHING
+    assert c.events.of_kind("failure_detected")[0].detail["ranks"] == [5]
+
+
 def test_failure_budget_ends_the_run() -> None:
     raw = copy.deepcopy(BASE)
     raw["elastic"]["max_failures"] = 1
