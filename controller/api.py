@@ -24,11 +24,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from controller.client import TOKEN_ENV
 from controller.drills import DrillError
 from controller.state import RunController
-
-TOKEN_ENV = "GOODPUT_TOKEN"
-DEFAULT_PORT = 8470
 
 
 class ApiError(Exception):
@@ -145,7 +143,7 @@ class ApiServer:
     """uvicorn in a daemon thread on a socket bound here (so a busy port is an error in the caller,
     and port 0 picks a free one)."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
         import uvicorn
 
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)

@@ -9,11 +9,12 @@ import json
 import sys
 from typing import Any, Callable, Iterator
 
+from controller.client import DEFAULT_HOST, DEFAULT_PORT
 from controller.ray_cluster import ClusterError
 from controller.spec import SpecError, load_spec
 
 
-DEFAULT_API = "127.0.0.1:8470"
+DEFAULT_API = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 
 class CliError(Exception):

@@ -7,12 +7,11 @@ import os
 from typing import Any
 from urllib.parse import urlparse
 
-import httpx
-
-from controller.api import DEFAULT_PORT, TOKEN_ENV
-
 URL_ENV = "GOODPUT_URL"
-DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+TOKEN_ENV = "GOODPUT_TOKEN"
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8470
+"""Where `goodput run` serves its API unless told otherwise, and where this client looks first."""
+DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 
 class ApiClientError(Exception):
@@ -23,6 +22,8 @@ class Client:
     def __init__(self, url: str | None = None, token: str | None = None, timeout_s: float = 30.0) -> None:
         self.url = (url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
         token = token or os.environ.get(TOKEN_ENV)
+        import httpx  # here, not at import: the CLI and the server import this module for its names
+
         host = urlparse(self.url).hostname or ""
         self._http = httpx.Client(
             base_url=self.url, timeout=timeout_s,
@@ -32,6 +33,8 @@ class Client:
         )
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        import httpx
+
         try:
             response = self._http.request(method, path, json=body)
         except httpx.TransportError as e:

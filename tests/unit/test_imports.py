@@ -1,5 +1,5 @@
 """The house rules on imports: controller -> trainer -> {checkpointing, health}; pure modules load
-without torch, ray or boto3; the CLI starts without Ray or torch."""
+without torch, ray or boto3; the CLI (its API client included) starts without Ray, torch or the web stack."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ PURE_MODULES = [
     "trainer.config", "trainer.report", "trainer.data", "controller.spec", "controller.progress", "controller.cli",
     "controller.topology", "controller.planner", "controller.placement", "controller.failure_policy",
     "controller.attribution", "controller.state", "controller.events", "controller.drills",
-    "checkpointing.manifest", "checkpointing.policy", "checkpointing.store", "health.hang",
+    "checkpointing.manifest", "checkpointing.policy", "checkpointing.store", "health.hang", "controller.client",
 ]
 
 
@@ -50,7 +50,7 @@ def test_pure_modules_load_without_heavy_libraries() -> None:
     code = (
         "import sys\n"
         f"for m in {PURE_MODULES!r}: __import__(m)\n"
-        "heavy = sorted(m for m in ('torch', 'ray', 'boto3') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('torch', 'ray', 'boto3', 'fastapi', 'uvicorn', 'httpx') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
