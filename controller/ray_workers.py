@@ -219,11 +219,9 @@ class RayWorkerGroup:
             self._store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False)
         placement = attempt.placement
         world = placement.mesh.world_size
-        per_node = max(len(placement.ranks_on(node)) for node in placement.nodes_used())
         wanted = {node: len(placement.ranks_on(node)) for node in placement.nodes_used()}
-        if self.warm:
-            for spare in placement.spares:
-                wanted[spare] = max(wanted.get(spare, 0), per_node)
+        if self.warm:  # a spare may replace any node: as many warm actors as the fullest one has
+            wanted |= {spare: max(wanted.values()) for spare in placement.spares}
         new = self._grow_pool(wanted)
         if new:
             ready, _ = ray.wait([warm for _, warm in new], num_returns=len(new), timeout=self.launch_timeout_s)
