@@ -26,6 +26,10 @@ class StoreError(Exception):
     """A storage operation failed for good (after retries); the message names the key and why."""
 
 
+class StoreUnavailable(StoreError):
+    """The store refuses requests for now (an outage); the same request may succeed later."""
+
+
 class AlreadyExists(StoreError):
     """An if-absent put found the key already there (another writer committed first)."""
 
@@ -230,6 +234,63 @@ class S3Store:
 
     def local_path(self, key: str) -> Path | None:
         return None
+
+
+class OutageGate:
+    """An ObjectStore that refuses writes while `until()` (unix seconds) lies ahead: the storage-outage
+    drill. Reads go through; while the gate is shut nothing is written, so nothing partial appears."""
+
+    def __init__(self, inner: ObjectStore, until: Callable[[], float]) -> None:
+        self.inner = inner
+        self.until = until
+        self.uri = inner.uri
+
+    def _check(self, what: str, key: str) -> None:
+        left = self.until() - time.time()
+        if left > 0:
+            raise StoreUnavailable(f"{what} of {key} refused by {self.uri}: storage outage for another {left:.1f} s")
+
+    def put_file(self, key: str, path: Path) -> None:
+        self._check("upload", key)
+        self.inner.put_file(key, path)
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self._check("put", key)
+        self.inner.put_bytes(key, data, if_absent=if_absent)
+
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.inner.get_bytes(key, start, end)
+
+    def download(self, key: str, path: Path) -> None:
+        self.inner.download(key, path)
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._check("delete", prefix)
+        self.inner.delete_prefix(prefix)
+
+    def local_path(self, key: str) -> Path | None:
+        """In place only while writes are allowed: during an outage, shards wait in staging."""
+        return None if self.until() > time.time() else self.inner.local_path(key)
+
+
+def retry_unavailable(what: str, fn: Callable[[], T], *, budget_s: float) -> T:
+    """Call `fn`, retrying with backoff while the store is unavailable, for at most `budget_s`;
+    past it a StoreError says how long it tried."""
+    from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
+
+    started = time.monotonic()
+    try:
+        for attempt in Retrying(retry=retry_if_exception_type(StoreUnavailable), stop=stop_after_delay(budget_s),
+                                wait=wait_exponential_jitter(initial=0.2, max=2.0), reraise=False):
+            with attempt:
+                return fn()
+    except RetryError as e:
+        raise StoreError(f"{what} failed for {time.monotonic() - started:.1f} s (retried within a {budget_s:.0f} s "
+                         f"budget): {e.last_attempt.exception()}") from None
+    raise AssertionError("unreachable")
 
 
 def open_store(uri: str, **s3_options: Any) -> ObjectStore:

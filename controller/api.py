@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from controller.client import TOKEN_ENV
-from controller.drills import DrillError
+from controller.drills import DrillError, rank_target
 from controller.state import RunController
 
 
@@ -65,9 +65,13 @@ class RunRegistry:
 
 class DrillBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kind: str = Field(description="kill-node, kill-rank or hang-rank")
-    target: str | None = Field(None, description="node name (kill-node) or rank number; default: the last rank")
+    kind: str = Field(description="kill-node, kill-rank, hang-rank, slow-rank, bitflip or storage-outage")
+    target: str | int | None = Field(None, description="node name (kill-node) or rank number (an integer or a "
+                                                        "string); default: the last rank")
     at_step: int | None = Field(None, ge=0, description="inject once this step is done; default: now")
+    factor: float | None = Field(None, ge=1, description="slow-rank: times slower (default 1.5)")
+    seconds: float | None = Field(None, gt=0, description="storage-outage: seconds the store refuses writes "
+                                                          "(default 30)")
 
 
 def create_app(registry: RunRegistry, *, token: str | None = None,
@@ -122,7 +126,8 @@ def create_app(registry: RunRegistry, *, token: str | None = None,
             if c.state.terminal:
                 raise ApiError(409, "run_ended", f"run {run_id!r} has {c.state.value}; drills need a live run")
             try:
-                request = c.request_drill(clock(), body.kind, target=body.target, at_step=body.at_step)
+                request = c.request_drill(clock(), body.kind, target=rank_target(body.target), at_step=body.at_step,
+                                          factor=body.factor, seconds=body.seconds)
             except DrillError as e:
                 raise ApiError(400, "drill_rejected", str(e)) from None
             return {**request.to_dict(), "run_id": run_id, "outcome": "scheduled"}

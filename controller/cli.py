@@ -218,6 +218,7 @@ def cmd_drill(opts: argparse.Namespace) -> int:
 
     with _api() as client:
         body = {"kind": opts.kind, "target": opts.target, "at_step": opts.at_step}
+        body |= {k: v for k, v in (("factor", opts.factor), ("seconds", opts.seconds)) if v is not None}
         drill = client.call("POST", f"/v1/runs/{opts.run}/drills", body)
         deadline = time.monotonic() + opts.timeout
         while not opts.no_wait and drill["outcome"] in ("scheduled", "pending"):
@@ -238,7 +239,7 @@ def cmd_drill(opts: argparse.Namespace) -> int:
             if drill.get(key) is not None:
                 value = drill[key]
                 print(f"  {key:<14} {value:.2f} s" if key.endswith("_s") else f"  {key:<14} {value}")
-    if drill["outcome"] not in ("recovered", "scheduled"):
+    if drill["outcome"] not in ("recovered", "scheduled", "detected"):
         raise CliError(f"drill {drill['id']} ended {drill['outcome']}; see `goodput status {opts.run}`")
     return 0
 
@@ -283,9 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     ckpts.set_defaults(func=cmd_checkpoints)
     drill = sub.add_parser("drill", help="inject a failure into a running run and report how it recovered")
     drill.add_argument("run")
-    drill.add_argument("kind", choices=["kill-node", "kill-rank", "hang-rank"])
+    drill.add_argument("kind", choices=["kill-node", "kill-rank", "hang-rank", "slow-rank", "bitflip",
+                                        "storage-outage"])
     drill.add_argument("--target", help="node name (kill-node) or rank number; default: the last rank")
     drill.add_argument("--at-step", type=int, help="inject once this step is done; default: now")
+    drill.add_argument("--factor", type=float, help="slow-rank: how many times slower (default 1.5)")
+    drill.add_argument("--seconds", type=float, help="storage-outage: how long writes are refused (default 30)")
     drill.add_argument("--no-wait", action="store_true", help="return once scheduled, without the report")
     drill.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the report")
     drill.add_argument("--json", action="store_true")

@@ -12,14 +12,21 @@ from typing import Any, Protocol
 from controller.events import Event
 from controller.placement import Placement
 
-INJECTABLE = ("kill-node", "kill-rank", "hang-rank")
-"""Drill kinds this controller can inject today."""
+INJECTABLE = ("kill-node", "kill-rank", "hang-rank", "slow-rank", "bitflip", "storage-outage")
+"""Drill kinds this controller can inject."""
+RANK_KINDS = ("kill-rank", "hang-rank", "slow-rank", "bitflip")
+"""Drills that target a rank (kill-node targets a node; storage-outage the run's object store)."""
+DEFAULT_FACTOR = 1.5
+DEFAULT_OUTAGE_S = 30.0
 
 
 class DrillInjector(Protocol):
-    def inject(self, kind: str, target: str) -> dict[str, Any]:
+    def inject(self, kind: str, target: str, *, factor: float | None = None,
+               seconds: float | None = None) -> dict[str, Any]:
         """Do it (kill-node: SIGKILL the node's raylet; kill-rank: SIGKILL a worker; hang-rank: SIGSTOP
-        a worker) and say what was hit."""
+        a worker; slow-rank: the rank computes `factor` x slower; bitflip: flip a high exponent bit of
+        one of its parameters; storage-outage: the object store refuses writes for `seconds`) and say
+        what was hit."""
         ...
 
 
@@ -39,24 +46,54 @@ class DrillRequest:
     """Node name or rank number; None: the node or rank of the last rank at injection time."""
     requested_at: float | None = None
     """Unix seconds the request arrived (None for the spec's drills)."""
+    factor: float | None = None
+    """slow-rank: how many times slower the rank computes (default 1.5)."""
+    seconds: float | None = None
+    """storage-outage: how long the object store refuses writes (default 30)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "kind": self.kind, "target": self.target, "at_step": self.at_step,
-                "requested_at": self.requested_at}
+        out = {"id": self.id, "kind": self.kind, "target": self.target, "at_step": self.at_step,
+               "requested_at": self.requested_at}
+        if self.kind == "slow-rank":
+            out["factor"] = self.factor or DEFAULT_FACTOR
+        if self.kind == "storage-outage":
+            out["seconds"] = self.seconds or DEFAULT_OUTAGE_S
+        return out
 
 
 def new_drill_id() -> str:
     return f"drill-{uuid.uuid4().hex[:8]}"
 
 
+def rank_target(target: str | int | None) -> str | None:
+    """A rank may come as an int (YAML `target: 2`, JSON) or a string; inside it is a string."""
+    return None if target is None else str(target)
+
+
+def params_problem(kind: str, factor: float | None, seconds: float | None) -> str | None:
+    if factor is not None and kind != "slow-rank":
+        return f"factor is for slow-rank drills, not {kind}"
+    if seconds is not None and kind != "storage-outage":
+        return f"seconds is for storage-outage drills, not {kind}"
+    if factor is not None and factor < 1.0:
+        return f"factor = {factor} must be >= 1 (how many times slower the rank computes)"
+    if seconds is not None and seconds <= 0:
+        return f"seconds = {seconds} must be > 0"
+    return None
+
+
 def default_target(kind: str, placement: Placement) -> str:
     """The last rank (or its node): the rank least likely to be the one a user watches."""
     last = placement.mesh.world_size - 1
+    if kind == "storage-outage":
+        return "store"
     return placement.node_of_rank[last] if kind == "kill-node" else str(last)
 
 
 def target_problem(kind: str, target: str, placement: Placement) -> str | None:
     """Why `target` cannot be hit by `kind` on this placement, or None if it can."""
+    if kind == "storage-outage":
+        return None if target == "store" else f"storage-outage hits the run's object store; give no target (got {target!r})"
     if kind == "kill-node":
         nodes = placement.nodes_used()
         if target not in nodes:
@@ -81,16 +118,20 @@ class DrillSchedule:
         self._pending.sort(key=lambda r: -1 if r.at_step is None else r.at_step)
 
     def request(self, now: float, kind: str, *, target: str | None, at_step: int | None, step: int,
-                placement: Placement | None) -> DrillRequest:
+                placement: Placement | None, factor: float | None = None,
+                seconds: float | None = None) -> DrillRequest:
         """Validate and queue a drill on a live run at `step`; DrillError says what to fix."""
         if kind not in INJECTABLE:
             raise DrillError(f"drill kind {kind!r} cannot be injected; use one of {', '.join(INJECTABLE)}")
+        if (problem := params_problem(kind, factor, seconds)) is not None:
+            raise DrillError(problem)
         if at_step is not None and at_step < step:
             raise DrillError(f"at_step {at_step} has passed: the run is at step {step}; give a later step "
                              "or leave it out to inject now")
         if target is not None and placement is not None and (problem := target_problem(kind, target, placement)):
             raise DrillError(problem)
-        request = DrillRequest(id=new_drill_id(), kind=kind, at_step=at_step, target=target, requested_at=now)
+        request = DrillRequest(id=new_drill_id(), kind=kind, at_step=at_step, target=target, requested_at=now,
+                               factor=factor, seconds=seconds)
         self._add(request)
         return request
 
@@ -109,7 +150,8 @@ class DrillSchedule:
 
 def drill_reports(events: list[Event]) -> list[dict[str, Any]]:
     """One report per injected (or refused) drill: injected_at, detected_at, recovered_at (first step
-    finished on the new attempt), steps_lost (work redone since the last commit), decision, outcome."""
+    finished on the new attempt; for storage-outage, the first commit after the outage), steps_lost
+    (work redone since the last commit), decision, outcome."""
     reports = []
     for i, ev in enumerate(events):
         if ev.kind == "drill_failed":
@@ -121,31 +163,102 @@ def drill_reports(events: list[Event]) -> list[dict[str, Any]]:
         if ev.kind != "drill_injected":
             continue
         later = events[i + 1:]
-        detected = next((e for e in later if e.kind == "failure_detected"), None)
-        decision = next((e for e in later if e.kind == "decision"), None)
-        recovered = next((e for e in later if e.kind == "first_step_after_recovery"), None)
-        restored = next((e for e in later if e.kind == "attempt_started"), None)
-        ended = next((e for e in later if e.kind in ("failed", "cancelled", "succeeded")), None)
-        resumed_from = restored.detail.get("start_step", 0) if restored else None
-        report: dict[str, Any] = {
-            "id": ev.detail.get("id"), "kind": ev.detail["drill"], "target": ev.detail.get("target"),
-            "at_step": ev.detail.get("step"),
-            "injected_at": ev.time,
-            "detected_at": detected.time if detected else None,
-            "cause": detected.detail.get("cause") if detected else None,
-            "attributed_to": ({"nodes": detected.detail.get("nodes"), "ranks": detected.detail.get("ranks")}
-                              if detected else None),
-            "decision": decision.detail.get("action") if decision else None,
-            "recovered_at": recovered.time if recovered else None,
-            "steps_lost": (ev.detail["step"] - resumed_from) if resumed_from is not None else None,
-            "outcome": _outcome(recovered is not None, detected is not None, ended.kind if ended else None),
-        }
-        if detected:
-            report["detection_s"] = detected.time - ev.time
-        if recovered:
-            report["recovery_s"] = recovered.time - ev.time
+        kind = ev.detail["drill"]
+        if kind == "slow-rank":
+            report = _slow_rank_report(ev, later)
+        elif kind == "storage-outage":
+            report = _outage_report(ev, later)
+        else:
+            report = _failure_report(ev, later)
+        report = {"id": ev.detail.get("id"), "kind": kind, "target": ev.detail.get("target"),
+                  "at_step": ev.detail.get("step"), "injected_at": ev.time, **report}
+        for name in ("factor", "seconds"):
+            if name in ev.detail:
+                report[name] = ev.detail[name]
+        if report.get("detected_at") is not None:
+            report["detection_s"] = report["detected_at"] - ev.time
+        if report.get("recovered_at") is not None:
+            report["recovery_s"] = report["recovered_at"] - ev.time
         reports.append(report)
     return reports
+
+
+def _first(events: list[Event], kind: str, **match: Any) -> Event | None:
+    return next((e for e in events if e.kind == kind and all(e.detail.get(k) == v for k, v in match.items())), None)
+
+
+def _ended(events: list[Event]) -> Event | None:
+    return next((e for e in events if e.kind in ("failed", "cancelled", "succeeded")), None)
+
+
+def _failure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
+    """kill-node, kill-rank, hang-rank, bitflip: detected as a failure, decided on, recovered."""
+    detected = _first(later, "failure_detected")
+    decision = _first(later, "decision")
+    recovered = _first(later, "first_step_after_recovery")
+    restored = _first(later, "attempt_started")
+    ended = _ended(later)
+    resumed_from = restored.detail.get("start_step", 0) if restored else None
+    return {
+        "detected_at": detected.time if detected else None,
+        "cause": detected.detail.get("cause") if detected else None,
+        "attributed_to": ({"nodes": detected.detail.get("nodes"), "ranks": detected.detail.get("ranks")}
+                          if detected else None),
+        "decision": decision.detail.get("action") if decision else None,
+        "recovered_at": recovered.time if recovered else None,
+        "steps_lost": (ev.detail["step"] - resumed_from) if resumed_from is not None else None,
+        "outcome": _outcome(recovered is not None, detected is not None, ended.kind if ended else None),
+    }
+
+
+def _slow_rank_report(ev: Event, later: list[Event]) -> dict[str, Any]:
+    """Detected by the straggler verdict naming the rank; then either reported only, or its node
+    replaced at the next checkpoint (no step lost)."""
+    rank = int(ev.detail["target"])
+    verdict = _first(later, "straggler", rank=rank)
+    after = later[later.index(verdict) + 1:] if verdict else []
+    detected = _first(after, "failure_detected", cause="straggler")
+    decision = _first(after, "decision") if detected else None
+    recovered = _first(after, "first_step_after_recovery") if detected else None
+    restored = _first(after, "attempt_started") if detected else None
+    ended = _ended(later)
+    if verdict is None:
+        outcome = "not_detected" if ended else "pending"
+    elif detected is None:
+        outcome = "detected"
+    else:
+        outcome = _outcome(recovered is not None, True, ended.kind if ended else None)
+    return {
+        "detected_at": verdict.time if verdict else None,
+        "cause": "straggler" if verdict else None,
+        "attributed_to": ({"nodes": [verdict.detail.get("node")], "ranks": [rank], "score": verdict.detail.get("score"),
+                           "steps_to_verdict": verdict.detail.get("step", 0) - ev.detail["step"]}
+                          if verdict else None),
+        "decision": decision.detail.get("action") if decision else ("report" if verdict else None),
+        "recovered_at": recovered.time if recovered else None,
+        "steps_lost": (detected.detail.get("step", 0) - restored.detail.get("start_step", 0)
+                       if detected and restored else 0),
+        "outcome": outcome,
+    }
+
+
+def _outage_report(ev: Event, later: list[Event]) -> dict[str, Any]:
+    """The outage shows as failed saves (unless retries outlast it); it is over at the first commit
+    after it ends."""
+    until = float(ev.detail.get("until", ev.time))
+    failed = [e for e in later if e.kind == "checkpoint_failed"]
+    committed = next((e for e in later if e.kind == "checkpoint_committed" and e.time >= until), None)
+    ended = _ended(later)
+    return {
+        "detected_at": failed[0].time if failed else None,
+        "cause": "storage_outage" if failed else None,
+        "attributed_to": None,
+        "decision": "retry",
+        "saves_failed": [e.detail.get("step") for e in failed if committed is None or e.time <= committed.time],
+        "recovered_at": committed.time if committed else None,
+        "steps_lost": 0,
+        "outcome": "recovered" if committed else ("not_recovered" if ended else "pending"),
+    }
 
 
 def _outcome(recovered: bool, detected: bool, ended: str | None) -> str:

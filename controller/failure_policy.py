@@ -6,13 +6,15 @@
 - below min_dp             -> wait for capacity up to a bound, then fail with the reason;
 - capacity back (a node joined) and dp < the spec's -> grow back at the next checkpoint;
 - more than elastic.max_failures failures -> fail.
+A node blamed for silent data corruption or a persistent slowdown is quarantined rather than lost:
+the same decisions follow, but it never comes back into the run.
 The controller acts on the decision; nothing here touches Ray or torch.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controller.placement import PlacementError, place
 from controller.topology import NodeState, Topology
@@ -25,6 +27,14 @@ class FailureCause(str, enum.Enum):
     HANG = "hang"
     COLLECTIVE_ERROR = "collective_error"
     WORKER_ERROR = "worker_error"
+    SDC = "sdc"
+    STRAGGLER = "straggler"
+
+    @property
+    def quarantines(self) -> bool:
+        """The node is alive but not to be trusted: it gets no rank for the rest of the run (a lost
+        node may come back; a quarantined one does not)."""
+        return self in (FailureCause.SDC, FailureCause.STRAGGLER)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +49,8 @@ class FailureEvent:
     """Ranks that died or stopped."""
     message: str = ""
     """Human-readable detail."""
+    evidence: dict = field(default_factory=dict)
+    """What pointed at the ranks (SDC: the probes' findings per rank)."""
 
 
 class Action(str, enum.Enum):
@@ -91,7 +103,7 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
     """`failures_so_far` counts earlier failures of the run (this one excluded)."""
     failures = failures_so_far + 1
     for node in event.nodes:
-        topology = topology.with_state(node, NodeState.LOST)
+        topology = topology.with_state(node, NodeState.QUARANTINED if event.cause.quarantines else NodeState.LOST)
     if failures > limits.max_failures:
         return Decision(action=Action.FAIL, mesh=None, topology=topology,
                         reason=f"{failures} failures exceed elastic.max_failures = {limits.max_failures}")

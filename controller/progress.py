@@ -17,12 +17,12 @@ class RunProgress:
     step_times: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     compute_s: list[float] = field(default_factory=list)
-    sync_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
 
     def add(self, report: StepReport) -> bool:
         """Record a report; True when it finished a new step (it carries the loss)."""
         self.compute_s.append(report.compute_s)
-        self.sync_s.append(report.sync_s)
+        self.wait_s.append(report.wait_s)
         if report.loss is None:
             return False
         if self.history and self.history[-1]["step"] >= report.step:
@@ -54,5 +54,5 @@ class RunProgress:
             "median_step_s": med(self.step_times),
             "median_tokens_per_s": med(self.tokens_per_s),
             "median_compute_s": med(self.compute_s),
-            "median_sync_wait_s": med(self.sync_s),
+            "median_wait_s": med(self.wait_s),
         }

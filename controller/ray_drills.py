@@ -1,5 +1,8 @@
 """Drills on a Ray cluster: the real thing, not a simulation. kill-node SIGKILLs a node's raylet
-(embedded cluster), kill-rank SIGKILLs a rank's training process, hang-rank SIGSTOPs it."""
+(embedded cluster), kill-rank SIGKILLs a rank's training process, hang-rank SIGSTOPs it; slow-rank,
+bitflip and storage-outage flip the switches of the targeted GPU slots (trainer/switches.py): the
+rank's own compute takes `factor` times as long, one bit of its parameters flips in place, the
+object store refuses checkpoint writes for `seconds`."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ class RayDrillInjector:
         self.cluster = cluster
         self.group = group
 
-    def inject(self, kind: str, target: str) -> dict[str, Any]:
+    def inject(self, kind: str, target: str, *, factor: float | None = None,
+               seconds: float | None = None) -> dict[str, Any]:
         if kind == "kill-node":
             self.cluster.kill_node(target)
             return {"node": target}
@@ -22,4 +26,13 @@ class RayDrillInjector:
             return {"rank": int(target), "pid": self.group.kill_rank(int(target))}
         if kind == "hang-rank":
             return {"rank": int(target), "pid": self.group.stop_rank(int(target))}
-        raise ClusterError(f"drill {kind!r} is not available yet; use kill-node, kill-rank or hang-rank")
+        if kind == "slow-rank":
+            self.group.slow_rank(int(target), factor or 1.5)
+            return {"rank": int(target), "factor": factor or 1.5}
+        if kind == "bitflip":
+            self.group.bitflip_rank(int(target))
+            return {"rank": int(target)}
+        if kind == "storage-outage":
+            until = self.group.storage_outage(seconds or 30.0)
+            return {"seconds": seconds or 30.0, "until": until}
+        raise ClusterError(f"drill {kind!r} is unknown")

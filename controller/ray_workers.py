@@ -43,7 +43,13 @@ class RankActor:
     the process while `drain` hands reports to the controller and `stop` ends it."""
 
     def __init__(self) -> None:
+        import multiprocessing
+
+        from trainer.switches import SIZE, DrillSwitches
+
         self._lock = threading.Lock()
+        # Shared with every training process forked from here: drills set on this GPU slot stay with it.
+        self._switches = DrillSwitches(multiprocessing.get_context("fork").Array("d", SIZE, lock=False))
         self._reports: list[StepReport] = []
         self._events: list[tuple[str, dict]] = []
         self._process: Any = None
@@ -71,7 +77,7 @@ class RankActor:
         ctx = multiprocessing.get_context("fork")
         receive, send = ctx.Pipe(duplex=False)
         beat = ctx.Value("d", time.time(), lock=False)
-        process = ctx.Process(target=_train_in_child, args=(args, send, beat, os.getpid()),
+        process = ctx.Process(target=_train_in_child, args=(args, send, beat, os.getpid(), self._switches),
                               name=f"goodput-rank-{args.rank}", daemon=True)
         with self._lock:
             self._beat = beat
@@ -117,6 +123,18 @@ class RankActor:
             except ProcessLookupError:
                 break
         process.join(timeout=10)
+
+    def slow(self, factor: float) -> None:
+        """The slow-rank drill: this GPU slot computes `factor` times slower from now on."""
+        self._switches.slow(factor)
+
+    def bitflip(self) -> None:
+        """The bitflip drill: the training process flips a bit of its parameters before its next step."""
+        self._switches.request_bitflip()
+
+    def outage(self, until: float) -> None:
+        """The storage-outage drill: checkpoint writes from this slot are refused until `until`."""
+        self._switches.outage(until)
 
     def signal_rank(self, sig: int) -> int:
         """Send a signal to the training process (the kill-rank and hang-rank drills); its pid."""
@@ -165,7 +183,7 @@ class _PipeSink:
         self.put("event", (kind, detail))
 
 
-def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int) -> None:
+def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, switches: Any) -> None:
     """Body of the forked training process. It never touches Ray (the fork has none of Ray's threads)
     and ends with its actor: the heartbeat thread exits the process once the actor is gone."""
     import traceback
@@ -185,7 +203,7 @@ def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int) -> N
     torch.set_num_threads(1)
     sink = _PipeSink(send)
     try:
-        sink.put("done", run_worker(args, sink))
+        sink.put("done", run_worker(args, sink, switches=switches))
     except BaseException as e:  # noqa: BLE001 - the error goes to the controller, whatever it is
         sink.put("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
     finally:
@@ -355,6 +373,27 @@ class RayWorkerGroup:
         import ray
 
         return int(ray.get(self.actors[rank].signal_rank.remote(signal.SIGKILL), timeout=30))
+
+    def slow_rank(self, rank: int, factor: float) -> None:
+        """Make one rank's GPU slot compute `factor` times slower (the slow-rank drill)."""
+        import ray
+
+        ray.get(self.actors[rank].slow.remote(factor), timeout=30)
+
+    def bitflip_rank(self, rank: int) -> None:
+        """Flip a high exponent bit of one parameter element of one rank, in place (the bitflip drill)."""
+        import ray
+
+        ray.get(self.actors[rank].bitflip.remote(), timeout=30)
+
+    def storage_outage(self, seconds: float) -> float:
+        """Every slot's checkpoint writes are refused for `seconds` (the storage-outage drill); the end time."""
+        import ray
+
+        until = time.time() + seconds
+        actors = [actor for pool in self._pool.values() for actor in pool]
+        ray.get([actor.outage.remote(until) for actor in actors], timeout=30)
+        return until
 
     def where(self) -> list[dict[str, Any]]:
         import ray

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.config import (
-    DataConfig, MeshShape, ModelConfig, Schedule, TrainConfig, TrainerConfig,
+    DataConfig, MeshShape, ModelConfig, ProbeConfig, Schedule, TrainConfig, TrainerConfig,
 )
 
 if TYPE_CHECKING:
@@ -87,11 +87,18 @@ class CheckpointSpec(_Strict):
     every_steps: int | Literal["auto"] = 20
     keep: int = Field(default=3, gt=0)
     mtbf_hours: float | None = Field(default=None, gt=0)
+    # how long a write the store refuses for now (an outage) is retried before the save fails
+    retry_budget_s: float = Field(default=30.0, ge=0)
 
 
 class HealthSpec(_Strict):
     straggler_ratio: float = Field(default=1.5, gt=1)
+    # report: straggler events only; replace: also move the slow rank's node to a spare at the next
+    # checkpoint, when a spare exists
+    straggler_action: Literal["report", "replace"] = "report"
     sdc_every_steps: int = Field(default=10, ge=0)
+    grad_spike_factor: float = Field(default=10.0, gt=1)
+    probes: bool = True
     hang_factor: float = Field(default=3.0, gt=1)
     # The timeout hierarchy: collective timeout < hang verdict floor < give-up (elastic.wait_for_capacity_s).
     collective_timeout_s: float = Field(default=30.0, gt=0)
@@ -115,6 +122,22 @@ class DrillSpec(_Strict):
     kind: Literal["kill-node", "kill-rank", "hang-rank", "slow-rank", "bitflip", "storage-outage"]
     at_step: int = Field(ge=0)
     target: str | None = None
+    factor: float | None = Field(default=None, ge=1)
+    seconds: float | None = Field(default=None, gt=0)
+
+    @field_validator("target", mode="before")
+    @classmethod
+    def _rank_as_int(cls, v: Any) -> Any:
+        """`target: 2` in YAML is rank 2: a rank may be an int or a string."""
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _params_fit_kind(self) -> "DrillSpec":
+        from controller.drills import params_problem
+
+        if (problem := params_problem(self.kind, self.factor, self.seconds)) is not None:
+            raise ValueError(problem)
+        return self
 
 
 class RunSpec(_Strict):
@@ -142,6 +165,8 @@ class RunSpec(_Strict):
             data=DataConfig(**self.data.model_dump()),
             train=self.to_train_config(),
             mesh=mesh,
+            probes=ProbeConfig(enabled=self.health.probes, sdc_every_steps=self.health.sdc_every_steps,
+                               spike_factor=self.health.grad_spike_factor),
         )
         try:
             config.validate()

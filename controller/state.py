@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from checkpointing.manifest import latest_verified
+from checkpointing.manifest import MANIFEST, committed_steps, latest_verified, step_prefix
 from checkpointing.policy import observed_mtbf_s
 from checkpointing.store import ObjectStore
 from controller.events import EventLog
@@ -33,6 +33,7 @@ from controller.failure_policy import (
 )
 from controller.topology import NodeState, Topology
 from health.hang import hang_verdict
+from health.straggler import StragglerConfig, StragglerTracker
 from trainer.config import MeshShape, TrainerConfig
 from trainer.report import StepReport
 
@@ -166,10 +167,18 @@ class RunController:
         self._cancel_requested = False
         self.injector = injector
         self.topology_source = topology_source
-        self.drills = DrillSchedule([DrillRequest(id=new_drill_id(), kind=d.kind, at_step=d.at_step, target=d.target)
+        self.drills = DrillSchedule([DrillRequest(id=new_drill_id(), kind=d.kind, at_step=d.at_step, target=d.target,
+                                                  factor=d.factor, seconds=d.seconds)
                                      for d in spec.drills])
         self.failures: list[FailureEvent] = []
+        self.quarantined: list[dict[str, Any]] = []
+        """Nodes taken out of the run for good: {node, reason, evidence, time}."""
+        self.stragglers: StragglerTracker | None = None
+        self._replace_stragglers: set[int] = set()
+        self._rollback_through: int | None = None
+        """After SDC: resume from a checkpoint no newer than this step (committed before the corruption)."""
         self._waiting_since: float | None = None
+        self._last_failure: FailureEvent | None = None
         self._reset_attempt_tracking()
         self.events.add(now, 0, "submitted", name=spec.name)
         self._handlers: dict[RunState, Callable[[float], None]] = {
@@ -215,6 +224,9 @@ class RunController:
         self.attempt += 1
         start_step, cursor, resume_step = 0, 0, None
         if self.checkpoint_store is not None:
+            if self._rollback_through is not None:
+                self._discard_after(now, self._rollback_through)
+                self._rollback_through = None
             found = latest_verified(self.checkpoint_store, self.run_id)
             if found is not None:
                 manifest, skipped = found
@@ -233,6 +245,11 @@ class RunController:
         )
         self._attempt_started_at = now
         self._reset_attempt_tracking()
+        mesh = self.config.mesh
+        self.stragglers = StragglerTracker(
+            {r: mesh.rank_coords(r)["pp"] for r in range(mesh.world_size)},
+            StragglerConfig(ratio=self.spec.health.straggler_ratio))
+        self._replace_stragglers = set()
         try:
             self.worker_group.start(attempt)
         except Exception as e:  # noqa: BLE001 - any launch failure ends the attempt with its reason
@@ -249,6 +266,17 @@ class RunController:
             self._finish(now, RunState.SUCCEEDED, "succeeded")
             return
         self.state = RunState.RUNNING
+
+    def _discard_after(self, now: float, step: int) -> None:
+        """Committed steps newer than `step` may hold corrupted state: make them invisible (manifest
+        first, so a step is never half-visible), then delete them, before anything resumes."""
+        assert self.checkpoint_store is not None
+        for newer in [s for s in committed_steps(self.checkpoint_store, self.run_id) if s > step]:
+            prefix = step_prefix(self.run_id, newer)
+            self.checkpoint_store.delete_prefix(f"{prefix}/{MANIFEST}")
+            self.checkpoint_store.delete_prefix(prefix + "/")
+            self.events.add(now, self.attempt, "checkpoint_discarded", step=newer,
+                            reason=f"committed after step {step}, when silent data corruption may already have begun")
 
     def _reset_attempt_tracking(self) -> None:
         self._errors: dict[int, str] = {}
@@ -277,18 +305,26 @@ class RunController:
             first = not self.progress.history or self.progress.history[-1]["attempt"] != self.attempt
             self._last_step[report.rank] = report.step
             self._last_report_at[report.rank] = now
+            if self.stragglers is not None:
+                self.stragglers.add(report.rank, report.step, report.compute_s)
             if self.progress.add(report):
                 self._attempt_step_times.append(report.step_time_s)
                 if first:
                     self.badput["startup"] += max(0.0, now - self._attempt_started_at - report.step_time_s)
                     if self.attempt > 0:
                         self.events.add(now, self.attempt, "first_step_after_recovery", step=report.step)
+        self._judge_stragglers(now)
+        suspect = next((detail for _, kind, detail in result.events if kind == "sdc_suspect"), None)
         for rank, kind, detail in result.events:
             if kind == "checkpoint_committed":
                 self.badput["checkpoint"] += float(detail.get("seconds", 0.0))
             self.events.add(now, self.attempt, kind, rank=rank, **detail)
-            if kind == "checkpoint_committed" and self._maybe_grow(now):
+            if (suspect is None and kind == "checkpoint_committed"
+                    and (self._maybe_replace_stragglers(now) or self._maybe_grow(now))):
                 return
+        if suspect is not None:  # the probes' evidence is the cause; the ranks' errors that follow are not
+            self._recover(now, self._sdc_failure(now, suspect))
+            return
         failure = self._detect(now, result)
         if failure is not None:
             self._recover(now, failure)
@@ -297,6 +333,47 @@ class RunController:
             self._finish(now, RunState.SUCCEEDED, "succeeded", step=self.progress.step)
         else:
             self._run_due_drills(now)
+
+    def _judge_stragglers(self, now: float) -> None:
+        """Straggler verdicts become events; under `straggler_action: replace`, ranks slower than
+        their peers are replaced at the next checkpoint (no step is lost) when a spare exists."""
+        if self.stragglers is None or self.placement is None:
+            return
+        for verdict in self.stragglers.evaluate():
+            node = self.placement.node_of_rank[verdict.rank]
+            self.events.add(now, self.attempt, "straggler", rank=verdict.rank, node=node, score=round(verdict.score, 3),
+                            basis=verdict.basis, step=verdict.step, compute_s=verdict.compute_s,
+                            ratio=self.spec.health.straggler_ratio, action=self.spec.health.straggler_action)
+            if self.spec.health.straggler_action == "replace" and verdict.basis == "relative":
+                self._replace_stragglers.add(verdict.rank)
+
+    def _maybe_replace_stragglers(self, now: float) -> bool:
+        if not self._replace_stragglers or self.stragglers is None or self.placement is None:
+            return False
+        still = sorted(r for r in self._replace_stragglers
+                       if (score := self.stragglers.scores.get(r)) is not None and score.straggler)
+        self._replace_stragglers = set(still)
+        if not still or not self.topology.spares():
+            return False
+        nodes = tuple(sorted({self.placement.node_of_rank[r] for r in still}))
+        scores = {r: round(self.stragglers.scores[r].relative, 3) for r in still}
+        self._recover(now, FailureEvent(
+            time=now, cause=FailureCause.STRAGGLER, nodes=nodes, ranks=tuple(still),
+            message=f"rank(s) {still} on {list(nodes)} compute {scores} x their stage peers' median "
+                    f"(straggler_ratio {self.spec.health.straggler_ratio}); replaced at the step-{self.progress.step} "
+                    "checkpoint"))
+        return True
+
+    def _sdc_failure(self, now: float, detail: dict[str, Any]) -> FailureEvent:
+        assert self.placement is not None
+        ranks = tuple(int(r) for r in detail.get("ranks", []))
+        nodes = tuple(sorted({self.placement.node_of_rank[r] for r in ranks}))
+        clean = int(detail.get("clean_through_step", 0))
+        self._rollback_through = clean
+        return FailureEvent(time=now, cause=FailureCause.SDC, nodes=nodes, ranks=ranks,
+                            message=f"silent data corruption suspected on rank(s) {list(ranks)} ({detail.get('check')} "
+                                    f"check at step {detail.get('step')}); state known clean through step {clean}",
+                            evidence=detail.get("evidence") or {})
 
     def _detect(self, now: float, result: PollResult) -> FailureEvent | None:
         assert self.placement is not None
@@ -323,7 +400,8 @@ class RunController:
     def _recover(self, now: float, failure: FailureEvent) -> None:
         assert self.config is not None
         self.events.add(now, self.attempt, "failure_detected", cause=failure.cause.value, nodes=list(failure.nodes),
-                        ranks=list(failure.ranks), message=failure.message)
+                        ranks=list(failure.ranks), message=failure.message, step=self.progress.step)
+        self._last_failure = failure
         self.worker_group.shutdown()
         decision = decide(
             now, event=failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
@@ -337,10 +415,18 @@ class RunController:
         mesh = decision.mesh
         self.events.add(now, self.attempt, "decision", action=decision.action.value, reason=decision.reason,
                         mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp} if mesh else None)
+        failure = self._last_failure
         for node in self.topology.nodes:
             new_state = decision.topology.node(node.name).state
             if new_state is NodeState.LOST and node.state is not NodeState.LOST:
                 self.events.add(now, self.attempt, "quarantined", node=node.name, reason="lost")
+            if new_state is NodeState.QUARANTINED and node.state is not NodeState.QUARANTINED:
+                reason = failure.cause.value if failure else "quarantined"
+                evidence = dict(failure.evidence) if failure else {}
+                self.events.add(now, self.attempt, "quarantined", node=node.name, reason=reason,
+                                ranks=list(failure.ranks) if failure else [], message=failure.message if failure else "",
+                                evidence=evidence)
+                self.quarantined.append({"node": node.name, "reason": reason, "evidence": evidence, "time": now})
         self.topology = decision.topology
         if decision.action is Action.FAIL:
             self._fail(now, "failure_budget" if "max_failures" in decision.reason else "no_capacity",
@@ -391,13 +477,13 @@ class RunController:
                                          f"step-{self.progress.step} checkpoint"))
         return True
 
-    def request_drill(self, now: float, kind: str, *, target: str | None = None,
-                      at_step: int | None = None) -> DrillRequest:
+    def request_drill(self, now: float, kind: str, *, target: str | None = None, at_step: int | None = None,
+                      factor: float | None = None, seconds: float | None = None) -> DrillRequest:
         """Queue a drill on this live run (`goodput drill`, the REST API); DrillError says what to fix."""
         if self.state.terminal:
             raise DrillError(f"run {self.run_id!r} has {self.state.value}; drills need a live run")
         request = self.drills.request(now, kind, target=target, at_step=at_step, step=self.progress.step,
-                                      placement=self.placement)
+                                      placement=self.placement, factor=factor, seconds=seconds)
         detail = request.to_dict()
         self.events.add(now, max(self.attempt, 0), "drill_requested", drill=detail.pop("kind"), **detail)
         return request
@@ -421,12 +507,13 @@ class RunController:
             return
         assert self.placement is not None
         target = drill.target or default_target(drill.kind, self.placement)
-        facts = {"id": drill.id, "drill": drill.kind, "target": target, "step": self.progress.step}
+        facts = {"id": drill.id, "drill": drill.kind, "target": target, "step": self.progress.step,
+                 **{k: v for k, v in drill.to_dict().items() if k in ("factor", "seconds")}}
         problem = target_problem(drill.kind, target, self.placement)
         try:
             if problem is not None:
                 raise DrillError(problem)
-            detail = self.injector.inject(drill.kind, target)
+            detail = self.injector.inject(drill.kind, target, factor=drill.factor, seconds=drill.seconds)
         except Exception as e:  # noqa: BLE001 - a drill that cannot be injected is reported, not fatal
             self.events.add(now, self.attempt, "drill_failed", **facts, error=str(e))
             return
@@ -457,6 +544,19 @@ class RunController:
         other = max(0.0, wall - productive - sum(self.badput.values()))
         return {"ettr": productive / wall, "badput_seconds": {**self.badput, "other": other}}
 
+    def health(self) -> dict[str, Any]:
+        """Per-rank straggler scores of the current attempt, and the health events so far."""
+        scores = []
+        if self.stragglers is not None and self.placement is not None:
+            for rank, score in sorted(self.stragglers.scores.items()):
+                scores.append({"rank": rank, "node": self.placement.node_of_rank[rank], "stage": score.stage,
+                               "relative": round(score.relative, 4),
+                               "individual": None if score.individual is None else round(score.individual, 4),
+                               "straggler": score.straggler})
+        counts = {kind: len(self.events.of_kind(kind))
+                  for kind in ("straggler", "sdc_suspect", "sdc_transient", "loss_anomaly")}
+        return {"straggler_ratio": self.spec.health.straggler_ratio, "scores": scores, "counts": counts}
+
     def to_dict(self, now: float, *, full: bool = True) -> dict[str, Any]:
         mesh = self.config.mesh if self.config else None
         out: dict[str, Any] = {
@@ -469,6 +569,8 @@ class RunController:
             "error": {"code": self.error.code, "message": self.error.message} if self.error else None,
         }
         out["drills"] = drill_reports(list(self.events))
+        out["quarantined"] = list(self.quarantined)
+        out["health"] = self.health()
         if full:
             out["history"] = self.progress.history
             out["events"] = [e.to_dict() for e in self.events]

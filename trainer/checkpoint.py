@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,9 +31,10 @@ from checkpointing.manifest import (
     CheckpointError, Manifest, apply_retention, commit, describe, sha256_file, step_prefix,
     wait_for_ranks, write_rank_marker,
 )
-from checkpointing.store import ObjectStore
+from checkpointing.store import ObjectStore, StoreError, retry_unavailable
 from trainer.report import ReportSink
 
+T = TypeVar("T")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -72,7 +73,8 @@ class Checkpointer:
     """One per rank and attempt. Collective to construct (it creates the checkpoint process group)."""
 
     def __init__(self, store: ObjectStore, *, run_id: str, attempt: int, keep: int, sink: ReportSink,
-                 staging_dir: Path, use_async: bool = True, commit_timeout_s: float = 300.0) -> None:
+                 staging_dir: Path, use_async: bool = True, commit_timeout_s: float = 300.0,
+                 retry_budget_s: float = 30.0) -> None:
         self.store = store
         self.run_id = run_id
         self.attempt = attempt
@@ -81,6 +83,7 @@ class Checkpointer:
         self.staging_dir = staging_dir
         self.use_async = use_async
         self.commit_timeout_s = commit_timeout_s
+        self.retry_budget_s = retry_budget_s
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         # A separate gloo group: the background save's collectives must not interleave with training's.
@@ -93,7 +96,8 @@ class Checkpointer:
     def save(self, trainer: Any) -> SaveTiming:
         self.wait()  # a save still in flight is waited for, not duplicated
         prefix = step_prefix(self.run_id, trainer.step)
-        local = self.store.local_path(prefix) or self.staging_dir / f"rank-{self.rank}" / prefix
+        in_place = self.store.local_path(prefix)
+        local = in_place or self.staging_dir / f"rank-{self.rank}" / prefix
         local.mkdir(parents=True, exist_ok=True)
         mesh = trainer.config.mesh
         manifest = Manifest(
@@ -110,7 +114,7 @@ class Checkpointer:
         else:
             dcp.save(state, checkpoint_id=str(local))
         blocked = time.perf_counter() - t0
-        self._thread = threading.Thread(target=self._finish, args=(future, local, prefix, manifest, t0),
+        self._thread = threading.Thread(target=self._finish, args=(future, local, prefix, manifest, t0, in_place is None),
                                         name=f"checkpoint-step-{trainer.step}", daemon=True)
         self._thread.start()
         if not self.use_async:
@@ -123,7 +127,11 @@ class Checkpointer:
             self._thread.join()
             self._thread = None
 
-    def _finish(self, future: Any, local: Path, prefix: str, manifest: Manifest, t0: float) -> None:
+    def _finish(self, future: Any, local: Path, prefix: str, manifest: Manifest, t0: float, staged: bool) -> None:
+        """Upload this rank's files and marker (retrying while the store is unavailable, within the
+        budget); then every rank learns whether all ranks' files are in, and rank 0 commits only if so.
+        A rank that could not write makes the whole step fail at once, not after a commit timeout."""
+        error: str | None = None
         try:
             if future is not None:
                 future.result()
@@ -132,20 +140,38 @@ class Checkpointer:
                 own[".metadata"] = local / ".metadata"
             digests = describe(own)
             for rel, path in own.items():
-                self.store.put_file(f"{prefix}/{rel}", path)
-            write_rank_marker(self.store, prefix, self.rank, digests)
-            if self.rank == 0:
-                files = wait_for_ranks(self.store, prefix, self.world_size, timeout_s=self.commit_timeout_s)
-                final = commit(self.store, Manifest(**{**manifest.__dict__, "files": files}))
-                removed = apply_retention(self.store, self.run_id, self.keep)
-                self.sink.event("checkpoint_committed", {
-                    "step": final.step, "uri": f"{self.store.uri}/{prefix}", "bytes": final.total_bytes(),
-                    "seconds": time.perf_counter() - t0, "removed": removed})
+                self._retry(f"upload of {prefix}/{rel}", lambda: self.store.put_file(f"{prefix}/{rel}", path))
+            self._retry(f"marker of rank {self.rank}", lambda: write_rank_marker(self.store, prefix, self.rank, digests))
         except Exception as e:  # noqa: BLE001 - a failed save is an event; training goes on
-            self.sink.event("checkpoint_failed", {"step": manifest.step, "error": str(e)})
+            error = f"{type(e).__name__}: {e}"
+        try:
+            errors: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(errors, error, group=self._pg)
+            if self.rank != 0:
+                return
+            failed = {rank: e for rank, e in enumerate(errors) if e is not None}
+            if failed:
+                raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
+            files = wait_for_ranks(self.store, prefix, self.world_size, timeout_s=self.commit_timeout_s)
+            final = self._retry(f"commit of {prefix}",
+                                lambda: commit(self.store, Manifest(**{**manifest.__dict__, "files": files})))
+            try:
+                removed = apply_retention(self.store, self.run_id, self.keep)
+            except StoreError as e:  # the commit stands; old steps go after a later one
+                removed = []
+                self.sink.event("retention_deferred", {"step": final.step, "error": str(e)})
+            self.sink.event("checkpoint_committed", {
+                "step": final.step, "uri": f"{self.store.uri}/{prefix}", "bytes": final.total_bytes(),
+                "seconds": time.perf_counter() - t0, "removed": removed})
+        except Exception as e:  # noqa: BLE001 - a failed save is an event; training goes on
+            if self.rank == 0:
+                self.sink.event("checkpoint_failed", {"step": manifest.step, "error": str(e)})
         finally:
-            if self.store.local_path(prefix) is None:
+            if staged:
                 shutil.rmtree(local, ignore_errors=True)
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        return retry_unavailable(what, fn, budget_s=self.retry_budget_s)
 
     def close(self) -> None:
         self.wait()

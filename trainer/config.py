@@ -130,6 +130,16 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    enabled: bool = True
+    """Run the health probes: per-step parameter integrity and step-anomaly checks, periodic SDC checks."""
+    sdc_every_steps: int = 10
+    """Steps between replica fingerprint comparisons and compute self-tests (0: never)."""
+    spike_factor: float = 10.0
+    """A gradient norm above this x the recent median is an anomaly to triage."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     model: ModelConfig
     """Model shape."""
@@ -139,6 +149,8 @@ class TrainerConfig:
     """Optimisation and batch."""
     mesh: MeshShape = field(default_factory=MeshShape)
     """Mesh of this attempt."""
+    probes: ProbeConfig = field(default_factory=ProbeConfig)
+    """Health probes inside the step."""
 
     def num_microbatches(self) -> int:
         """Micro-batches per dp rank per step (gradient accumulation, or pipeline micro-batches)."""
@@ -217,4 +229,5 @@ def config_from_dict(raw: dict) -> TrainerConfig:
         data=DataConfig(**raw["data"]),
         train=TrainConfig(**train),
         mesh=MeshShape(**raw.get("mesh", {})),
+        probes=ProbeConfig(**raw.get("probes", {})),
     )

@@ -28,11 +28,12 @@ class StepReport:
     data_s: float
     """Building this rank's input batch."""
     compute_s: float
-    """Forward + backward, including the pipeline and FSDP communication they overlap with."""
-    optim_s: float
-    """Optimizer update."""
-    sync_s: float
-    """Waiting for the dp peers at the end of the step (loss all-reduce): straggler wait."""
+    """This rank's own compute: forward, backward and optimizer, on a clock that stops while it waits
+    for peers (a slow rank computes long; its peers wait long)."""
+    wait_s: float
+    """The rest of the step: waiting in collectives and pipeline receives for slower peers."""
+    probe_s: float = 0.0
+    """Health probes (integrity checksums, the anomaly all-reduce, periodic SDC checks)."""
     tokens_per_s: float
     """Global tokens per second implied by this rank's step time."""
 

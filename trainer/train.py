@@ -26,11 +26,14 @@ from trainer.config import Schedule, TrainerConfig
 from trainer.data import build_source, local_sample_ids
 from trainer.model import cross_entropy
 from trainer.parallel import DeviceChoice, build_model_parts
-from trainer.report import StepReport
+from trainer.probes import ComputeClock, Probes, spin
+from trainer.report import ReportSink, StepReport
+from trainer.switches import DrillSwitches
 
 
 class Trainer:
-    def __init__(self, config: TrainerConfig, mesh: DeviceMesh, choice: DeviceChoice, *, attempt: int = 0) -> None:
+    def __init__(self, config: TrainerConfig, mesh: DeviceMesh, choice: DeviceChoice, *, attempt: int = 0,
+                 sink: ReportSink | None = None, switches: DrillSwitches | None = None) -> None:
         config.validate(world_size=dist.get_world_size())
         self.config = config
         self.mesh = mesh
@@ -54,6 +57,9 @@ class Trainer:
         """Optimizer steps done."""
         self.cursor = 0
         """Global sample cursor: the next step starts at this sample id."""
+        self.clock = ComputeClock(choice.device)
+        self.switches = switches
+        self.probes = Probes(self, sink=sink, switches=switches) if config.probes.enabled else None
 
     def _build_schedule(self, num_stages: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
         pp_group = self.mesh["pp"].get_group()
@@ -98,25 +104,55 @@ class Trainer:
         return total
 
     def train_step(self) -> StepReport:
+        """One optimizer step. Times: data, own compute (forward, backward, optimizer: the compute
+        clock stops while this rank waits for peers), probes, and the rest of the wall time, which
+        is waiting in collectives and pipeline receives."""
         t0 = time.perf_counter()
+        if self.probes is not None:
+            self.probes.start(self.step)
         inputs, targets = self.local_batch()
         t1 = self._sync_clock()
+        self.clock.start()
         loss = self.forward_backward(inputs, targets)
-        t2 = self._sync_clock()
+        compute = self.clock.elapsed()
+        if self.switches is not None and self.switches.slow_factor > 1.0:
+            self.clock.start()
+            self._slow_down(compute)
+            compute += self.clock.elapsed()
+        probe_s = 0.0
+        apply_update = True
+        if self.probes is not None:
+            p0 = time.perf_counter()
+            loss_value, apply_update = self.probes.check(loss, lambda: self.forward_backward(inputs, targets))
+            probe_s += time.perf_counter() - p0
+        self.clock.start()
         for opt in self.optimizers:
-            opt.step()
+            if apply_update:
+                opt.step()
             opt.zero_grad(set_to_none=True)
-        t3 = self._sync_clock()
-        loss_value = self._global_loss(loss)
-        t4 = time.perf_counter()
+        compute += self.clock.elapsed()
+        if self.probes is not None:
+            p0 = time.perf_counter()
+            self.probes.after_optimizer(self.step + 1)
+            probe_s += time.perf_counter() - p0
+        else:
+            loss_value = self._global_loss(loss)
+        t4 = self._sync_clock()
         self.step += 1
         self.cursor += self.config.train.global_batch
         tokens = self.config.train.global_batch * self.config.model.seq_len
         return StepReport(
             rank=self.rank, attempt=self.attempt, step=self.step, cursor=self.cursor, loss=loss_value,
-            step_time_s=t4 - t0, data_s=t1 - t0, compute_s=t2 - t1, optim_s=t3 - t2, sync_s=t4 - t3,
-            tokens_per_s=tokens / (t4 - t0),
+            step_time_s=t4 - t0, data_s=t1 - t0, compute_s=compute, probe_s=probe_s,
+            wait_s=max(0.0, t4 - t1 - compute - probe_s), tokens_per_s=tokens / (t4 - t0),
         )
+
+    def _slow_down(self, compute_s: float) -> None:
+        """The slow-rank drill: this rank's compute takes `factor` times as long."""
+        assert self.switches is not None
+        if self.choice.device.type == "cuda":
+            torch.cuda.synchronize(self.choice.device)
+        spin((self.switches.slow_factor - 1.0) * compute_s)
 
     def _global_loss(self, loss: torch.Tensor | None) -> float | None:
         """Average of the dp ranks' losses (= the global batch's mean loss), on last-stage ranks."""

@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 from checkpointing.manifest import read_manifest
 from checkpointing.policy import DEFAULT_MTBF_S, interval_steps
-from checkpointing.store import open_store
+from checkpointing.store import OutageGate, open_store
 from trainer.config import TrainerConfig, config_from_dict
 from trainer.parallel import build_mesh, choose_device, init_process_group
 from trainer.report import JsonlSink, ReportSink, StepReport
+from trainer.switches import DrillSwitches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,8 @@ class WorkerArgs:
     """Committed step to load before training (from `checkpoint_uri`); None starts from the seeded init."""
     staging_dir: str = "/tmp/goodput-staging"
     """Local scratch for shards on their way to a remote store."""
+    store_retry_budget_s: float = 30.0
+    """How long a checkpoint write the store refuses for now (an outage) keeps being retried."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,8 +84,10 @@ class WorkerSummary:
 StepHook = Callable[["object", StepReport], None]
 
 
-def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = None) -> WorkerSummary:
-    """Train one rank to `config.train.steps`; `on_step(trainer, report)` runs after every step."""
+def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = None,
+               switches: DrillSwitches | None = None) -> WorkerSummary:
+    """Train one rank to `config.train.steps`; `on_step(trainer, report)` runs after every step.
+    `switches`: what drills ask of this GPU slot (slow it, flip a bit, refuse checkpoint writes)."""
     from trainer.checkpoint import Checkpointer, load
     from trainer.train import Trainer  # torch-heavy; keep `import trainer.worker` cheap for launchers
 
@@ -95,19 +100,24 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
     checkpointer = None
     try:
         mesh = build_mesh(args.config.mesh, choice.device.type)
-        trainer = Trainer(args.config, mesh, choice, attempt=args.attempt)
+        trainer = Trainer(args.config, mesh, choice, attempt=args.attempt, sink=sink, switches=switches)
         trainer.step, trainer.cursor = args.start_step, args.cursor
         ckpt_store = open_store(args.checkpoint_uri) if args.checkpoint_uri else None
+        if ckpt_store is not None and switches is not None:
+            ckpt_store = OutageGate(ckpt_store, lambda: switches.outage_until)
         if ckpt_store is not None and args.resume_step is not None:
             manifest = read_manifest(ckpt_store, args.run_id, args.resume_step)
             load(trainer, ckpt_store, manifest, Path(args.staging_dir) / "restore")
             trainer.step, trainer.cursor = manifest.step, manifest.cursor
             sink.event("restored", {"step": manifest.step, "cursor": manifest.cursor,
                                     "saved_on_mesh": manifest.mesh})
+        if trainer.probes is not None:
+            trainer.probes.last_clean_step = trainer.step
         if ckpt_store is not None and (args.checkpoint_every > 0 or args.checkpoint_auto):
             checkpointer = Checkpointer(ckpt_store, run_id=args.run_id, attempt=args.attempt,
                                         keep=args.checkpoint_keep, sink=sink, use_async=args.checkpoint_async,
-                                        staging_dir=Path(args.staging_dir))
+                                        staging_dir=Path(args.staging_dir),
+                                        retry_budget_s=args.store_retry_budget_s)
         interval = _Interval(args)
         last: StepReport | None = None
         while trainer.step < args.config.train.steps:

@@ -36,7 +36,7 @@ class FakeWorkerGroup:
         for step in range(first, last + 1):
             self._pending.reports.append(StepReport(
                 rank=0, attempt=attempt, step=step, cursor=step * 16, loss=loss / step, step_time_s=0.5,
-                data_s=0.0, compute_s=0.4, optim_s=0.05, sync_s=0.05, tokens_per_s=1000.0))
+                data_s=0.0, compute_s=0.4, wait_s=0.1, tokens_per_s=1000.0))
 
     def emit(self, rank: int, kind: str, **detail: object) -> None:
         self._pending.events.append((rank, kind, dict(detail)))
@@ -62,7 +62,7 @@ class FakeInjector:
         self.group = group
         self.injected: list[tuple[str, str]] = []
 
-    def inject(self, kind: str, target: str) -> dict:
+    def inject(self, kind: str, target: str, *, factor: float | None = None, seconds: float | None = None) -> dict:
         self.injected.append((kind, target))
         if kind == "kill-node":
             self.group.lose_node(target)

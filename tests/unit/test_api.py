@@ -81,8 +81,27 @@ def test_drill_without_a_step_or_target_hits_the_last_rank_now() -> None:
     assert injector.injected == [("kill-node", c.placement.node_of_rank[-1])]  # type: ignore[union-attr]
 
 
+def test_new_drill_kinds_take_a_rank_as_an_int_and_their_parameters() -> None:
+    c, g, injector, registry = live_run()
+    g.finish_steps(1, 3)
+    c.step(110.0)
+    api = TestClient(create_app(registry))
+    slow = api.post("/v1/runs/tiny-gpt/drills", json={"kind": "slow-rank", "target": 2, "factor": 2.0})
+    assert slow.status_code == 202 and slow.json()["target"] == "2" and slow.json()["factor"] == 2.0
+    outage = api.post("/v1/runs/tiny-gpt/drills", json={"kind": "storage-outage", "at_step": 5})
+    assert outage.status_code == 202 and outage.json()["seconds"] == 30.0
+    c.step(111.0)
+    assert injector.injected == [("slow-rank", "2")]
+    report = api.get(f"/v1/drills/{slow.json()['id']}").json()
+    assert report["factor"] == 2.0 and report["outcome"] == "pending", report
+
+
 @pytest.mark.parametrize("body, status, says", [
-    ({"kind": "bitflip"}, 400, "use one of kill-node, kill-rank, hang-rank"),
+    ({"kind": "melt-gpu"}, 400, "use one of kill-node, kill-rank, hang-rank, slow-rank, bitflip, storage-outage"),
+    ({"kind": "kill-rank", "factor": 2.0}, 400, "factor is for slow-rank drills"),
+    ({"kind": "storage-outage", "target": "3"}, 400, "give no target"),
+    ({"kind": "slow-rank", "factor": 0.5}, 422, "factor"),
+    ({"kind": "bitflip", "target": 9}, 400, "give a rank from 0 to 7"),
     ({"kind": "kill-rank", "target": "8"}, 400, "give a rank from 0 to 7"),
     ({"kind": "kill-node", "target": "node-4"}, 400, "runs no rank of the current attempt"),
     ({"kind": "kill-rank", "at_step": 2}, 400, "the run is at step 3"),

@@ -1,0 +1,286 @@
+"""Health probes inside the training step: the measuring half (torch); verdicts are pure, in `health/`.
+
+Every step (cheap: two passes over this rank's parameter shard and one over its gradients):
+- own compute time on a compute clock that does not run while the rank waits (CPU: the thread's CPU
+  time, since gloo waits block; CUDA: events around the rank's compute);
+- parameter integrity at rest: an exact bit checksum of the shard after the optimizer step must be
+  unchanged when the next step starts;
+- one all-reduce of [gradient norm^2, loss, corrupt ranks] before the optimizer step, so every rank
+  sees the same anomaly (NaN/Inf, spike, a corrupt rank) and none applies a poisoned update.
+Every `sdc_every_steps`: a compute self-test (a seeded matmul chain, run twice) and replica
+fingerprints (exact checksums of parameters other ranks hold identically), all-gathered.
+An anomaly is triaged by re-running the step from the same inputs (health.sdc.triage).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from health.sdc import RankEvidence, Triage, sdc_verdict, step_anomaly, triage
+from trainer.report import ReportSink
+from trainer.switches import DrillSwitches
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+             torch.float16: torch.int16}
+_HIGH_EXPONENT_BIT = {torch.float32: 30, torch.float64: 62, torch.bfloat16: 14, torch.float16: 14}
+SELFTEST_SEED = 20261122
+
+
+class SilentDataCorruption(RuntimeError):
+    """The probes found a device that corrupts data; every rank of the attempt stops with this."""
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None else p
+
+
+def bits_checksum(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> int:
+    """Exact checksum of the raw bits: any single flipped bit changes it."""
+    total = 0
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        flat = t.detach().contiguous().view(-1)
+        total += int(flat.view(_INT_VIEW[flat.dtype]).sum(dtype=torch.int64).item())
+    return total & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _params(parts: list[torch.nn.Module]) -> list[torch.Tensor]:
+    return [p for part in parts for p in part.parameters()]
+
+
+def _tp_replicated(p: torch.Tensor) -> bool:
+    """True for parameters TP does not shard (norms, embeddings, head): identical on every tp rank."""
+    mesh = getattr(p, "device_mesh", None)
+    return mesh is None or "tp" not in (mesh.mesh_dim_names or ())
+
+
+def selftest(device: torch.device, dtype: torch.dtype) -> int:
+    """A fixed, seeded chain of matmuls: bit-identical on a repeat and across ranks of the same hardware."""
+    g = torch.Generator().manual_seed(SELFTEST_SEED)
+    a = (torch.randn(96, 96, generator=g) / 9.8).to(device=device, dtype=dtype)
+    x = torch.randn(96, 96, generator=g).to(device=device, dtype=dtype)
+    for _ in range(6):
+        x = torch.tanh(a @ x)
+    return bits_checksum([x])
+
+
+def hardware_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()}-{platform.processor() or 'cpu'}-threads{torch.get_num_threads()}"
+
+
+class ComputeClock:
+    """Seconds this rank spends computing, not waiting for peers."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._start: Any = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.thread_time()
+
+    def elapsed(self) -> float:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return float(self._start.elapsed_time(end)) / 1000.0
+        return time.thread_time() - float(self._start)
+
+
+def spin(seconds: float) -> None:
+    """Busy for `seconds` of this thread's CPU time: a slow device keeps computing, it does not sleep."""
+    end = time.thread_time() + seconds
+    x = 1.0
+    while time.thread_time() < end:
+        for _ in range(200):
+            x = x * 1.0000001 + 1e-9
+
+
+class Probes:
+    """One per rank and attempt; the trainer calls it at fixed points of every step."""
+
+    def __init__(self, trainer: Any, *, sink: ReportSink | None, switches: DrillSwitches | None) -> None:
+        self.trainer = trainer
+        self.config = trainer.config.probes
+        self.sink = sink
+        self.switches = switches
+        self.bitflips_done = switches.bitflips if switches is not None else 0
+        self.recorded: int | None = None
+        """Checksum of the parameter shard after the last optimizer step (None before the first)."""
+        self.intact = True
+        self.grad_norms: list[float] = []
+        self.last_clean_step = 0
+        """Newest step whose state passed an SDC check (or the attempt's start step)."""
+        self.hardware = hardware_name(trainer.choice.device)
+        mesh = trainer.mesh
+        self.coords = {name: mesh[name].get_local_rank() for name in ("dp", "pp", "tp")}
+        shape = trainer.config.mesh
+        self.replica_groups: list[str] = []
+        if shape.tp > 1:
+            self.replica_groups.append(f"tp-replicated params of dp{self.coords['dp']}/pp{self.coords['pp']}")
+        if shape.dp_replicas > 1:
+            shard = mesh["dp_shard"].get_local_rank()
+            self.replica_groups.append(f"hsdp params of shard{shard}/pp{self.coords['pp']}/tp{self.coords['tp']}")
+
+    # -- every step ---------------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """Before the step: drills due on this slot, then the integrity check of the resting shard."""
+        if self.switches is not None and self.switches.bitflips > self.bitflips_done:
+            self.bitflips_done = self.switches.bitflips
+            self._event("bitflip_injected", self.flip_bit())
+        self.intact = self.recorded is None or self.checksum() == self.recorded
+
+    def check(self, loss: torch.Tensor | None, rerun: Any) -> tuple[float | None, bool]:
+        """After forward/backward, before the optimizer: (global loss, apply the update?). Triages an
+        anomaly; raises SilentDataCorruption on every rank when a device is suspect."""
+        loss_value, reason = self._reduce(loss, intact=self.intact)
+        if reason is None:
+            return loss_value, True
+        self._zero_grads()
+        again = rerun()
+        loss2, reason2 = self._reduce(again, intact=self.intact)
+        evidence = self._gather(selftest_now=True, local_anomaly=reason2 is not None and self._local_nonfinite(again))
+        result = triage(reason, reason2, evidence)
+        step = self.trainer.step + 1
+        if result.kind is Triage.TRANSIENT:
+            self._event("sdc_transient", {"step": step, "anomaly": reason})
+            return loss2, True
+        if result.kind is Triage.NOT_HARDWARE:
+            self._zero_grads()
+            self._event("loss_anomaly", {"step": step, "anomaly": reason, "action": "skipped_update",
+                                         "why": "reproduced on every rank with no device evidence"})
+            return loss2, False
+        at_rest = all("at rest" in why for rank in result.suspects for why in result.reasons[rank])
+        self._suspect(step, "anomaly", reason, result.suspects, result.reasons,
+                      clean_through=self.trainer.step if at_rest else self.last_clean_step)
+        raise AssertionError("unreachable")
+
+    def after_optimizer(self, step: int) -> None:
+        """Record the shard's checksum; every sdc_every_steps, self-test and compare replicas."""
+        self.recorded = self.checksum()
+        every = self.config.sdc_every_steps
+        if every <= 0 or step % every:
+            return
+        evidence = self._gather(selftest_now=True, local_anomaly=False)
+        verdict = sdc_verdict(evidence)
+        if verdict.clean:
+            self.last_clean_step = step
+            return
+        self._suspect(step, "periodic", None, verdict.suspects, verdict.reasons, clean_through=self.last_clean_step)
+
+    # -- pieces -------------------------------------------------------------------------------------
+    def checksum(self) -> int:
+        return bits_checksum(local_tensor(p) for p in _params(self.trainer.parts))
+
+    def _reduce(self, loss: torch.Tensor | None, *, intact: bool) -> tuple[float | None, str | None]:
+        """One all-reduce over every rank: gradient norm^2, the dp ranks' losses, corrupt ranks."""
+        t = self.trainer
+        grad_sq = torch.zeros((), dtype=torch.float64, device=t.choice.device)
+        for p in _params(t.parts):
+            if p.grad is not None:
+                grad_sq += local_tensor(p.grad).double().pow(2).sum()
+        counts_loss = loss is not None and self.coords["tp"] == 0
+        buf = torch.stack([
+            grad_sq,
+            loss.detach().double().reshape(()) if counts_loss and loss is not None else grad_sq.new_zeros(()),
+            grad_sq.new_tensor(1.0 if counts_loss else 0.0),
+            grad_sq.new_tensor(0.0 if intact else 1.0),
+        ])
+        dist.all_reduce(buf)
+        grad_norm = math.sqrt(buf[0].item()) if buf[0].item() >= 0 else float("nan")
+        global_loss = buf[1].item() / buf[2].item() if buf[2].item() else None
+        reason = None
+        if buf[3].item() > 0:
+            reason = f"{int(buf[3].item())} rank(s) found their parameters changed at rest"
+        else:
+            reason = step_anomaly(global_loss, grad_norm, self.grad_norms[-20:], spike_factor=self.config.spike_factor)
+        if reason is None:
+            self.grad_norms.append(grad_norm)
+        return (global_loss if loss is not None else None), reason
+
+    def _local_nonfinite(self, loss: torch.Tensor | None) -> bool:
+        if loss is not None and not bool(torch.isfinite(loss).all()):
+            return True
+        return any(p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all())
+                   for p in _params(self.trainer.parts))
+
+    def _gather(self, *, selftest_now: bool, local_anomaly: bool) -> list[RankEvidence]:
+        """Every rank's evidence, on every rank (one all-gather of a few int64s)."""
+        t = self.trainer
+        params = _params(t.parts)
+        fingerprints = []
+        if t.config.mesh.tp > 1:
+            fingerprints.append(bits_checksum(local_tensor(p) for p in params if _tp_replicated(p)))
+        if t.config.mesh.dp_replicas > 1:
+            fingerprints.append(bits_checksum(local_tensor(p) for p in params))
+        first = selftest(t.choice.device, t.choice.param_dtype) if selftest_now else -1
+        repeat = selftest(t.choice.device, t.choice.param_dtype) if selftest_now else -1
+        mine = torch.tensor([int(self.intact), first, repeat, int(local_anomaly), *fingerprints], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        # The hardware name is the same string on every rank of one device model; ranks on other
+        # models would need it gathered too (all_gather_object), which a mixed fleet can add.
+        shape = t.config.mesh
+        out = []
+        for rank, row in enumerate(everyone):
+            values = row.tolist()
+            coords = shape.rank_coords(rank)
+            groups = []
+            if shape.tp > 1:
+                groups.append(f"tp-replicated params of dp{coords['dp']}/pp{coords['pp']}")
+            if shape.dp_replicas > 1:
+                shard = coords["dp"] % (shape.dp // shape.dp_replicas)
+                groups.append(f"hsdp params of shard{shard}/pp{coords['pp']}/tp{coords['tp']}")
+            out.append(RankEvidence(
+                rank=rank, params_intact=bool(values[0]),
+                selftest=values[1] if selftest_now else None, selftest_repeat=values[2] if selftest_now else None,
+                hardware=self.hardware, replicas=dict(zip(groups, values[4:])), local_anomaly=bool(values[3])))
+        return out
+
+    def _suspect(self, step: int, check: str, anomaly: str | None, suspects: tuple[int, ...],
+                 reasons: dict[int, list[str]], *, clean_through: int) -> None:
+        if dist.get_rank() == 0:
+            self._event("sdc_suspect", {"step": step, "check": check, "anomaly": anomaly, "ranks": list(suspects),
+                                        "evidence": {str(r): reasons[r] for r in suspects},
+                                        "clean_through_step": clean_through})
+        raise SilentDataCorruption(f"silent data corruption suspected on ranks {list(suspects)} at step {step}: "
+                                   + "; ".join(f"rank {r}: {', '.join(reasons[r])}" for r in suspects))
+
+    def flip_bit(self) -> dict[str, Any]:
+        """The bitflip drill: flip one high exponent bit of one element of this rank's shard, in place."""
+        named = [(f"{i}.{name}", p) for i, part in enumerate(self.trainer.parts) for name, p in part.named_parameters()]
+        candidates = [(name, p) for name, p in named if local_tensor(p).numel() > 0]
+        name, p = candidates[len(candidates) // 2]
+        shard = local_tensor(p).detach()
+        assert shard.is_contiguous(), f"{name}'s shard is not contiguous: a flip would land in a copy"
+        flat = shard.view(-1)
+        index = flat.numel() // 2
+        bit = _HIGH_EXPONENT_BIT[flat.dtype]
+        with torch.no_grad():
+            before = float(flat[index].item())
+            ints = flat.view(_INT_VIEW[flat.dtype])
+            ints[index] = ints[index] ^ (1 << bit)
+            after = float(flat[index].item())
+        return {"param": name, "index": index, "bit": bit, "before": before, "after": after}
+
+    def _zero_grads(self) -> None:
+        for opt in self.trainer.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def _event(self, kind: str, detail: dict[str, Any]) -> None:
+        if self.sink is not None:
+            self.sink.event(kind, detail)
