@@ -146,7 +146,11 @@ class Checkpointer:
             error = f"{type(e).__name__}: {e}"
         try:
             errors: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(errors, error, group=self._pg)
+            try:
+                dist.all_gather_object(errors, error, group=self._pg)
+            except Exception as e:  # noqa: BLE001 - a rank died mid-save: no commit
+                raise CheckpointError(f"could not confirm that all {self.world_size} ranks wrote their shards "
+                                      f"(a rank is gone): {str(e).splitlines()[0][:200]}") from None
             if self.rank != 0:
                 return
             failed = {rank: e for rank, e in enumerate(errors) if e is not None}

@@ -36,4 +36,4 @@ def test_rank_killed_mid_save_leaves_no_manifest(tmp_path: Path) -> None:
     assert not (step4 / "manifest.json").exists()
     kinds = [k for k, _ in results[0]["events"]]
     assert kinds == ["checkpoint_committed", "checkpoint_failed"]
-    assert "only 1 of 2 ranks finished writing" in results[0]["events"][1][1]["error"]
+    assert "could not confirm that all 2 ranks wrote their shards" in results[0]["events"][1][1]["error"]
