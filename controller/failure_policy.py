@@ -113,6 +113,7 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
                         reason=f"{event.cause.value} on ranks {list(event.ranks)}; nodes still healthy")
     spares = topology.spares()
     lost_in_use = list(event.nodes)
+    lost = "quarantined" if event.cause.quarantines else "lost"
     if len(spares) >= len(lost_in_use):
         promoted = []
         for spare in spares[: len(lost_in_use)]:
@@ -121,14 +122,14 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
         try:
             place(mesh, topology)
             return Decision(action=Action.REPLACE, mesh=mesh, topology=topology,
-                            reason=f"lost {lost_in_use}; spare {promoted} takes over, mesh unchanged")
+                            reason=f"{lost} {lost_in_use}; spare {promoted} takes over, mesh unchanged")
         except PlacementError:
             pass  # spares too small for the mesh: fall through to shrinking
     dp = largest_dp(mesh, topology, global_batch, micro_batch)
     if dp >= limits.min_dp:
         new = MeshShape(dp=dp, pp=mesh.pp, tp=mesh.tp)
         return Decision(action=Action.SHRINK, mesh=new, topology=topology,
-                        reason=f"lost {lost_in_use}, no spare: dp {mesh.dp} -> {dp} (pp{mesh.pp} tp{mesh.tp} kept, "
+                        reason=f"{lost} {lost_in_use}, no spare: dp {mesh.dp} -> {dp} (pp{mesh.pp} tp{mesh.tp} kept, "
                                f"{global_batch // (dp * micro_batch)} micro-batches per step keep global batch "
                                f"{global_batch})")
     started = waiting_since if waiting_since is not None else now

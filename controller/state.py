@@ -517,7 +517,7 @@ class RunController:
         except Exception as e:  # noqa: BLE001 - a drill that cannot be injected is reported, not fatal
             self.events.add(now, self.attempt, "drill_failed", **facts, error=str(e))
             return
-        self.events.add(now, self.attempt, "drill_injected", **facts, **detail)
+        self.events.add(now, self.attempt, "drill_injected", **{**facts, **detail})
 
     def attempt_steps(self) -> int:
         return len(self._attempt_step_times)

@@ -1,0 +1,141 @@
+"""Health verdicts in the run controller: straggler events and replacement, SDC quarantine with a
+rollback to a checkpoint committed before the corruption, and the new drills' spec fields."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from checkpointing.manifest import Manifest, commit, committed_steps
+from checkpointing.store import LocalStore
+from controller.spec import SpecError, parse_spec
+from controller.state import RunController, RunState
+from controller.topology import NodeState
+from tests.unit.fakes import FakeWorkerGroup
+from trainer.report import StepReport
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
+
+
+def make(tmp_path: Path | None = None, nodes: int = 5, spares: int = 1,
+         **health: object) -> tuple[RunController, FakeWorkerGroup]:
+    raw = copy.deepcopy(BASE)
+    raw["drills"] = []
+    raw["cluster"]["local"].update(nodes=nodes, spares=spares)
+    raw["health"].update(health)
+    spec = parse_spec(raw)
+    group = FakeWorkerGroup()
+    store = LocalStore(tmp_path) if tmp_path is not None else None
+    c = RunController(spec, spec.topology(), group, now=100.0, checkpoint_store=store,
+                      topology_source=spec.topology)
+    t = 101.0
+    while c.state is not RunState.RUNNING:
+        c.step(t)
+        t += 1
+    return c, group
+
+
+def report_steps(g: FakeWorkerGroup, first: int, last: int, *, slow: dict[int, float] | None = None) -> None:
+    """Every rank of the dp2 x pp2 x tp2 mesh reports each step; `slow`: rank -> compute factor."""
+    attempt = g.started[-1].attempt
+    for step in range(first, last + 1):
+        for rank in range(8):
+            last_stage = (rank // 2) % 2 == 1
+            compute = 0.4 * (slow or {}).get(rank, 1.0)
+            g._pending.reports.append(StepReport(  # noqa: SLF001 - the fake's queue
+                rank=rank, attempt=attempt, step=step, cursor=step * 16, loss=1.0 / step if last_stage else None,
+                step_time_s=0.8, data_s=0.0, compute_s=compute, wait_s=0.8 - compute, tokens_per_s=1.0))
+
+
+def test_straggler_is_reported_with_rank_node_and_score_and_the_run_goes_on() -> None:
+    c, g = make()
+    report_steps(g, 1, 8)
+    c.step(110.0)
+    report_steps(g, 9, 30, slow={6: 1.8})
+    assert c.step(111.0) is RunState.RUNNING, "report only (the default action)"
+    (event,) = c.events.of_kind("straggler")
+    assert event.detail["rank"] == 6 and event.detail["node"] == c.placement.node_of_rank[6]  # type: ignore[union-attr]
+    assert event.detail["score"] == pytest.approx(1.8, rel=0.01) and event.detail["basis"] == "relative"
+    assert 9 <= event.detail["step"] <= 20
+    scores = {s["rank"]: s for s in c.to_dict(112.0)["health"]["scores"]}
+    assert scores[6]["straggler"] and not any(s["straggler"] for r, s in scores.items() if r != 6)
+    assert scores[0]["relative"] == pytest.approx(1.0)
+
+
+def test_straggler_replace_moves_the_node_to_a_spare_at_the_next_checkpoint() -> None:
+    c, g = make(straggler_action="replace")
+    report_steps(g, 1, 30, slow={3: 2.0})
+    assert c.step(110.0) is RunState.RUNNING, "waits for a checkpoint: no step is thrown away"
+    g.emit(0, "checkpoint_committed", step=30, seconds=0.1)
+    assert c.step(111.0) is RunState.LAUNCHING
+    detected = c.events.of_kind("failure_detected")[-1].detail
+    assert detected["cause"] == "straggler" and detected["ranks"] == [3]
+    slow_node = c.events.of_kind("straggler")[0].detail["node"]
+    assert c.events.of_kind("decision")[-1].detail["action"] == "replace"
+    assert c.topology.node(slow_node).state is NodeState.QUARANTINED
+    assert c.to_dict(112.0)["quarantined"][0]["node"] == slow_node
+    c.step(112.0)
+    assert slow_node not in g.started[-1].placement.node_of_rank
+
+
+def commit_step(store: LocalStore, run_id: str, step: int) -> None:
+    commit(store, Manifest(run_id=run_id, step=step, attempt=0, mesh={"dp": 2, "pp": 2, "tp": 2}, world_size=8,
+                           cursor=step * 16, seeds={"data": 0, "init": 0}))
+
+
+def test_sdc_suspect_quarantines_the_node_and_rolls_back_before_the_corruption(tmp_path: Path) -> None:
+    c, g = make(tmp_path)
+    for step in (10, 15, 20):
+        commit_step(c.checkpoint_store, "tiny-gpt", step)  # type: ignore[arg-type]
+    report_steps(g, 1, 22)
+    node = c.placement.node_of_rank[5]  # type: ignore[union-attr]
+    g.emit(0, "sdc_suspect", step=23, check="periodic", ranks=[5], clean_through_step=14,
+           evidence={"5": ["replica fingerprint differs from the majority"]})
+    g.error_worker(5, "SilentDataCorruption: suspected on ranks [5]")
+    assert c.step(120.0) is RunState.LAUNCHING, "the probes' verdict needs no grace period"
+    detected = c.events.of_kind("failure_detected")[-1].detail
+    assert detected["cause"] == "sdc" and detected["ranks"] == [5] and detected["nodes"] == [node]
+    (quarantined,) = c.events.of_kind("quarantined")
+    assert quarantined.detail["reason"] == "sdc" and "replica fingerprint" in str(quarantined.detail["evidence"])
+    c.step(121.0)
+    attempt = g.started[-1]
+    assert attempt.resume_step == 10, "the newest commit before the corruption could start, not the latest (20)"
+    assert committed_steps(c.checkpoint_store, "tiny-gpt") == [10]  # type: ignore[arg-type]
+    assert [e.detail["step"] for e in c.events.of_kind("checkpoint_discarded")] == [15, 20]
+    assert node not in attempt.placement.node_of_rank
+    run = c.to_dict(122.0)
+    assert [q["node"] for q in run["quarantined"]] == [node]
+
+
+def test_quarantined_node_never_comes_back() -> None:
+    c, g = make(nodes=4, spares=0)
+    node = c.placement.node_of_rank[0]  # type: ignore[union-attr]
+    g.emit(0, "sdc_suspect", step=3, check="anomaly", ranks=[0], clean_through_step=2, evidence={})
+    c.step(120.0)
+    t = 121.0
+    while c.state is not RunState.RUNNING and not c.state.terminal:
+        c.step(t)
+        t += 1
+    assert c.config is not None and c.config.mesh.dp == 1, "no spare: shrink"
+    g.emit(0, "checkpoint_committed", step=4, seconds=0.1)  # lost nodes would grow back here
+    c.step(t + 1)
+    assert c.topology.node(node).state is NodeState.QUARANTINED
+    assert [d.detail["action"] for d in c.events.of_kind("decision")] == ["shrink"]
+
+
+def test_drill_targets_may_be_ints_and_parameters_must_fit_the_kind() -> None:
+    raw = copy.deepcopy(BASE)
+    raw["drills"] = [{"kind": "slow-rank", "at_step": 3, "target": 2, "factor": 2.0},
+                     {"kind": "storage-outage", "at_step": 4, "seconds": 5}]
+    spec = parse_spec(raw)
+    assert spec.drills[0].target == "2" and spec.drills[0].factor == 2.0
+    raw["drills"] = [{"kind": "kill-node", "at_step": 3, "factor": 2.0}]
+    with pytest.raises(SpecError, match="factor is for slow-rank drills"):
+        parse_spec(raw)
+    raw["drills"] = [{"kind": "slow-rank", "at_step": 3, "factor": 0.5}]
+    with pytest.raises(SpecError, match="factor"):
+        parse_spec(raw)
