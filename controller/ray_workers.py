@@ -268,6 +268,7 @@ class RayWorkerGroup:
                 run_id=attempt.run_id, checkpoint_uri=attempt.checkpoint_uri,
                 checkpoint_every=attempt.checkpoint_every, checkpoint_auto=attempt.checkpoint_auto,
                 checkpoint_keep=attempt.checkpoint_keep, mtbf_s=attempt.mtbf_s,
+                store_retry_budget_s=attempt.store_retry_budget_s,
             ))
             for rank, actor in enumerate(self.actors)
         ]

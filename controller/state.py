@@ -81,6 +81,8 @@ class AttemptSpec:
     """Committed steps kept."""
     mtbf_s: float | None = None
     """MTBF for the Young/Daly rule."""
+    store_retry_budget_s: float = 30.0
+    """How long checkpoint writes the store refuses for now are retried."""
 
 
 class GroupStatus(str, enum.Enum):
@@ -240,7 +242,7 @@ class RunController:
             start_step=start_step, cursor=cursor, resume_step=resume_step,
             checkpoint_uri=self.checkpoint_store.uri if self.checkpoint_store else None,
             checkpoint_every=every if isinstance(every, int) else 0, checkpoint_auto=every == "auto",
-            checkpoint_keep=self.spec.checkpoint.keep,
+            checkpoint_keep=self.spec.checkpoint.keep, store_retry_budget_s=self.spec.checkpoint.retry_budget_s,
             mtbf_s=observed_mtbf_s(now - self.created_at, len(self.failures), mtbf_h * 3600 if mtbf_h else None),
         )
         self._attempt_started_at = now

@@ -7,13 +7,17 @@ Over a sliding window of the last `window` steps, a rank's value is the median o
 (one slow step is noise, not a straggler). Two scores per rank:
 - relative: its value / the median of its peers' values in the same pipeline stage (peers run the
   same layers on the same amount of data, so they should take the same time);
-- individual: its value / its own baseline (the median of its first `baseline_steps` steps of the
-  attempt): catches a whole stage slowing down, where every peer is slow too.
+- individual: its value / its own baseline (the median of its `baseline_steps` steps before the
+  window): catches a whole stage slowing down at once, where every peer is slow too. The baseline
+  trails the window, so a slow drift of the whole job (data, numerics, a busy host) is absorbed
+  rather than flagged.
 A rank becomes a straggler after `consecutive` evaluations in a row above `ratio`, and stops being
 one only after as many in a row below half the excess (1 + (ratio - 1) / 2): hysteresis, so a rank
 whose score hovers near the bound is flagged once, not on and off.
-Relative verdicts name one GPU worth replacing; individual-only verdicts (a whole stage or the whole
-job slowed) are reported, never acted on.
+Relative verdicts name one GPU worth replacing. Individual scores count only when every rank of a
+stage is slower than its own history while another stage is not (a stage-wide slowdown): those
+verdicts are reported, never acted on. One rank slower than its history but not than its peers, or
+every stage slower at once, is the job or the host, not a device.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ class StragglerConfig:
     """Evaluations in a row above (or below) `ratio` to flag (or clear) a rank."""
     warmup_steps: int = 2
     """First steps of an attempt ignored (allocation, lazy init, restore)."""
-    baseline_steps: int = 5
-    """Steps after warm-up whose median is a rank's own baseline."""
+    baseline_steps: int = 30
+    """Steps before the window whose median is a rank's own baseline."""
+    min_baseline_steps: int = 10
+    """Fewer steps than this before the window: no individual score yet."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +75,7 @@ class StragglerVerdict:
 @dataclass
 class _Rank:
     samples: deque = field(default_factory=deque)
-    baseline: list[float] = field(default_factory=list)
+    """The newest window + baseline_steps compute times, oldest first."""
     above: int = 0
     below: int = 0
     flagged: bool = False
@@ -117,25 +123,29 @@ class StragglerTracker:
         for rank, value in samples.items():
             state = self._ranks[rank]
             state.samples.append(value)
-            if len(state.samples) > c.window:
+            if len(state.samples) > c.window + c.baseline_steps:
                 state.samples.popleft()
-            if len(state.baseline) < c.baseline_steps:
-                state.baseline.append(value)
         if any(len(s.samples) < c.window for s in self._ranks.values()):
             return []
-        values = {r: statistics.median(s.samples) for r, s in self._ranks.items()}
+        values = {r: statistics.median(list(s.samples)[-c.window:]) for r, s in self._ranks.items()}
+        relative: dict[int, float] = {}
+        individual: dict[int, float | None] = {}
+        for rank, value in values.items():
+            stage = self.stage_of_rank[rank]
+            peers = [values[r] for r, st in self.stage_of_rank.items() if st == stage and r != rank]
+            typical = statistics.median(peers) if peers else 0.0
+            relative[rank] = value / typical if typical > 0 else 1.0
+            before = list(self._ranks[rank].samples)[:-c.window]
+            baseline = statistics.median(before) if len(before) >= c.min_baseline_steps else 0.0
+            individual[rank] = value / baseline if baseline > 0 else None
+        slow_stages = self._slow_stages(individual)
         verdicts = []
         for rank, value in values.items():
             state = self._ranks[rank]
             stage = self.stage_of_rank[rank]
-            peers = [values[r] for r, st in self.stage_of_rank.items() if st == stage and r != rank]
-            relative = value / statistics.median(peers) if peers and statistics.median(peers) > 0 else 1.0
-            individual = (value / statistics.median(state.baseline)
-                          if len(state.baseline) == c.baseline_steps and statistics.median(state.baseline) > 0
-                          else None)
-            worst, basis = relative, "relative"
-            if relative <= c.ratio and individual is not None and individual > c.ratio:
-                worst, basis = individual, "individual"
+            worst, basis = relative[rank], "relative"
+            if worst <= c.ratio and stage in slow_stages:
+                worst, basis = individual[rank] or 1.0, "individual"
             state.above = state.above + 1 if worst > c.ratio else 0
             state.below = state.below + 1 if worst < 1 + (c.ratio - 1) / 2 else 0
             if not state.flagged and state.above >= c.consecutive:
@@ -143,6 +153,16 @@ class StragglerTracker:
                 verdicts.append(StragglerVerdict(rank=rank, step=step, score=worst, basis=basis, compute_s=value))
             elif state.flagged and state.below >= c.consecutive:
                 state.flagged = False
-            self.scores[rank] = RankScore(rank=rank, stage=stage, relative=relative, individual=individual,
-                                          straggler=state.flagged)
+            self.scores[rank] = RankScore(rank=rank, stage=stage, relative=relative[rank],
+                                          individual=individual[rank], straggler=state.flagged)
         return verdicts
+
+    def _slow_stages(self, individual: dict[int, float | None]) -> set[int]:
+        """Stages whose every rank is slower than its own history while some other stage is not: a
+        stage-wide slowdown. When every stage slowed, it is the job or the host, not a device."""
+        by_stage: dict[int, list[float | None]] = {}
+        for rank, score in individual.items():
+            by_stage.setdefault(self.stage_of_rank[rank], []).append(score)
+        slow = {stage for stage, scores in by_stage.items()
+                if all(s is not None and s > self.config.ratio for s in scores)}
+        return slow if len(slow) < len(by_stage) else set()

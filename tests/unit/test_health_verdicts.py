@@ -96,6 +96,26 @@ def test_slow_whole_stage_is_flagged_against_its_own_history_not_its_peers() -> 
     assert not any(tracker.scores[r].straggler for r in (0, 1, 4, 5))
 
 
+def test_slow_drift_of_the_whole_job_is_not_a_straggler() -> None:
+    """Every rank's compute creeps up 40 % over 150 steps (numerics, a busier host): the trailing
+    baseline absorbs it, and relative scores stay ~1."""
+    compute = samples(150)
+    for rank in compute:
+        compute[rank] = [v * (1 + 0.4 * i / 150) for i, v in enumerate(compute[rank])]
+    verdicts, _ = run(compute, StragglerConfig(ratio=1.3))
+    assert verdicts == []
+
+
+def test_the_whole_host_slowing_for_a_while_is_not_a_straggler() -> None:
+    """Every rank 1.6x slower for 15 steps (another job on the host), one of them a bit more."""
+    compute = samples(120)
+    for rank in compute:
+        extra = 1.75 if rank == 3 else 1.6
+        compute[rank] = [v * (extra if 60 <= i < 75 else 1.0) for i, v in enumerate(compute[rank])]
+    verdicts, _ = run(compute, StragglerConfig(ratio=1.3))
+    assert verdicts == []
+
+
 def test_slow_from_the_first_step_is_caught_by_its_peers() -> None:
     verdicts, _ = run(samples(40, slow={0: (1, 1.6)}))
     assert [(v.rank, v.basis) for v in verdicts] == [(0, "relative")]
