@@ -89,6 +89,15 @@ def _describe(event: dict) -> str:
         return f"checkpoint committed at step {d['step']} ({d['seconds']:.2f} s)"
     if kind == "restored":
         return f"rank {d.get('rank')} restored step {d['step']}"
+    if kind == "straggler":
+        return (f"straggler: rank {d['rank']} on {d['node']} computes {d['score']:.2f}x "
+                f"({d['basis']}) at step {d['step']}; action {d['action']}")
+    if kind == "sdc_suspect":
+        return f"silent data corruption suspected on ranks {d['ranks']} at step {d['step']}: {d['evidence']}"
+    if kind == "quarantined":
+        return f"node {d['node']} quarantined ({d['reason']})"
+    if kind == "checkpoint_failed":
+        return f"checkpoint at step {d['step']} failed: {d['error']}"
     return f"{kind} {d}"
 
 
@@ -100,6 +109,8 @@ def _summary(run: dict) -> dict:
         "ettr": run["goodput"]["ettr"],
         "badput_seconds": {k: round(v, 2) for k, v in run["goodput"]["badput_seconds"].items()},
         "checkpoints": sum(1 for e in run["events"] if e["kind"] == "checkpoint_committed"),
+        "health": {kind: n for kind, n in (run.get("health") or {}).get("counts", {}).items() if n},
+        "quarantined": [f"{q['node']} ({q['reason']})" for q in run.get("quarantined", [])],
         **{f"drill {i + 1}": (f"{d['kind']} {d['target']} at step {d['at_step']}: {d['cause']} -> {d['decision']}, "
                               f"detected in {d.get('detection_s', float('nan')):.1f} s, first step after "
                               f"{d.get('recovery_s', float('nan')):.1f} s, {d['steps_lost']} steps redone, "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import platform
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -42,14 +42,16 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
 
 
 def bits_checksum(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> int:
-    """Exact checksum of the raw bits: any single flipped bit changes it."""
-    total = 0
+    """Exact checksum of the raw bits: any single flipped bit changes it. Summed on the tensors'
+    device and read once (one sync on a GPU, not one per parameter)."""
+    total: torch.Tensor | None = None
     for t in tensors:
         if t.numel() == 0:
             continue
         flat = t.detach().contiguous().view(-1)
-        total += int(flat.view(_INT_VIEW[flat.dtype]).sum(dtype=torch.int64).item())
-    return total & 0x7FFF_FFFF_FFFF_FFFF
+        part = flat.view(_INT_VIEW[flat.dtype]).sum(dtype=torch.int64)
+        total = part if total is None else total + part
+    return 0 if total is None else int(total.item()) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _params(parts: list[torch.nn.Module]) -> list[torch.Tensor]:
@@ -101,11 +103,12 @@ class ComputeClock:
         return time.thread_time() - float(self._start)
 
 
-def spin(seconds: float) -> None:
-    """Busy for `seconds` of this thread's CPU time: a slow device keeps computing, it does not sleep."""
-    end = time.thread_time() + seconds
+def spin(seconds: float, clock: Callable[[], float] = time.thread_time) -> None:
+    """Busy for `seconds` on `clock` (this thread's CPU time by default: a slow CPU device keeps
+    computing, it does not sleep)."""
+    end = clock() + seconds
     x = 1.0
-    while time.thread_time() < end:
+    while clock() < end:
         for _ in range(200):
             x = x * 1.0000001 + 1e-9
 
@@ -164,7 +167,9 @@ class Probes:
             self._event("loss_anomaly", {"step": step, "anomaly": reason, "action": "skipped_update",
                                          "why": "reproduced on every rank with no device evidence"})
             return loss2, False
-        at_rest = all("at rest" in why for rank in result.suspects for why in result.reasons[rank])
+        # A shard that changed at rest explains everything else it shows: the state of the last
+        # finished step was clean. Any other evidence reaches back to the last passing check.
+        at_rest = all(any("at rest" in why for why in result.reasons[rank]) for rank in result.suspects)
         self._suspect(step, "anomaly", reason, result.suspects, result.reasons,
                       clean_through=self.trainer.step if at_rest else self.last_clean_step)
         raise AssertionError("unreachable")
@@ -189,10 +194,10 @@ class Probes:
     def _reduce(self, loss: torch.Tensor | None, *, intact: bool) -> tuple[float | None, str | None]:
         """One all-reduce over every rank: gradient norm^2, the dp ranks' losses, corrupt ranks."""
         t = self.trainer
+        grads = [local_tensor(p.grad) for p in _params(t.parts) if p.grad is not None]
         grad_sq = torch.zeros((), dtype=torch.float64, device=t.choice.device)
-        for p in _params(t.parts):
-            if p.grad is not None:
-                grad_sq += local_tensor(p.grad).double().pow(2).sum()
+        if grads:  # fused per-tensor norms (what clip_grad_norm_ uses), squared and summed in float64
+            grad_sq = torch.nn.utils.get_total_norm(grads, 2.0).double().pow(2).reshape(())
         counts_loss = loss is not None and self.coords["tp"] == 0
         buf = torch.stack([
             grad_sq,
@@ -229,7 +234,8 @@ class Probes:
             fingerprints.append(bits_checksum(local_tensor(p) for p in params))
         first = selftest(t.choice.device, t.choice.param_dtype) if selftest_now else -1
         repeat = selftest(t.choice.device, t.choice.param_dtype) if selftest_now else -1
-        mine = torch.tensor([int(self.intact), first, repeat, int(local_anomaly), *fingerprints], dtype=torch.int64)
+        mine = torch.tensor([int(self.intact), first, repeat, int(local_anomaly), *fingerprints], dtype=torch.int64,
+                            device=t.choice.device)  # NCCL moves CUDA tensors only
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         # The hardware name is the same string on every rank of one device model; ranks on other

@@ -115,10 +115,6 @@ class Trainer:
         self.clock.start()
         loss = self.forward_backward(inputs, targets)
         compute = self.clock.elapsed()
-        if self.switches is not None and self.switches.slow_factor > 1.0:
-            self.clock.start()
-            self._slow_down(compute)
-            compute += self.clock.elapsed()
         probe_s = 0.0
         apply_update = True
         if self.probes is not None:
@@ -131,6 +127,10 @@ class Trainer:
                 opt.step()
             opt.zero_grad(set_to_none=True)
         compute += self.clock.elapsed()
+        if self.switches is not None and self.switches.slow_factor > 1.0:
+            self.clock.start()
+            self._slow_down(compute)
+            compute += self.clock.elapsed()
         if self.probes is not None:
             p0 = time.perf_counter()
             self.probes.after_optimizer(self.step + 1)
@@ -150,9 +150,12 @@ class Trainer:
     def _slow_down(self, compute_s: float) -> None:
         """The slow-rank drill: this rank's compute takes `factor` times as long."""
         assert self.switches is not None
-        if self.choice.device.type == "cuda":
+        extra = (self.switches.slow_factor - 1.0) * compute_s
+        if self.choice.device.type == "cuda":  # the compute clock reads GPU time: hold the stream that long
             torch.cuda.synchronize(self.choice.device)
-        spin((self.switches.slow_factor - 1.0) * compute_s)
+            spin(extra, time.perf_counter)
+        else:
+            spin(extra)
 
     def _global_loss(self, loss: torch.Tensor | None) -> float | None:
         """Average of the dp ranks' losses (= the global batch's mean loss), on last-stage ranks."""

@@ -1,0 +1,81 @@
+"""The probes inside real training steps, without Ray: a flipped bit stops the step before its update
+and names the rank; a slowed rank's own compute grows by the factor; clean steps raise nothing and
+are bit-identical to steps without probes. Runs on CUDA + NCCL where a GPU is visible, else gloo."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.harness import run_ranks
+from trainer.config import DataConfig, MeshShape, ModelConfig, ProbeConfig, TrainConfig, TrainerConfig, config_to_dict
+
+pytestmark = pytest.mark.dist
+
+
+def cfg(mesh: MeshShape, probes: bool = True) -> dict:
+    return config_to_dict(TrainerConfig(
+        model=ModelConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=64, seq_len=32),
+        data=DataConfig(seed=0),
+        train=TrainConfig(steps=100, global_batch=8, micro_batch=2, lr=1e-2, dtype="float32"),
+        mesh=mesh, probes=ProbeConfig(enabled=probes, sdc_every_steps=3)))
+
+
+def probe_rank(*, rank: int, world_size: int, store_port: int, config: dict, flip_rank: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from trainer.config import config_from_dict
+    from trainer.parallel import build_mesh, choose_device, init_process_group
+    from trainer.probes import SilentDataCorruption
+    from trainer.report import ListSink
+    from trainer.switches import DrillSwitches
+    from trainer.train import Trainer
+
+    c = config_from_dict(config)
+    choice = choose_device(c.train.dtype)
+    store = dist.PrefixStore("probes", dist.TCPStore("127.0.0.1", store_port, is_master=False))
+    init_process_group(rank=rank, world_size=world_size, store=store, backend=choice.backend, timeout_s=60)
+    sink, switches = ListSink(), DrillSwitches()
+    trainer = Trainer(c, build_mesh(c.mesh, choice.device.type), choice, sink=sink, switches=switches)
+    plain = Trainer(config_from_dict({**config, "probes": {"enabled": False}}), build_mesh(c.mesh, choice.device.type),
+                    choice)
+    clean = [trainer.train_step() for _ in range(7)]
+    reference = [plain.train_step() for _ in range(7)]
+    same = all(a.loss == b.loss for a, b in zip(clean, reference))
+    normal = sorted(r.compute_s for r in clean[2:])[2]
+    switches.slow(2.0)
+    slowed = sorted(trainer.train_step().compute_s for _ in range(3))[1]
+    switches.slow(1.0)
+    if rank == flip_rank:
+        switches.request_bitflip()
+    error = None
+    try:
+        trainer.train_step()
+    except SilentDataCorruption as e:
+        error = str(e)
+    dist.destroy_process_group()
+    return {"device": choice.device.type, "same_as_without_probes": same, "normal": normal, "slowed": slowed,
+            "error": error, "events": sink.events, "step": trainer.step}
+
+
+@pytest.mark.parametrize("mesh, flip", [(MeshShape(), 0), (MeshShape(dp=2, tp=2), 3)])
+def test_probes_in_real_steps(mesh: MeshShape, flip: int) -> None:
+    import torch
+
+    world = mesh.world_size
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        pytest.skip(f"{world} ranks need {world} GPUs (NCCL allows one rank per GPU)")
+    results = run_ranks(probe_rank, world, config=cfg(mesh), flip_rank=flip)
+    for rank, r in enumerate(results):
+        assert r["same_as_without_probes"], "probes must not change the numbers"
+        assert r["error"] is not None and f"ranks [{flip}]" in r["error"], r["error"]
+        assert r["step"] == 10, "the corrupted step was not applied"
+        flags = [k for k, _ in r["events"] if k in ("sdc_suspect", "sdc_transient", "loss_anomaly")]
+        assert flags == (["sdc_suspect"] if rank == 0 else []), "one verdict, from rank 0; none before the flip"
+    suspect = dict(results[0]["events"])["sdc_suspect"]
+    assert suspect["ranks"] == [flip] and suspect["clean_through_step"] == 10
+    assert "at rest" in suspect["evidence"][str(flip)][0]
+    flipped = dict(results[flip]["events"])["bitflip_injected"]
+    assert abs(flipped["after"]) > 1e30 or abs(flipped["after"]) < 1e-30, flipped
+    for r in results:
+        assert 1.6 < r["slowed"] / r["normal"] < 2.6, (r["normal"], r["slowed"])
