@@ -178,7 +178,7 @@ class RunController:
         self.stragglers: StragglerTracker | None = None
         self._replace_stragglers: set[int] = set()
         self._rollback_through: int | None = None
-        """After SDC: resume from a checkpoint no newer than this step (committed before the corruption)."""
+        """SDC: the last step the probes vouch for; newer commits are discarded once the attempt is down."""
         self._waiting_since: float | None = None
         self._last_failure: FailureEvent | None = None
         self._reset_attempt_tracking()
@@ -226,9 +226,6 @@ class RunController:
         self.attempt += 1
         start_step, cursor, resume_step = 0, 0, None
         if self.checkpoint_store is not None:
-            if self._rollback_through is not None:
-                self._discard_after(now, self._rollback_through)
-                self._rollback_through = None
             found = latest_verified(self.checkpoint_store, self.run_id)
             if found is not None:
                 manifest, skipped = found
@@ -271,7 +268,7 @@ class RunController:
 
     def _discard_after(self, now: float, step: int) -> None:
         """Committed steps newer than `step` may hold corrupted state: make them invisible (manifest
-        first, so a step is never half-visible), then delete them, before anything resumes."""
+        first, so a step is never half-visible), then delete them. Called with every rank stopped."""
         assert self.checkpoint_store is not None
         for newer in [s for s in committed_steps(self.checkpoint_store, self.run_id) if s > step]:
             prefix = step_prefix(self.run_id, newer)
@@ -405,6 +402,10 @@ class RunController:
                         ranks=list(failure.ranks), message=failure.message, step=self.progress.step)
         self._last_failure = failure
         self.worker_group.shutdown()
+        if self._rollback_through is not None and self.checkpoint_store is not None:
+            # Whatever is decided next (even to fail), a later resume must not load suspect state.
+            self._discard_after(now, self._rollback_through)
+        self._rollback_through = None
         decision = decide(
             now, event=failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
             spec_mesh=self.spec.fixed_mesh() or self.config.mesh, topology=self.topology, limits=self._limits(),

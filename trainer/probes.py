@@ -206,11 +206,12 @@ class Probes:
             grad_sq.new_tensor(0.0 if intact else 1.0),
         ])
         dist.all_reduce(buf)
-        grad_norm = math.sqrt(buf[0].item()) if buf[0].item() >= 0 else float("nan")
-        global_loss = buf[1].item() / buf[2].item() if buf[2].item() else None
+        grad_sq_sum, loss_sum, loss_count, corrupt = buf.tolist()  # one read (one sync on a GPU)
+        grad_norm = math.sqrt(grad_sq_sum) if grad_sq_sum >= 0 else float("nan")
+        global_loss = loss_sum / loss_count if loss_count else None
         reason = None
-        if buf[3].item() > 0:
-            reason = f"{int(buf[3].item())} rank(s) found their parameters changed at rest"
+        if corrupt > 0:
+            reason = f"{int(corrupt)} rank(s) found their parameters changed at rest"
         else:
             reason = step_anomaly(global_loss, grad_norm, self.grad_norms[-20:], spike_factor=self.config.spike_factor)
         if reason is None:

@@ -58,7 +58,8 @@ def probe_rank(*, rank: int, world_size: int, store_port: int, config: dict, fli
             "error": error, "events": sink.events, "step": trainer.step}
 
 
-@pytest.mark.parametrize("mesh, flip", [(MeshShape(), 0), (MeshShape(dp=2, tp=2), 3)])
+@pytest.mark.parametrize("mesh, flip", [(MeshShape(), 0), (MeshShape(dp=2, tp=2), 3),
+                                        (MeshShape(dp=2, dp_replicas=2), 1)])
 def test_probes_in_real_steps(mesh: MeshShape, flip: int) -> None:
     import torch
 
@@ -79,3 +80,65 @@ def test_probes_in_real_steps(mesh: MeshShape, flip: int) -> None:
     assert abs(flipped["after"]) > 1e30 or abs(flipped["after"]) < 1e-30, flipped
     for r in results:
         assert 1.6 < r["slowed"] / r["normal"] < 2.6, (r["normal"], r["slowed"])
+
+
+def triage_rank(*, rank: int, world_size: int, store_port: int, config: dict, persistent: bool) -> dict:
+    """NaN put into rank 1's gradient shard at step 3: on the first pass only (transient), or on
+    every pass from then on (persistent on that rank)."""
+    import torch.distributed as dist
+
+    from trainer.config import config_from_dict
+    from trainer.parallel import build_mesh, choose_device, init_process_group
+    from trainer.probes import SilentDataCorruption, local_tensor
+    from trainer.report import ListSink
+    from trainer.train import Trainer
+
+    c = config_from_dict(config)
+    choice = choose_device(c.train.dtype)
+    store = dist.PrefixStore("triage", dist.TCPStore("127.0.0.1", store_port, is_master=False))
+    init_process_group(rank=rank, world_size=world_size, store=store, backend=choice.backend, timeout_s=60)
+    sink = ListSink()
+    trainer = Trainer(c, build_mesh(c.mesh, choice.device.type), choice, sink=sink)
+    plain = Trainer(config_from_dict({**config, "probes": {"enabled": False}}), build_mesh(c.mesh, choice.device.type),
+                    choice)
+    original, passes = trainer.forward_backward, []
+
+    def poisoned(inputs, targets):  # type: ignore[no-untyped-def]
+        loss = original(inputs, targets)
+        passes.append(trainer.step + 1)
+        first_pass_of_step_3 = passes.count(3) == 1 and trainer.step + 1 == 3
+        if rank == 1 and (first_pass_of_step_3 or (persistent and trainer.step + 1 >= 3)):
+            grad = next(p.grad for p in trainer.parts[0].parameters() if p.grad is not None)
+            local_tensor(grad).view(-1)[0] = float("nan")
+        return loss
+
+    trainer.forward_backward = poisoned  # type: ignore[method-assign]
+    losses, reference, error = [], [], None
+    try:
+        for _ in range(6):
+            losses.append(trainer.train_step().loss)
+            reference.append(plain.train_step().loss)
+    except SilentDataCorruption as e:
+        error = str(e)
+    dist.destroy_process_group()
+    return {"losses": losses, "reference": reference, "error": error, "events": sink.events, "passes": passes}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_anomaly_triage_by_rerunning_the_step(persistent: bool) -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("2 ranks need 2 GPUs (NCCL allows one rank per GPU)")
+    results = run_ranks(triage_rank, 2, config=cfg(MeshShape(dp=2)), persistent=persistent)
+    events = dict(results[0]["events"])
+    assert results[0]["passes"].count(3) == 2, "step 3 was re-run from the same inputs"
+    if not persistent:
+        assert "sdc_transient" in events and "nan" in events["sdc_transient"]["anomaly"]
+        for r in results:
+            assert r["error"] is None
+            assert r["losses"] == r["reference"], "the re-run's result was used: as if nothing happened"
+    else:
+        suspect = events["sdc_suspect"]
+        assert suspect["ranks"] == [1] and "this rank only" in suspect["evidence"]["1"][0]
+        assert all(r["error"] is not None for r in results) and len(results[0]["losses"]) == 2
