@@ -29,20 +29,20 @@ from trainer.config import (  # noqa: E402
 )
 
 MESH = MeshShape(dp=2, pp=2, tp=2)
-STAGE = {r: MESH.rank_coords(r)["pp"] for r in range(MESH.world_size)}
 FACTORS = (1.2, 1.5, 2.0)
 RATIOS = (1.5, 1.3, 1.1)
 SLOW_RANK = 6
 
 
-def config(probes: bool) -> TrainerConfig:
+def config(probes: bool, mesh: MeshShape = MESH) -> TrainerConfig:
     return TrainerConfig(model=ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128),
                          data=DataConfig(seed=0),
                          train=TrainConfig(steps=10**6, global_batch=16, micro_batch=2, lr=3e-3, dtype="float32"),
-                         mesh=MESH, probes=ProbeConfig(enabled=probes))
+                         mesh=mesh, probes=ProbeConfig(enabled=probes))
 
 
-def bench_rank(*, rank: int, world_size: int, store_port: int, steps: int, lead_in: int, after: int) -> dict:
+def bench_rank(*, rank: int, world_size: int, store_port: int, steps: int, lead_in: int, after: int,
+               skip_detection: bool = False, mesh: tuple[int, int, int] = (2, 2, 2)) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -54,10 +54,11 @@ def bench_rank(*, rank: int, world_size: int, store_port: int, steps: int, lead_
     store = dist.PrefixStore("bench", dist.TCPStore("127.0.0.1", store_port, is_master=False))
     init_process_group(rank=rank, world_size=world_size, store=store, backend="gloo", timeout_s=300)
     choice = choose_device("float32")
+    shape = MeshShape(dp=mesh[0], pp=mesh[1], tp=mesh[2])
     switches = DrillSwitches()
-    with_probes = Trainer(config(True), build_mesh(MESH, "cpu"), choice, switches=switches)
-    without = Trainer(config(False), build_mesh(MESH, "cpu"), choice)
-    on, off, clean_on, clean_off = [], [], [], []
+    with_probes = Trainer(config(True, shape), build_mesh(shape, "cpu"), choice, switches=switches)
+    without = Trainer(config(False, shape), build_mesh(shape, "cpu"), choice)
+    on, off, clean_on, clean_off, probe = [], [], [], [], []
     for _ in range(2):  # warm-up
         with_probes.train_step()
         without.train_step()
@@ -65,11 +66,12 @@ def bench_rank(*, rank: int, world_size: int, store_port: int, steps: int, lead_
         a = with_probes.train_step()
         b = without.train_step()
         on.append(a.step_time_s)
+        probe.append(a.probe_s)
         off.append(b.step_time_s)
         clean_on.append(a.compute_s)
         clean_off.append(b.compute_s)
     slowed: dict[str, list[float]] = {}
-    for factor in FACTORS:
+    for factor in FACTORS if not skip_detection else ():
         series = []
         for i in range(lead_in + after):
             if rank == SLOW_RANK:
@@ -78,12 +80,13 @@ def bench_rank(*, rank: int, world_size: int, store_port: int, steps: int, lead_
         switches.slow(1.0)
         slowed[str(factor)] = series
     dist.destroy_process_group()
-    return {"on": on, "off": off, "clean_on": clean_on, "clean_off": clean_off, "slowed": slowed}
+    return {"on": on, "off": off, "clean_on": clean_on, "clean_off": clean_off, "slowed": slowed, "probe": probe}
 
 
-def verdict_steps(series: dict[int, list[float]], ratio: float) -> list[tuple[int, int]]:
+def verdict_steps(series: dict[int, list[float]], ratio: float, mesh: MeshShape = MESH) -> list[tuple[int, int]]:
     """(rank, step) of every verdict the controller's tracker reaches on these samples."""
-    tracker = StragglerTracker(STAGE, StragglerConfig(ratio=ratio))
+    stage = {r: mesh.rank_coords(r)["pp"] for r in range(mesh.world_size)}
+    tracker = StragglerTracker(stage, StragglerConfig(ratio=ratio))
     found = []
     for step in range(1, len(series[0]) + 1):
         for rank, values in series.items():
@@ -97,30 +100,42 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="interleaved clean steps per trainer")
     parser.add_argument("--lead-in", type=int, default=15, help="clean steps before each slowdown")
     parser.add_argument("--after", type=int, default=30, help="slow steps after it")
+    parser.add_argument("--no-detection", action="store_true", help="measure the overhead only")
+    parser.add_argument("--mesh", default="2,2,2", help="dp,pp,tp (detection needs rank 6: 2,2,2)")
     opts = parser.parse_args()
-    results = run_ranks(bench_rank, MESH.world_size, timeout_s=7200, steps=opts.steps, lead_in=opts.lead_in,
-                        after=opts.after)
+    dp, pp, tp = (int(x) for x in opts.mesh.split(","))
+    mesh = MeshShape(dp=dp, pp=pp, tp=tp)
+    skip = opts.no_detection or mesh.world_size <= SLOW_RANK
+    results = run_ranks(bench_rank, mesh.world_size, timeout_s=7200, steps=opts.steps, lead_in=opts.lead_in,
+                        after=opts.after, skip_detection=skip, mesh=(dp, pp, tp))
     on = [max(r["on"][i] for r in results) for i in range(opts.steps)]
     off = [max(r["off"][i] for r in results) for i in range(opts.steps)]
-    print(f"mesh dp2 x pp2 x tp2, 8 gloo ranks, {opts.steps} steps each way, interleaved")
+    print(f"mesh dp{dp} x pp{pp} x tp{tp}, {mesh.world_size} gloo ranks on {os.cpu_count()} cores, "
+          f"{opts.steps} steps each way, interleaved")
     print(f"step time with probes: mean {statistics.mean(on) * 1e3:.1f} ms, median {statistics.median(on) * 1e3:.1f} ms")
     print(f"step time without:     mean {statistics.mean(off) * 1e3:.1f} ms, median {statistics.median(off) * 1e3:.1f} ms")
     print(f"overhead ratio (with / without): mean {statistics.mean(on) / statistics.mean(off):.3f}, "
           f"median {statistics.median(on) / statistics.median(off):.3f}   (target <= 1.02)")
 
+    probe_ms = [statistics.mean(r["probe"]) * 1e3 for r in results]
+    print(f"time inside the probes per step (mean over steps, per rank): "
+          f"{', '.join(f'{p:.1f}' for p in probe_ms)} ms")
+
     clean_steps = 0
     flags = 0
     for key in ("clean_on", "clean_off"):
         series = {rank: r[key] for rank, r in enumerate(results)}
-        flags += len(verdict_steps(series, 1.5))
+        flags += len(verdict_steps(series, 1.5, mesh))
         clean_steps += opts.steps
     print(f"false straggler flags at ratio 1.5: {flags} in {clean_steps} clean steps "
           f"= {1000 * flags / clean_steps:.2f} per 1,000 steps")
-    tight = sum(len(verdict_steps({rank: r[k] for rank, r in enumerate(results)}, 1.1))
+    tight = sum(len(verdict_steps({rank: r[k] for rank, r in enumerate(results)}, 1.1, mesh))
                 for k in ("clean_on", "clean_off"))
     print(f"false straggler flags at ratio 1.1: {tight} in {clean_steps} clean steps "
           f"= {1000 * tight / clean_steps:.2f} per 1,000 steps")
 
+    if skip:
+        return
     print(f"\nsteps from slowdown to verdict (rank {SLOW_RANK} slowed after {opts.lead_in} clean steps; "
           f"'-' = not flagged in {opts.after} steps; wrong ranks flagged in brackets)")
     print("factor  " + "  ".join(f"ratio {ratio:<4}" for ratio in RATIOS))
