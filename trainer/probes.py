@@ -131,13 +131,6 @@ class Probes:
         self.hardware = hardware_name(trainer.choice.device)
         mesh = trainer.mesh
         self.coords = {name: mesh[name].get_local_rank() for name in ("dp", "pp", "tp")}
-        shape = trainer.config.mesh
-        self.replica_groups: list[str] = []
-        if shape.tp > 1:
-            self.replica_groups.append(f"tp-replicated params of dp{self.coords['dp']}/pp{self.coords['pp']}")
-        if shape.dp_replicas > 1:
-            shard = mesh["dp_shard"].get_local_rank()
-            self.replica_groups.append(f"hsdp params of shard{shard}/pp{self.coords['pp']}/tp{self.coords['tp']}")
 
     # -- every step ---------------------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -159,13 +152,14 @@ class Probes:
         evidence = self._gather(selftest_now=True, local_anomaly=reason2 is not None and self._local_nonfinite(again))
         result = triage(reason, reason2, evidence)
         step = self.trainer.step + 1
+        # Every rank reached the same verdict from the same gathered evidence; rank 0 reports it.
         if result.kind is Triage.TRANSIENT:
-            self._event("sdc_transient", {"step": step, "anomaly": reason})
+            self._event("sdc_transient", {"step": step, "anomaly": reason}, once=True)
             return loss2, True
         if result.kind is Triage.NOT_HARDWARE:
             self._zero_grads()
             self._event("loss_anomaly", {"step": step, "anomaly": reason, "action": "skipped_update",
-                                         "why": "reproduced on every rank with no device evidence"})
+                                         "why": "reproduced on every rank with no device evidence"}, once=True)
             return loss2, False
         # A shard that changed at rest explains everything else it shows: the state of the last
         # finished step was clean. Any other evidence reaches back to the last passing check.
@@ -260,10 +254,9 @@ class Probes:
 
     def _suspect(self, step: int, check: str, anomaly: str | None, suspects: tuple[int, ...],
                  reasons: dict[int, list[str]], *, clean_through: int) -> None:
-        if dist.get_rank() == 0:
-            self._event("sdc_suspect", {"step": step, "check": check, "anomaly": anomaly, "ranks": list(suspects),
-                                        "evidence": {str(r): reasons[r] for r in suspects},
-                                        "clean_through_step": clean_through})
+        self._event("sdc_suspect", {"step": step, "check": check, "anomaly": anomaly, "ranks": list(suspects),
+                                    "evidence": {str(r): reasons[r] for r in suspects},
+                                    "clean_through_step": clean_through}, once=True)
         raise SilentDataCorruption(f"silent data corruption suspected on ranks {list(suspects)} at step {step}: "
                                    + "; ".join(f"rank {r}: {', '.join(reasons[r])}" for r in suspects))
 
@@ -288,6 +281,7 @@ class Probes:
         for opt in self.trainer.optimizers:
             opt.zero_grad(set_to_none=True)
 
-    def _event(self, kind: str, detail: dict[str, Any]) -> None:
-        if self.sink is not None:
+    def _event(self, kind: str, detail: dict[str, Any], *, once: bool = False) -> None:
+        """`once`: a verdict every rank reached alike, reported by rank 0 only."""
+        if self.sink is not None and not (once and dist.get_rank() != 0):
             self.sink.event(kind, detail)
