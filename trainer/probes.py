@@ -133,7 +133,7 @@ class Probes:
         self.coords = {name: mesh[name].get_local_rank() for name in ("dp", "pp", "tp")}
 
     # -- every step ---------------------------------------------------------------------------------
-    def start(self, step: int) -> None:
+    def start(self) -> None:
         """Before the step: drills due on this slot, then the integrity check of the resting shard."""
         if self.switches is not None and self.switches.bitflips > self.bitflips_done:
             self.bitflips_done = self.switches.bitflips

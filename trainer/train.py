@@ -109,7 +109,7 @@ class Trainer:
         is waiting in collectives and pipeline receives."""
         t0 = time.perf_counter()
         if self.probes is not None:
-            self.probes.start(self.step)
+            self.probes.start()
         inputs, targets = self.local_batch()
         t1 = self._sync_clock()
         self.clock.start()
