@@ -14,8 +14,10 @@ import torch.distributed as dist
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
+    import torch
+
+    torch.set_num_threads(1)  # as the Ray workers do: one compute thread per rank (torch is imported by now,
+    try:                      # so OMP_NUM_THREADS would come too late)
         result: Any = ("ok", fn(rank=rank, world_size=world, store_port=port, **kwargs))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         result = ("error", traceback.format_exc())
