@@ -30,8 +30,8 @@ def cmd_run(opts: argparse.Namespace) -> int:
     spec = load_spec(opts.spec)
     if opts.launcher == "torchrun":
         return _run_torchrun(spec, opts)
-    from controller.api import ApiBindError
     from controller.runner import run_foreground
+    from controller.service.app import ApiBindError
     from controller.state import RunController
     from controller.ui import ProgressView
 
@@ -45,15 +45,19 @@ def cmd_run(opts: argparse.Namespace) -> int:
             if c.progress.history:
                 view.update(c.progress, attempt=max(c.attempt, 0))
 
+        api = _api_address(opts.api or DEFAULT_API)
+        token, token_file = _api_token(api[0]) if api is not None else (None, None)
+
         def on_api(url: str) -> None:
-            view.note(f"API on {url} (goodput status|drill {spec.name}; GOODPUT_URL={url})")
+            where = f"; token in {token_file}" if token_file else ""
+            view.note(f"API on {url} (goodput status|drill {spec.name}; GOODPUT_URL={url}{where})")
 
         # Ray's own messages (a raylet's death notice, for one) print to sys.stdout from its threads;
         # stdout is kept for the final result alone, so while the run lasts they go to stderr.
         with contextlib.redirect_stdout(sys.stderr):
             try:
-                run = run_foreground(spec, on_tick=on_tick, api=_api_address(opts.api or DEFAULT_API),
-                                     api_any_port=opts.api is None, on_api=on_api)
+                run = run_foreground(spec, on_tick=on_tick, api=api, api_any_port=opts.api is None, on_api=on_api,
+                                     token=token)
             except ApiBindError as e:
                 raise CliError(f"{e.strerror}; give --api HOST:PORT with a free port (0 picks one) "
                                "or --api off") from None
@@ -74,6 +78,23 @@ def _api_address(value: str) -> tuple[str, int] | None:
     if not host or not port.isdigit():
         raise CliError(f"--api {value!r}: give HOST:PORT (port 0 picks a free one) or off")
     return host, int(port)
+
+
+def _api_token(host: str) -> tuple[str, Any]:
+    """The API's token: GOODPUT_TOKEN, else the token file under the state dir (made on first use,
+    0600). Serving beyond loopback needs an explicit token."""
+    import os
+
+    from controller.client import TOKEN_ENV, default_state_dir
+    from controller.service.auth import AuthConfigError, check_bind, ensure_token
+
+    explicit = os.environ.get(TOKEN_ENV) or None
+    try:
+        check_bind(host, explicit)
+        token, path, made = ensure_token(default_state_dir(), explicit)
+    except AuthConfigError as e:
+        raise CliError(str(e)) from None
+    return token, path
 
 
 def _describe(event: dict) -> str:
@@ -175,6 +196,26 @@ def cmd_plan(opts: argparse.Namespace) -> int:
 
 
 def cmd_checkpoints(opts: argparse.Namespace) -> int:
+    if opts.uri is None:
+        return _checkpoints_from_service(opts)
+    return _checkpoints_from_store(opts)
+
+
+def _checkpoints_from_service(opts: argparse.Namespace) -> int:
+    with _api() as client:
+        rows = client.call("GET", f"/v1/runs/{opts.run}/checkpoints")
+    if opts.json:
+        _emit_json(rows)
+        return 0
+    if not rows:
+        print(f"no committed checkpoints for run {opts.run!r}")
+    _table(["step", "attempt", "MiB", "save s", "committed", "uri"],
+           [[r["step"], r["attempt"], f"{(r.get('bytes') or 0) / 2**20:.1f}", f"{r.get('seconds') or 0:.2f}",
+             _when(r["committed_at"]), r.get("uri") or ""] for r in rows])
+    return 0
+
+
+def _checkpoints_from_store(opts: argparse.Namespace) -> int:
     import time
 
     from checkpointing.manifest import CheckpointError, committed_steps, read_manifest, verify
@@ -258,17 +299,143 @@ def cmd_drill(opts: argparse.Namespace) -> int:
 def cmd_status(opts: argparse.Namespace) -> int:
     with _api() as client:
         run = client.call("GET", f"/v1/runs/{opts.run}")
+        if opts.watch:
+            run = _watch(client, run)
     if opts.json:
         _emit_json(run)
         return 0
     mesh = run["mesh"] or {}
     print(f"{run['id']}: {run['state']}, step {run['step']}, loss {run['loss']}, attempt {run['attempt']}, "
           f"mesh dp{mesh.get('dp')} pp{mesh.get('pp')} tp{mesh.get('tp')}, ETTR {run['goodput']['ettr']:.2f}")
+    if run.get("waiting_for"):
+        print(f"  pending: {run['waiting_for']}")
     for d in run.get("drills", []):
         print(f"  {d['id']}: {d['kind']} {d['target']} at step {d['at_step']} -> {d['outcome']}")
     if run.get("error"):
         print(f"  error: {run['error']['message']}")
     return 0
+
+
+def _watch(client: Any, run: dict) -> dict:
+    """Follow a run live (the progress bar of `goodput run`, events as they come) until it ends; the
+    final Run object."""
+    import time
+
+    from controller.ui import ProgressView
+
+    after = -1
+    with ProgressView(run["id"], run.get("total_steps") or 1, quiet=False) as view:
+        while True:
+            for event in client.call("GET", f"/v1/runs/{run['id']}/events", params={"after": after}):
+                after = event["seq"]
+                view.note(_describe(event))
+            if run["step"]:
+                view.show(run["step"], run.get("total_steps") or run["step"], run["loss"], run["attempt"])
+            if run["state"] in ("succeeded", "failed", "cancelled"):
+                return run
+            time.sleep(0.5)
+            run = client.call("GET", f"/v1/runs/{run['id']}")
+
+
+def cmd_submit(opts: argparse.Namespace) -> int:
+    spec = load_spec(opts.spec)
+    with _api() as client:
+        run = client.call("POST", "/v1/runs", spec.model_dump(mode="json", exclude_unset=True))
+        if opts.watch:
+            run = _watch(client, run)
+    if opts.json:
+        _emit_json(run)
+    else:
+        print(f"{run['id']}: {run['state']}" + (f" ({run['waiting_for']})" if run.get("waiting_for") else ""))
+    if opts.watch and run["state"] != "succeeded":
+        raise CliError(f"run {run['id']} {run['state']}: {(run.get('error') or {}).get('message', 'see events')}")
+    return 0
+
+
+def cmd_list(opts: argparse.Namespace) -> int:
+    with _api() as client:
+        runs = client.call("GET", "/v1/runs")
+    if opts.json:
+        _emit_json(runs)
+        return 0
+    if not runs:
+        print("no runs")
+        return 0
+    _table(["run", "state", "step", "loss", "attempt", "mesh", "created", "note"],
+           [[r["id"], r["state"], f"{r['step']}/{r.get('total_steps', '?')}",
+             "" if r["loss"] is None else f"{r['loss']:.4f}", r["attempt"],
+             "" if not r["mesh"] else f"dp{r['mesh']['dp']} pp{r['mesh']['pp']} tp{r['mesh']['tp']}",
+             _when(r["created_at"]), r.get("waiting_for") or (r.get("error") or {}).get("message", "")]
+            for r in runs])
+    return 0
+
+
+def cmd_events(opts: argparse.Namespace) -> int:
+    events, after = [], -1
+    with _api() as client:
+        while True:
+            page = client.call("GET", f"/v1/runs/{opts.run}/events", params={"after": after})
+            events.extend(page)
+            if len(page) < 1000:
+                break
+            after = page[-1]["seq"]
+    if opts.json:
+        _emit_json(events)
+        return 0
+    for e in events:
+        print(f"{_when(e['time'])}  attempt {e['attempt']}  {_describe(e)}")
+    return 0
+
+
+def cmd_cancel(opts: argparse.Namespace) -> int:
+    with _api() as client:
+        run = client.call("POST", f"/v1/runs/{opts.run}/cancel")
+    if opts.json:
+        _emit_json(run)
+    else:
+        print(f"{run['id']}: cancel requested ({run['state']})")
+    return 0
+
+
+def cmd_resume(opts: argparse.Namespace) -> int:
+    body = {k: v for k, v in (("step", opts.step), ("steps", opts.steps)) if v is not None}
+    with _api() as client:
+        run = client.call("POST", f"/v1/runs/{opts.run}/resume", body)
+    if opts.json:
+        _emit_json(run)
+    else:
+        src = f"step {opts.step}" if opts.step is not None else "its latest checkpoint"
+        print(f"{run['id']}: resumes from {src} ({run['state']})")
+    return 0
+
+
+def cmd_serve(opts: argparse.Namespace) -> int:
+    from controller.client import default_state_dir
+    from controller.service.auth import AuthConfigError
+    from controller.service.main import ServeOptions, serve_forever
+
+    try:
+        return serve_forever(ServeOptions(
+            host=opts.host, port=opts.port, state_dir=opts.state_dir or default_state_dir(), db=opts.db,
+            address=opts.address, local_nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node, racks=opts.racks,
+            spares=opts.spares, gpu_memory_gb=opts.gpu_memory_gb))
+    except AuthConfigError as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(str(e)) from None
+
+
+def _when(t: float | None) -> str:
+    import time
+
+    return "" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> None:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,8 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
     ckpts = sub.add_parser("checkpoints", help="committed checkpoints of a run: size, age, mesh, verification")
     ckpts.add_argument("run")
-    ckpts.add_argument("--uri", default="file://./goodput-runs", help="the run spec's checkpoint.uri")
-    ckpts.add_argument("--quick", action="store_true", help="check sizes only, not sha256")
+    ckpts.add_argument("--uri", help="read the object store directly (the run spec's checkpoint.uri) and verify "
+                                     "every file; default: ask the service")
+    ckpts.add_argument("--quick", action="store_true", help="with --uri: check sizes only, not sha256")
     ckpts.add_argument("--json", action="store_true")
     ckpts.set_defaults(func=cmd_checkpoints)
     drill = sub.add_parser("drill", help="inject a failure into a running run and report how it recovered")
@@ -305,10 +473,47 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the report")
     drill.add_argument("--json", action="store_true")
     drill.set_defaults(func=cmd_drill)
-    status = sub.add_parser("status", help="state, step, loss, mesh and drills of a running run")
+    status = sub.add_parser("status", help="state, step, loss, mesh and drills of a run")
     status.add_argument("run")
+    status.add_argument("--watch", action="store_true", help="follow the run live until it ends")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
+    serve = sub.add_parser("serve", help="start the controller service (REST API) on one Ray cluster")
+    serve.add_argument("--host", default=DEFAULT_HOST)
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--state-dir", help="registry, token and logs (default $GOODPUT_STATE_DIR or ~/.goodput)")
+    serve.add_argument("--db", help="SQLAlchemy URL of the registry (default SQLite under --state-dir), e.g. "
+                                    "postgresql+psycopg://user@host/goodput")
+    serve.add_argument("--address", help="join this Ray cluster (ray://HOST:PORT, HOST:PORT, auto) instead of "
+                                         "starting an embedded one")
+    serve.add_argument("--local-nodes", type=int, default=4, help="embedded cluster: nodes")
+    serve.add_argument("--gpus-per-node", type=int, default=2, help="embedded cluster: GPU slots per node")
+    serve.add_argument("--racks", type=int, default=2, help="embedded cluster: racks")
+    serve.add_argument("--spares", type=int, default=1, help="embedded cluster: hot-spare nodes")
+    serve.add_argument("--gpu-memory-gb", type=float, default=80.0, help="embedded cluster: memory per GPU slot")
+    serve.set_defaults(func=cmd_serve)
+    submit = sub.add_parser("submit", help="submit SPEC.yaml to the service")
+    submit.add_argument("spec")
+    submit.add_argument("--watch", action="store_true", help="follow the run until it ends")
+    submit.add_argument("--json", action="store_true")
+    submit.set_defaults(func=cmd_submit)
+    lst = sub.add_parser("list", help="the service's runs, oldest first")
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(func=cmd_list)
+    events = sub.add_parser("events", help="a run's timeline")
+    events.add_argument("run")
+    events.add_argument("--json", action="store_true")
+    events.set_defaults(func=cmd_events)
+    cancel = sub.add_parser("cancel", help="cancel a run (in any state); its GPUs are freed")
+    cancel.add_argument("run")
+    cancel.add_argument("--json", action="store_true")
+    cancel.set_defaults(func=cmd_cancel)
+    resume = sub.add_parser("resume", help="start an ended run again from its latest (or a given) checkpoint")
+    resume.add_argument("run")
+    resume.add_argument("--step", type=int, help="committed step to start from (newer commits are discarded)")
+    resume.add_argument("--steps", type=int, help="train to this many steps in all")
+    resume.add_argument("--json", action="store_true")
+    resume.set_defaults(func=cmd_resume)
     return parser
 
 

@@ -37,6 +37,10 @@ class EventLog:
         self._events.append(event)
         return event
 
+    def restore(self, rows: list[dict[str, Any]]) -> None:
+        """Put back a timeline read from the registry (before anything else is added)."""
+        self._events = [Event(r["time"], self.run_id, r["attempt"], r["kind"], dict(r["detail"])) for r in rows]
+
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self._events)
 

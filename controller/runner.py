@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from checkpointing.store import ObjectStore, StoreError, open_store
-from controller.api import ApiServer, RunRegistry, create_app, serve, token_from_env
 from controller.placement import Placement
 from controller.planner import MeshPlan
 from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
 from controller.spec import LocalClusterSpec, RunSpec, SpecError
 from controller.state import RunController, RunState, plan_run
 from controller.topology import NodeState, Topology
+
+if TYPE_CHECKING:
+    from controller.service.registry import Registry
+    from controller.service.runs import Service
 
 Tick = Callable[[RunController], None]
 
@@ -57,10 +60,10 @@ def make_cluster(spec: RunSpec) -> LocalRayCluster | RemoteRayCluster:
 
 
 def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick: Tick | None = None,
-          poll_s: float = 0.2, registry: RunRegistry | None = None, warm_workers: bool = True) -> RunController:
-    """Run the spec on a started cluster until the run ends; cancel on Ctrl-C (and re-raise).
-    With a registry the run is visible to the API, which reads it between steps under its lock.
-    `warm_workers=False` starts fresh actors for every attempt (the slower mechanism, kept to be
+          poll_s: float = 0.2, warm_workers: bool = True) -> RunController:
+    """Run the spec on a started cluster until the run ends, in this thread (tests and benchmarks drive
+    one run this way; `goodput run` and `goodput serve` go through a Service). Cancel on Ctrl-C (and
+    re-raise). `warm_workers=False` starts fresh actors for every attempt (the slower mechanism, kept to be
     measured against: benchmarks/recovery_drills.py)."""
     from controller.ray_drills import RayDrillInjector
     from controller.ray_workers import RayWorkerGroup
@@ -73,12 +76,8 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
 
     controller = RunController(spec, topology(), group, now=time.time(), checkpoint_store=store,
                                injector=RayDrillInjector(cluster, group), topology_source=topology)
-    registry = registry or RunRegistry()
-    registry.add(controller)
-
     def advance() -> RunState:
-        with registry.lock:
-            return controller.step(time.time())
+        return controller.step(time.time())
 
     try:
         while True:
@@ -112,24 +111,56 @@ def preflight(spec: RunSpec) -> None:
         spec.trainer_config(fixed)
 
 
+def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluster, *,
+                view: Callable[[Topology], Topology] | None = None, accept_submissions: bool = True,
+                poll_s: float = 0.2) -> "Service":
+    """A service whose runs train on `cluster` with Ray worker groups (goodput serve, goodput run)."""
+    from controller.ray_drills import RayDrillInjector
+    from controller.ray_workers import RayWorkerGroup
+    from controller.service.runs import Service
+
+    def group(spec: RunSpec) -> RayWorkerGroup:
+        return RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s)
+
+    def injector(g: Any) -> RayDrillInjector:
+        return RayDrillInjector(cluster, g)
+
+    return Service(registry, cluster, group_factory=group, injector_factory=injector, store_factory=checkpoint_store,
+                   view=view, accept_submissions=accept_submissions, poll_s=poll_s)
+
+
 def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None, api: tuple[str, int] | None = None,
-                   api_any_port: bool = False, on_api: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Start the cluster, run, stop the cluster; the final Run object. With `api` (host, port) the
-    REST API serves the run while it lasts (its URL goes to `on_api`); `api_any_port`: if that port
-    is taken, a free one."""
+                   api_any_port: bool = False, on_api: Callable[[str], None] | None = None,
+                   token: str | None = None) -> dict[str, Any]:
+    """Start the cluster, run, stop the cluster; the final Run object. The run is the one run of a
+    service that takes no submissions; with `api` (host, port) its REST API serves the run while it
+    lasts (its URL goes to `on_api`); `api_any_port`: if that port is taken, a free one."""
+    from controller.service.app import create_app, serve
+    from controller.service.registry import Registry
+
     preflight(spec)
-    registry = RunRegistry()
     cluster = make_cluster(spec)
     cluster.start()
     server = None
+    registry = Registry("sqlite://")
+    service = ray_service(registry, cluster, view=lambda t: spec_view(t, spec), accept_submissions=False)
     try:
+        service.start()
+        run_id = service.add(spec)["id"]
         if api is not None:
-            server = serve(create_app(registry, token=token_from_env()), *api, any_port=api_any_port)
+            server = serve(create_app(service, token=token), *api, any_port=api_any_port)
             if on_api is not None:
                 on_api(server.url)
-        controller = drive(spec, cluster, on_tick=on_tick, registry=registry)
+        try:
+            service.wait(run_id, on_tick=on_tick)
+        except BaseException:
+            service.cancel(run_id)
+            service.wait(run_id, timeout_s=60)
+            raise
+        return service.controller(run_id).to_dict(time.time())
     finally:
         if server is not None:
             server.stop()
+        service.stop()
+        registry.close()
         cluster.shutdown()
-    return controller.to_dict(time.time())

@@ -12,6 +12,7 @@ in. The controller decides; the worker group only does what it is told.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -25,7 +26,7 @@ from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
 from controller.attribution import attribute
 from controller.drills import (
-    DrillError, DrillInjector, DrillRequest, DrillSchedule, default_target, drill_reports, new_drill_id,
+    DrillError, DrillInjector, DrillRequest, DrillSchedule, default_target, drill_reports,
     target_problem,
 )
 from controller.failure_policy import (
@@ -169,9 +170,9 @@ class RunController:
         self._cancel_requested = False
         self.injector = injector
         self.topology_source = topology_source
-        self.drills = DrillSchedule([DrillRequest(id=new_drill_id(), kind=d.kind, at_step=d.at_step, target=d.target,
-                                                  factor=d.factor, seconds=d.seconds)
-                                     for d in spec.drills])
+        self.drills = DrillSchedule([DrillRequest(id=spec_drill_id(self.run_id, i), kind=d.kind, at_step=d.at_step,
+                                                  target=d.target, factor=d.factor, seconds=d.seconds)
+                                     for i, d in enumerate(spec.drills)])
         self.failures: list[FailureEvent] = []
         self.quarantined: list[dict[str, Any]] = []
         """Nodes taken out of the run for good: {node, reason, evidence, time}."""
@@ -181,6 +182,10 @@ class RunController:
         """SDC: the last step the probes vouch for; newer commits are discarded once the attempt is down."""
         self._waiting_since: float | None = None
         self._last_failure: FailureEvent | None = None
+        self._resume_at: int | None = None
+        """A resume request's step: the next launch loads it (newer commits are discarded first)."""
+        self.waiting_for: str | None = None
+        """Why a submitted run has not started (set by the service that queues it)."""
         self._reset_attempt_tracking()
         self.events.add(now, 0, "submitted", name=spec.name)
         self._handlers: dict[RunState, Callable[[float], None]] = {
@@ -206,6 +211,50 @@ class RunController:
     def cancel(self) -> None:
         self._cancel_requested = True
 
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel_requested
+
+    def fail(self, now: float, code: str, message: str) -> None:
+        """End a run that has not ended from outside the machine (a service that cannot place it)."""
+        if not self.state.terminal:
+            self.worker_group.shutdown()
+            self._fail(now, code, message)
+
+    def confine(self, nodes: set[str]) -> None:
+        """This run may use only these nodes from now on (a service shares its cluster among runs)."""
+        self.topology = Topology(tuple(n for n in self.topology.nodes if n.name in nodes))
+
+    def restore(self, *, events: list[dict[str, Any]], history: list[dict[str, Any]], attempt: int,
+                quarantined: list[dict[str, Any]]) -> None:
+        """Carry on a run a previous controller drove (a restarted service): its timeline, progress,
+        attempt count, failures (they count against max_failures) and drills already injected."""
+        self.events.restore(events)
+        self.progress.history = [dict(h) for h in history]
+        self.attempt = attempt
+        self.quarantined = [dict(q) for q in quarantined]
+        self.failures = [FailureEvent(time=e["time"], cause=FailureCause(e["detail"]["cause"]),
+                                      nodes=tuple(e["detail"].get("nodes") or ()), ranks=tuple(e["detail"].get("ranks") or ()),
+                                      message=e["detail"].get("message", ""))
+                         for e in events if e["kind"] == "failure_detected"
+                         and e["detail"].get("cause") in {c.value for c in FailureCause}]
+        done = {e["detail"].get("id") for e in events if e["kind"] in ("drill_injected", "drill_failed")}
+        requested = [DrillRequest(id=d["id"], kind=d["drill"], at_step=d.get("at_step"), target=d.get("target"),
+                                  requested_at=d.get("requested_at"), factor=d.get("factor"), seconds=d.get("seconds"))
+                     for e in events if e["kind"] == "drill_requested" and (d := e["detail"]).get("id") not in done]
+        self.drills = DrillSchedule([r for r in self.drills.pending() if r.id not in done] + requested)
+
+    def resume(self, now: float, *, step: int | None, steps: int | None, spec: RunSpec) -> None:
+        """Start an ended run again (a new attempt) from its latest or the given committed step."""
+        assert self.state.terminal
+        self.spec = spec
+        self._resume_at = step
+        self._cancel_requested = False
+        self.error = None
+        self.finished_at = None
+        self.state = RunState.PENDING
+        self.events.add(now, max(self.attempt, 0), "resume_requested", step=step, steps=spec.train.steps)
+
     def _on_pending(self, now: float) -> None:
         self.state = RunState.PLANNING
 
@@ -225,6 +274,9 @@ class RunController:
         assert self.config is not None and self.placement is not None
         self.attempt += 1
         start_step, cursor, resume_step = 0, 0, None
+        if self.checkpoint_store is not None and self._resume_at is not None:
+            self._discard_after(now, self._resume_at, reason=f"the run was resumed from step {self._resume_at}")
+            self._resume_at = None
         if self.checkpoint_store is not None:
             found = latest_verified(self.checkpoint_store, self.run_id)
             if found is not None:
@@ -266,7 +318,7 @@ class RunController:
             return
         self.state = RunState.RUNNING
 
-    def _discard_after(self, now: float, step: int) -> None:
+    def _discard_after(self, now: float, step: int, *, reason: str | None = None) -> None:
         """Committed steps newer than `step` may hold corrupted state: make them invisible (manifest
         first, so a step is never half-visible), then delete them. Called with every rank stopped."""
         assert self.checkpoint_store is not None
@@ -275,7 +327,8 @@ class RunController:
             self.checkpoint_store.delete_prefix(f"{prefix}/{MANIFEST}")
             self.checkpoint_store.delete_prefix(prefix + "/")
             self.events.add(now, self.attempt, "checkpoint_discarded", step=newer,
-                            reason=f"committed after step {step}, when silent data corruption may already have begun")
+                            reason=reason or f"committed after step {step}, when silent data corruption may already "
+                                             "have begun")
 
     def _reset_attempt_tracking(self) -> None:
         self._errors: dict[int, str] = {}
@@ -565,12 +618,14 @@ class RunController:
         out: dict[str, Any] = {
             "id": self.run_id, "name": self.spec.name, "state": self.state.value,
             "created_at": self.created_at, "finished_at": self.finished_at,
-            "step": self.progress.step, "loss": self.progress.loss, "attempt": max(self.attempt, 0),
+            "step": self.progress.step, "total_steps": self.spec.train.steps, "loss": self.progress.loss,
+            "attempt": max(self.attempt, 0),
             "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp} if mesh else None,
             "placement": list(self.placement.rows()) if self.placement else [],
             "goodput": self.goodput(now),
             "error": {"code": self.error.code, "message": self.error.message} if self.error else None,
         }
+        out["waiting_for"] = self.waiting_for if self.state is RunState.PENDING else None
         out["drills"] = drill_reports(list(self.events))
         out["quarantined"] = list(self.quarantined)
         out["health"] = self.health()
@@ -578,6 +633,11 @@ class RunController:
             out["history"] = self.progress.history
             out["events"] = [e.to_dict() for e in self.events]
         return out
+
+
+def spec_drill_id(run_id: str, index: int) -> str:
+    """The spec's drills have ids fixed by run and position, so a restarted service knows them again."""
+    return "drill-" + hashlib.sha256(f"{run_id}/{index}".encode()).hexdigest()[:8]
 
 
 def _merge_returned(ours: Topology, live: Topology) -> Topology:

@@ -48,6 +48,17 @@ class ProgressView:
             self._last_logged_step = p.step
             self.console.print(f"step {p.step}: {info}")
 
+    def show(self, step: int, total: int, loss: float | None, attempt: int) -> None:
+        """The bar from a Run object's numbers (goodput status --watch)."""
+        if not self._started:
+            self.progress.start()
+            self._started = True
+        info = f"loss {loss:.4f}  attempt {attempt}" if loss is not None else f"attempt {attempt}"
+        self.progress.update(self.task, completed=step, total=total, info=info)
+        if not self.console.is_terminal and not self.quiet and step != self._last_logged_step and step % 10 == 0:
+            self._last_logged_step = step
+            self.console.print(f"step {step}: {info}")
+
     def note(self, text: str) -> None:
         if not self.quiet:
             self.console.print(text)

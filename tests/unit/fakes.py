@@ -3,7 +3,28 @@
 from __future__ import annotations
 
 from controller.state import AttemptSpec, GroupStatus, PollResult
+from controller.topology import Topology
 from trainer.report import StepReport
+
+
+class ManualClock:
+    """Time that moves only when a test says so."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeCluster:
+    """A cluster that shows a fixed topology (or what a test sets)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.nodes = topology
+
+    def topology(self) -> Topology:
+        return self.nodes
 
 
 class FakeWorkerGroup:
@@ -29,6 +50,10 @@ class FakeWorkerGroup:
 
     def shutdown(self) -> None:
         self.shutdowns += 1
+
+    def close(self) -> None:
+        self.closed = True
+        self.shutdown()
 
     # -- what tests inject
     def finish_steps(self, first: int, last: int, loss: float = 1.0) -> None:

@@ -1,6 +1,7 @@
-"""The REST API over a run controller driven by a fake worker group: drills requested on a live run
-are injected at their step and reported, bad requests get a JSON error that says what to fix, a
-token guards every call, and the CLI's client reaches a real server on loopback."""
+"""The REST API over a service whose run is driven by a fake worker group (no threads: the test
+advances the run): drills requested on a live run are injected at their step and reported, bad
+requests get a JSON error that says what to fix, a token guards every call, and the CLI's client
+reaches a real server on loopback."""
 
 from __future__ import annotations
 
@@ -12,55 +13,73 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from controller.api import ApiBindError, ApiServer, RunRegistry, create_app, serve
 from controller.client import ApiClientError, Client
 from controller.drills import DrillSchedule
+from controller.service.app import ApiBindError, ApiServer, create_app, serve
+from controller.service.registry import Registry
+from controller.service.runs import Service
 from controller.spec import parse_spec
 from controller.state import RunController, RunState
-from tests.unit.fakes import FakeInjector, FakeWorkerGroup
+from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
 
 
-def live_run(**overrides: object) -> tuple[RunController, FakeWorkerGroup, FakeInjector, RunRegistry]:
+class Live:
+    """One run on a thread-less service: `step(t)` advances it at time t (and saves it)."""
+
+    def __init__(self, service: Service, clock: ManualClock) -> None:
+        self.service, self.clock = service, clock
+
+    def step(self, t: float) -> None:
+        self.clock.t = t
+        self.service.advance("tiny-gpt", t)
+
+
+def live_run(**overrides: object) -> tuple[RunController, FakeWorkerGroup, FakeInjector, Service, Live]:
     raw = copy.deepcopy(BASE)
     raw["drills"] = []
     raw.update(overrides)
     spec = parse_spec(raw)
     group = FakeWorkerGroup()
     injector = FakeInjector(group)
-    c = RunController(spec, spec.topology(), group, now=100.0, injector=injector)
+    clock = ManualClock(100.0)
+    service = Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=lambda _: group,
+                      injector_factory=lambda _: injector, clock=clock, threads=False)
+    service.add(spec)
+    service.schedule()
+    c = service.controller("tiny-gpt")
+    live = Live(service, clock)
     t = 101.0
     while c.state is not RunState.RUNNING:
-        c.step(t)
+        live.step(t)
         t += 1
-    registry = RunRegistry()
-    registry.add(c)
-    return c, group, injector, registry
+    return c, group, injector, service, live
 
 
 def test_drill_on_a_running_run_is_injected_at_its_step_and_reported() -> None:
-    c, g, injector, registry = live_run()
-    api = TestClient(create_app(registry, clock=lambda: 110.5))
+    c, g, injector, service, live = live_run()
+    live.clock.t = 110.5
+    api = TestClient(create_app(service))
     g.finish_steps(1, 3)
-    c.step(110.0)
+    live.step(110.0)
     response = api.post("/v1/runs/tiny-gpt/drills", json={"kind": "kill-rank", "target": "5", "at_step": 4})
     assert response.status_code == 202, response.text
     drill = response.json()
     assert drill["outcome"] == "scheduled" and drill["id"].startswith("drill-")
     assert api.get(f"/v1/drills/{drill['id']}").json()["outcome"] == "scheduled"
-    c.step(111.0)
+    live.step(111.0)
     assert injector.injected == [], "not before its step"
     g.finish_steps(4, 4)
-    c.step(112.0)
+    live.step(112.0)
     assert injector.injected == [("kill-rank", "5")]
     assert api.get(f"/v1/drills/{drill['id']}").json()["outcome"] == "pending"
     for t in (113.0, 117.0):  # the death is seen, then the attribution grace runs out
-        c.step(t)
-    c.step(118.0)
+        live.step(t)
+    live.step(118.0)
     g.finish_steps(1, 1)
-    c.step(130.0)
+    live.step(130.0)
     report = api.get(f"/v1/drills/{drill['id']}").json()
     assert report["outcome"] == "recovered", report
     assert report["cause"] == "rank_died" and report["attributed_to"]["ranks"] == [5]
@@ -71,26 +90,27 @@ def test_drill_on_a_running_run_is_injected_at_its_step_and_reported() -> None:
 
 
 def test_drill_without_a_step_or_target_hits_the_last_rank_now() -> None:
-    c, g, injector, registry = live_run()
-    api = TestClient(create_app(registry, clock=lambda: 104.5))
+    c, g, injector, service, live = live_run()
+    live.clock.t = 104.5
+    api = TestClient(create_app(service))
     assert api.post("/v1/runs/tiny-gpt/drills", json={"kind": "kill-node"}).status_code == 202
-    c.step(105.0)
+    live.step(105.0)
     assert injector.injected == [], "waits for the attempt's first step"
     g.finish_steps(1, 1)
-    c.step(106.0)
+    live.step(106.0)
     assert injector.injected == [("kill-node", c.placement.node_of_rank[-1])]  # type: ignore[union-attr]
 
 
 def test_new_drill_kinds_take_a_rank_as_an_int_and_their_parameters() -> None:
-    c, g, injector, registry = live_run()
+    c, g, injector, service, live = live_run()
     g.finish_steps(1, 3)
-    c.step(110.0)
-    api = TestClient(create_app(registry))
+    live.step(110.0)
+    api = TestClient(create_app(service))
     slow = api.post("/v1/runs/tiny-gpt/drills", json={"kind": "slow-rank", "target": 2, "factor": 2.0})
     assert slow.status_code == 202 and slow.json()["target"] == "2" and slow.json()["factor"] == 2.0
     outage = api.post("/v1/runs/tiny-gpt/drills", json={"kind": "storage-outage", "at_step": 5})
     assert outage.status_code == 202 and outage.json()["seconds"] == 30.0
-    c.step(111.0)
+    live.step(111.0)
     assert injector.injected == [("slow-rank", "2")]
     report = api.get(f"/v1/drills/{slow.json()['id']}").json()
     assert report["factor"] == 2.0 and report["outcome"] == "pending", report
@@ -109,10 +129,10 @@ def test_new_drill_kinds_take_a_rank_as_an_int_and_their_parameters() -> None:
     ({"kind": "kill-rank", "when": 3}, 422, "when"),
 ])
 def test_bad_drill_requests_say_what_to_fix(body: dict, status: int, says: str) -> None:
-    c, g, _, registry = live_run()
+    c, g, _, service, live = live_run()
     g.finish_steps(1, 3)
-    c.step(110.0)
-    response = TestClient(create_app(registry)).post("/v1/runs/tiny-gpt/drills", json=body)
+    live.step(110.0)
+    response = TestClient(create_app(service)).post("/v1/runs/tiny-gpt/drills", json=body)
     assert response.status_code == status
     error = response.json()["error"]
     assert says in error["message"], error
@@ -120,22 +140,23 @@ def test_bad_drill_requests_say_what_to_fix(body: dict, status: int, says: str) 
 
 
 def test_unknown_run_ended_run_and_unknown_drill() -> None:
-    c, g, _, registry = live_run()
-    api = TestClient(create_app(registry, clock=lambda: 110.0))
+    c, g, _, service, live = live_run()
+    live.clock.t = 110.0
+    api = TestClient(create_app(service))
     response = api.post("/v1/runs/nope/drills", json={"kind": "kill-rank"})
-    assert response.status_code == 404 and "runs: tiny-gpt" in response.json()["error"]["message"]
+    assert response.status_code == 404 and "goodput list" in response.json()["error"]["message"]
     assert api.get("/v1/drills/drill-00000000").status_code == 404
     scheduled = api.post("/v1/runs/tiny-gpt/drills", json={"kind": "kill-rank", "at_step": 50}).json()
     assert api.post("/v1/runs/tiny-gpt/cancel").json()["state"] == "running", "cancel takes effect on the next step"
-    c.step(120.0)
+    live.step(120.0)
     response = api.post("/v1/runs/tiny-gpt/drills", json={"kind": "kill-rank"})
     assert response.status_code == 409 and "cancelled" in response.json()["error"]["message"]
     assert api.get(f"/v1/drills/{scheduled['id']}").json()["outcome"] == "not_injected"
 
 
 def test_token_guards_everything_but_healthz() -> None:
-    _, _, _, registry = live_run()
-    api = TestClient(create_app(registry, token="s3cret"))
+    _, _, _, service, live = live_run()
+    api = TestClient(create_app(service, token="s3cret"))
     assert api.get("/healthz").status_code == 200
     response = api.get("/v1/runs/tiny-gpt")
     assert response.status_code == 401 and "Bearer" in response.json()["error"]["message"]
@@ -156,16 +177,16 @@ def test_schedule_orders_drills_by_step_with_immediate_ones_first() -> None:
 
 
 def test_client_reaches_a_real_server_and_explains_failures() -> None:
-    c, _, _, registry = live_run()
-    server = ApiServer(create_app(registry), "127.0.0.1", 0).start()
+    c, _, _, service, live = live_run()
+    server = ApiServer(create_app(service), "127.0.0.1", 0).start()
     try:
         client = Client(server.url)
         assert client.call("GET", "/v1/runs/tiny-gpt")["state"] == "running"
         with pytest.raises(ApiClientError, match=r"drill kind 'slow' cannot be injected.*HTTP 400"):
             client.call("POST", "/v1/runs/tiny-gpt/drills", {"kind": "slow"})
         with pytest.raises(ApiBindError, match="cannot serve the API on 127.0.0.1"):
-            ApiServer(create_app(registry), "127.0.0.1", server.port)
-        other = serve(create_app(registry), "127.0.0.1", server.port, any_port=True)
+            ApiServer(create_app(service), "127.0.0.1", server.port)
+        other = serve(create_app(service), "127.0.0.1", server.port, any_port=True)
         assert other.port != server.port and Client(other.url).call("GET", "/healthz") == {"status": "ok"}
         other.stop()
         client.close()

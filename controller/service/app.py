@@ -1,0 +1,212 @@
+"""The REST API (`/v1`, DESIGN.md) over a `Service`: `goodput serve` hosts it for submitted runs,
+`goodput run` for its one run (submissions refused there).
+
+FastAPI (with uvicorn) because it gives validated bodies, JSON errors and an OpenAPI document for free,
+and Ray's dashboard already brings both into a Ray install. Every 4xx a route can answer is in that
+document with the error envelope `{"error": {"code", "message"}}`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from controller.client import TOKEN_ENV
+from controller.drills import rank_target
+from controller.service.runs import MAX_EVENTS_PAGE, MAX_SPEC_BYTES, Service, ServiceError
+from controller.spec import RunSpec
+
+RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+DRILL_ID = r"^drill-[0-9a-f]{8}$"
+
+
+class ApiBindError(OSError):
+    """The API's address cannot be bound (busy port, foreign address)."""
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorBody
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    text = {400: "Rejected request", 401: "Missing or wrong token", 404: "No such run or drill",
+            409: "Conflicts with the run's state", 413: "Body too large", 422: "Invalid input",
+            429: "Too many"}
+    return {c: {"model": ErrorEnvelope, "description": text[c]} for c in codes}
+
+
+class DrillBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: str = Field(description="kill-node, kill-rank, hang-rank, slow-rank, bitflip or storage-outage",
+                      max_length=32)
+    target: str | int | None = Field(None, description="node name (kill-node) or rank number (an integer or a "
+                                                        "string); default: the last rank")
+    at_step: int | None = Field(None, ge=0, le=10**9, description="inject once this step is done; default: now")
+    factor: float | None = Field(None, ge=1, le=1000, description="slow-rank: times slower (default 1.5)")
+    seconds: float | None = Field(None, gt=0, le=86400, description="storage-outage: seconds the store refuses "
+                                                                    "writes (default 30)")
+
+
+class ResumeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: int | None = Field(None, ge=0, le=10**9, description="committed step to start from (default: the latest); "
+                                                               "newer commits are discarded")
+    steps: int | None = Field(None, gt=0, le=10**9, description="train to this many steps (default: the spec's)")
+
+
+def create_app(service: Service, *, token: str | None = None) -> FastAPI:
+    """The `/v1` app. With a token, every call but /healthz needs `Authorization: Bearer <token>`."""
+    app = FastAPI(title="goodput", version="1",
+                  description="Fault-tolerant orchestration of LLM training runs (DESIGN.md, REST /v1).")
+
+    def authorized(authorization: str | None = Header(None, include_in_schema=False)) -> None:
+        if token is not None and not secrets.compare_digest((authorization or "").encode(),
+                                                            f"Bearer {token}".encode()):
+            raise ServiceError(401, "unauthorized", f"send 'Authorization: Bearer <token>' (the {TOKEN_ENV} or "
+                                                    "token file the service was started with)")
+
+    @app.middleware("http")
+    async def bounded_body(request: Request, call_next: Any) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_SPEC_BYTES):
+            return _envelope(413, "body_too_large", f"request bodies are at most {MAX_SPEC_BYTES} bytes")
+        return await call_next(request)
+
+    @app.exception_handler(ServiceError)
+    def _service_error(_: Request, e: ServiceError) -> JSONResponse:
+        return _envelope(e.status, e.code, e.message)
+
+    @app.exception_handler(RequestValidationError)
+    def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}"
+                             for err in e.errors())
+        return _envelope(422, "invalid_request", problems[:2000])
+
+    @app.exception_handler(StarletteHTTPException)
+    def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _envelope(e.status_code, "http_error", str(e.detail))
+
+    auth = [Depends(authorized)]
+    run_id_param = Path(pattern=RUN_ID, description="run id")
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/runs", status_code=201, dependencies=auth, responses=_errors(401, 409, 413, 422, 429))
+    def submit(spec: RunSpec = Body(description="the run spec (DESIGN.md)")) -> dict[str, Any]:
+        return service.submit(spec.model_dump(mode="json", exclude_unset=True))
+
+    @app.get("/v1/runs", dependencies=auth, responses=_errors(401))
+    def list_runs() -> list[dict[str, Any]]:
+        return service.runs()
+
+    @app.get("/v1/runs/{run_id}", dependencies=auth, responses=_errors(401, 404, 422))
+    def get_run(run_id: str = run_id_param) -> dict[str, Any]:
+        return service.run(run_id)
+
+    @app.get("/v1/runs/{run_id}/events", dependencies=auth, responses=_errors(401, 404, 422))
+    def get_events(run_id: str = run_id_param,
+                   after: int = Query(-1, ge=-1, le=2**31, description="events after this seq"),
+                   limit: int = Query(MAX_EVENTS_PAGE, ge=1, le=MAX_EVENTS_PAGE)) -> list[dict[str, Any]]:
+        return service.events(run_id, after=after, limit=limit)
+
+    @app.get("/v1/runs/{run_id}/attempts", dependencies=auth, responses=_errors(401, 404, 422))
+    def get_attempts(run_id: str = run_id_param) -> list[dict[str, Any]]:
+        return service.attempts(run_id)
+
+    @app.get("/v1/runs/{run_id}/checkpoints", dependencies=auth, responses=_errors(401, 404, 422))
+    def get_checkpoints(run_id: str = run_id_param) -> list[dict[str, Any]]:
+        return service.checkpoints(run_id)
+
+    @app.post("/v1/runs/{run_id}/cancel", dependencies=auth, responses=_errors(401, 404, 422))
+    def cancel(run_id: str = run_id_param) -> dict[str, Any]:
+        return service.cancel(run_id)
+
+    @app.post("/v1/runs/{run_id}/resume", dependencies=auth, responses=_errors(401, 404, 409, 413, 422))
+    def resume(run_id: str = run_id_param, body: ResumeBody | None = Body(None)) -> dict[str, Any]:
+        return service.resume(run_id, step=body.step if body else None, steps=body.steps if body else None)
+
+    @app.post("/v1/runs/{run_id}/drills", status_code=202, dependencies=auth,
+              responses=_errors(400, 401, 404, 409, 413, 422, 429))
+    def request_drill(body: DrillBody, run_id: str = run_id_param) -> dict[str, Any]:
+        request = service.request_drill(run_id, body.kind, target=rank_target(body.target), at_step=body.at_step,
+                                        factor=body.factor, seconds=body.seconds)
+        return {**request.to_dict(), "run_id": run_id, "outcome": "scheduled"}
+
+    @app.get("/v1/drills/{drill_id}", dependencies=auth, responses=_errors(401, 404, 422))
+    def get_drill(drill_id: str = Path(pattern=DRILL_ID, description="drill id")) -> dict[str, Any]:
+        return service.drill(drill_id)
+
+    @app.get("/v1/cluster", dependencies=auth, responses=_errors(401))
+    def cluster() -> dict[str, Any]:
+        return service.cluster_view()
+
+    return app
+
+
+def _envelope(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+class ApiServer:
+    """uvicorn in a daemon thread on a socket bound here (so a busy port is an error in the caller,
+    and port 0 picks a free one)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        import uvicorn
+
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._socket.bind((host, port))
+        except OSError as e:
+            self._socket.close()
+            raise ApiBindError(e.errno, f"cannot serve the API on {host}:{port}: {e.strerror}") from None
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="goodput-api", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> "ApiServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the API server on {self.url} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._socket.close()
+
+
+def serve(app: FastAPI, host: str, port: int, *, any_port: bool = False) -> ApiServer:
+    """Serve `app` on host:port, or on a free port of host if that one is taken and `any_port`."""
+    try:
+        return ApiServer(app, host, port).start()
+    except ApiBindError:
+        if not any_port:
+            raise
+        return ApiServer(app, host, 0).start()

@@ -1,0 +1,96 @@
+"""`goodput serve`: the long-lived service. One Ray cluster (embedded, or joined with --address), the
+registry under --state-dir (or --db), the REST API on --host:--port, until SIGTERM or Ctrl-C.
+
+Stopping (or dying) leaves unfinished runs unfinished in the registry; the next `goodput serve` on the
+same state dir carries them on. The token is never printed, only where it is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ServeOptions:
+    host: str
+    port: int
+    state_dir: str
+    db: str | None
+    address: str | None
+    local_nodes: int
+    gpus_per_node: int
+    racks: int
+    spares: int
+    gpu_memory_gb: float
+    poll_s: float = 0.2
+
+
+def log(message: str) -> None:
+    print(f"goodput serve: {message}", file=sys.stderr, flush=True)
+
+
+def serve_forever(opts: ServeOptions) -> int:
+    from controller.client import TOKEN_ENV
+    from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
+    from controller.runner import ray_service
+    from controller.service.app import ApiServer, create_app
+    from controller.service.auth import check_bind, ensure_token
+    from controller.service.registry import Registry, sqlite_url
+    from controller.spec import LocalClusterSpec
+
+    state = Path(opts.state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    os.chmod(state, 0o700)
+    explicit = os.environ.get(TOKEN_ENV) or None
+    check_bind(opts.host, explicit)
+    token, path, made = ensure_token(state, explicit)
+    if path is not None:
+        log(f"API token {'made and kept' if made else 'read from'} {path} (owner-only; send it as "
+            "'Authorization: Bearer <token>', or set GOODPUT_TOKEN)")
+    else:
+        log(f"API token from {TOKEN_ENV}")
+    registry = Registry(opts.db or sqlite_url(opts.state_dir))
+    log(f"registry {_safe_url(registry.url)}")
+    cluster: LocalRayCluster | RemoteRayCluster
+    if opts.address:
+        cluster = RemoteRayCluster(opts.address)
+    else:
+        cluster = LocalRayCluster(LocalClusterSpec(nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node,
+                                                   racks=opts.racks, spares=opts.spares,
+                                                   gpu_memory_gb=opts.gpu_memory_gb))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server = service = None
+    try:
+        cluster.start()
+        log(f"cluster {'at ' + opts.address if opts.address else 'embedded'}: "
+            f"{sum(n.num_gpus for n in cluster.topology().nodes)} GPU slot(s)")
+        service = ray_service(registry, cluster, poll_s=opts.poll_s).start()
+        carried = [r["id"] for r in service.runs() if r["state"] not in ("succeeded", "failed", "cancelled")]
+        if carried:
+            log(f"carrying on {len(carried)} unfinished run(s): {', '.join(carried)}")
+        server = ApiServer(create_app(service, token=token), opts.host, opts.port).start()
+        log(f"API on {server.url} (GOODPUT_URL={server.url})")
+        stop.wait()
+        log("stopping; unfinished runs go on when a service starts again on this state dir")
+    finally:
+        if server is not None:
+            server.stop()
+        if service is not None:
+            service.stop()
+        registry.close()
+        cluster.shutdown()
+    return 0
+
+
+def _safe_url(url: str) -> str:
+    """A database URL without its password."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

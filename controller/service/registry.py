@@ -1,0 +1,287 @@
+"""The run registry's database: every table and every query of the service, through SQLAlchemy 2 Core.
+
+SQLite under the service's state dir by default (one file, WAL, so the API reads while a run's driver
+writes); any SQLAlchemy URL is accepted (`postgresql+psycopg://...`). The schema is created on start.
+What is stored is what a restarted service needs to carry on and what the API shows:
+runs (spec, state, the last Run object), attempts, the event timeline, per-step history, drills, the
+checkpoint index, and nodes the service took out of use.
+
+SQLAlchemy because it is the maintained way to speak both SQLite and PostgreSQL from one set of
+table definitions, with pooled connections and transactions that behave alike on both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from sqlalchemy import (
+    JSON, Column, Float, Integer, MetaData, String, Table, UniqueConstraint, create_engine, delete, event, func,
+    insert, select, update,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.pool import StaticPool
+
+metadata = MetaData()
+
+runs = Table(
+    "runs", metadata,
+    Column("id", String(128), primary_key=True),
+    Column("seq", Integer, nullable=False, unique=True),
+    Column("name", String(128), nullable=False),
+    Column("spec", JSON, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("finished_at", Float),
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("step", Integer, nullable=False, default=0),
+    Column("loss", Float),
+    Column("error", JSON),
+    Column("view", JSON),
+    Column("updated_at", Float, nullable=False),
+)
+
+attempts = Table(
+    "attempts", metadata,
+    Column("run_id", String(128), primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("started_at", Float, nullable=False),
+    Column("mesh", JSON),
+    Column("placement", JSON),
+    Column("start_step", Integer, nullable=False, default=0),
+    Column("resume_step", Integer),
+    Column("ended_at", Float),
+    Column("ended_by", String(64)),
+)
+
+events = Table(
+    "events", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", String(128), nullable=False, index=True),
+    Column("seq", Integer, nullable=False),
+    Column("time", Float, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("kind", String(64), nullable=False),
+    Column("detail", JSON, nullable=False),
+    UniqueConstraint("run_id", "seq"),
+)
+
+history = Table(
+    "history", metadata,
+    Column("run_id", String(128), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("loss", Float),
+    Column("attempt", Integer, nullable=False),
+)
+
+drills = Table(
+    "drills", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("run_id", String(128), nullable=False, index=True),
+    Column("kind", String(32), nullable=False),
+    Column("report", JSON, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+checkpoints = Table(
+    "checkpoints", metadata,
+    Column("run_id", String(128), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("attempt", Integer, nullable=False),
+    Column("committed_at", Float, nullable=False),
+    Column("uri", String(1024)),
+    Column("bytes", Integer),
+    Column("seconds", Float),
+    Column("state", String(16), nullable=False, comment="committed, retired (by retention) or discarded (rollback)"),
+)
+
+nodes = Table(
+    "nodes", metadata,
+    Column("name", String(128), primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("reason", String(64), nullable=False),
+    Column("run_id", String(128)),
+    Column("time", Float, nullable=False),
+)
+
+
+def sqlite_url(state_dir: str) -> str:
+    return f"sqlite:///{os.path.join(os.path.abspath(state_dir), 'registry.db')}"
+
+
+@dataclass
+class Saved:
+    """How much of one run is already in the database (so a save writes only what is new)."""
+
+    events: int = 0
+    history: list[tuple[int, int]] | None = None
+    drills: dict[str, str] | None = None
+
+
+class Registry:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        sqlite = url.startswith("sqlite")
+        memory = url in ("sqlite://", "sqlite:///:memory:")
+        self.engine: Engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 30} if sqlite else {},
+            poolclass=StaticPool if memory else None,  # one connection: an in-memory database is per connection
+            json_serializer=lambda obj: json.dumps(obj, default=str))
+        if sqlite and not memory:
+            @event.listens_for(self.engine, "connect")
+            def _pragmas(conn: Any, _: Any) -> None:
+                cursor = conn.cursor()
+                cursor.execute("PRAGMA journal_mode=WAL")
+                cursor.execute("PRAGMA synchronous=NORMAL")
+                cursor.close()
+        metadata.create_all(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- runs -------------------------------------------------------------------------------------
+    def add_run(self, *, run_id: str, name: str, spec: dict, state: str, created_at: float) -> int:
+        """A new run; its submission number (runs start in this order)."""
+        with self.engine.begin() as conn:
+            seq = (conn.execute(select(func.max(runs.c.seq))).scalar() or 0) + 1
+            conn.execute(insert(runs).values(id=run_id, seq=seq, name=name, spec=spec, state=state,
+                                             created_at=created_at, attempt=0, step=0, updated_at=created_at))
+        return int(seq)
+
+    def has_run(self, run_id: str) -> bool:
+        with self.engine.connect() as conn:
+            return conn.execute(select(runs.c.id).where(runs.c.id == run_id)).first() is not None
+
+    def run_rows(self) -> list[dict[str, Any]]:
+        """Every run, in submission order."""
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(select(runs).order_by(runs.c.seq))]
+
+    def run_row(self, run_id: str) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
+            return dict(row._mapping) if row is not None else None
+
+    def set_spec(self, run_id: str, spec: dict) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(runs).where(runs.c.id == run_id).values(spec=spec))
+
+    def save(self, run_id: str, view: dict[str, Any], event_rows: list[dict[str, Any]],
+             hist: list[dict[str, Any]], drill_reports: list[dict[str, Any]], saved: Saved, now: float) -> None:
+        """Write what changed in one transaction: the Run object, new events (and the attempts and
+        checkpoint index they imply), the per-step history since it last diverged, changed drills."""
+        new_events = event_rows[saved.events:]
+        old_hist = saved.history or []
+        new_hist = [(int(h["step"]), int(h["attempt"])) for h in hist]
+        same = 0
+        while same < min(len(old_hist), len(new_hist)) and old_hist[same] == new_hist[same]:
+            same += 1
+        known_drills = saved.drills or {}
+        changed = [d for d in drill_reports if known_drills.get(d["id"]) != json.dumps(d, sort_keys=True, default=str)]
+        with self.engine.begin() as conn:
+            conn.execute(update(runs).where(runs.c.id == run_id).values(
+                state=view["state"], finished_at=view.get("finished_at"), attempt=view.get("attempt", 0),
+                step=view.get("step", 0), loss=view.get("loss"), error=view.get("error"), view=view,
+                updated_at=now))
+            if new_events:
+                conn.execute(insert(events), [
+                    {"run_id": run_id, "seq": saved.events + i, "time": e["time"], "attempt": e["attempt"],
+                     "kind": e["kind"], "detail": e["detail"]} for i, e in enumerate(new_events)])
+                for e in new_events:
+                    self._index(conn, run_id, e)
+            if same < len(old_hist) or same < len(new_hist):
+                if same < len(old_hist):
+                    first_changed = old_hist[same][0]
+                    conn.execute(delete(history).where(history.c.run_id == run_id, history.c.step >= first_changed))
+                rows = [{"run_id": run_id, "step": h["step"], "loss": h["loss"], "attempt": h["attempt"]}
+                        for h in hist[same:]]
+                if rows:
+                    conn.execute(delete(history).where(history.c.run_id == run_id,
+                                                       history.c.step >= rows[0]["step"]))
+                    conn.execute(insert(history), rows)
+            for d in changed:
+                conn.execute(delete(drills).where(drills.c.id == d["id"]))
+                conn.execute(insert(drills).values(id=d["id"], run_id=run_id, kind=d["kind"], report=d, updated_at=now))
+        saved.events = len(event_rows)
+        saved.history = new_hist
+        saved.drills = {**known_drills, **{d["id"]: json.dumps(d, sort_keys=True, default=str) for d in changed}}
+
+    def _index(self, conn: Any, run_id: str, e: dict[str, Any]) -> None:
+        """Attempts and the checkpoint index, from the events that make them."""
+        kind, d, t = e["kind"], e["detail"], e["time"]
+        if kind == "attempt_started":
+            conn.execute(delete(attempts).where(attempts.c.run_id == run_id, attempts.c.attempt == e["attempt"]))
+            conn.execute(insert(attempts).values(run_id=run_id, attempt=e["attempt"], started_at=t, mesh=d.get("mesh"),
+                                                 placement=d.get("placement"), start_step=d.get("start_step") or 0,
+                                                 resume_step=d.get("resume_step")))
+        elif kind in ("failure_detected", "succeeded", "failed", "cancelled", "service_stopped"):
+            ended_by = d.get("cause", kind) if kind == "failure_detected" else kind
+            conn.execute(update(attempts).where(attempts.c.run_id == run_id, attempts.c.attempt == e["attempt"],
+                                                attempts.c.ended_at.is_(None)).values(ended_at=t, ended_by=ended_by))
+        elif kind == "checkpoint_committed" and "step" in d:
+            conn.execute(delete(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == d["step"]))
+            conn.execute(insert(checkpoints).values(run_id=run_id, step=d["step"], attempt=e["attempt"], committed_at=t,
+                                                    uri=d.get("uri"), bytes=d.get("bytes"), seconds=d.get("seconds"),
+                                                    state="committed"))
+            for old in d.get("removed") or []:
+                conn.execute(update(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == old)
+                             .values(state="retired"))
+        elif kind == "checkpoint_discarded" and "step" in d:
+            conn.execute(update(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == d["step"])
+                         .values(state="discarded"))
+
+    # -- reads --------------------------------------------------------------------------------------
+    def events(self, run_id: str, *, after: int = -1, limit: int = 1000) -> list[dict[str, Any]]:
+        """Events with seq > after, oldest first, at most `limit`."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(events).where(events.c.run_id == run_id, events.c.seq > after)
+                                .order_by(events.c.seq).limit(limit))
+            return [{"seq": r.seq, "time": r.time, "run_id": r.run_id, "attempt": r.attempt, "kind": r.kind,
+                     "detail": r.detail} for r in rows]
+
+    def all_events(self, run_id: str) -> list[dict[str, Any]]:
+        return self.events(run_id, limit=10**9)
+
+    def history(self, run_id: str) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(history).where(history.c.run_id == run_id).order_by(history.c.step))
+            return [{"step": r.step, "loss": r.loss, "attempt": r.attempt} for r in rows]
+
+    def attempts(self, run_id: str) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(attempts).where(attempts.c.run_id == run_id).order_by(attempts.c.attempt))
+            return [{k: v for k, v in r._mapping.items() if k != "run_id"} for r in rows]
+
+    def checkpoints(self, run_id: str, *, state: str | None = "committed") -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            q = select(checkpoints).where(checkpoints.c.run_id == run_id)
+            if state is not None:
+                q = q.where(checkpoints.c.state == state)
+            return [{k: v for k, v in r._mapping.items() if k != "run_id"}
+                    for r in conn.execute(q.order_by(checkpoints.c.step))]
+
+    def drill(self, drill_id: str) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(drills).where(drills.c.id == drill_id)).first()
+            return {**row.report, "run_id": row.run_id} if row is not None else None
+
+    def drill_count(self, run_id: str) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(drills).where(drills.c.run_id == run_id)).scalar()
+                       or 0)
+
+    # -- nodes the service took out of use -----------------------------------------------------------
+    def set_node(self, name: str, *, state: str, reason: str, run_id: str | None, time: float) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(delete(nodes).where(nodes.c.name == name))
+            conn.execute(insert(nodes).values(name=name, state=state, reason=reason, run_id=run_id, time=time))
+
+    def node_rows(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(select(nodes).order_by(nodes.c.name))]
+
+
+def rows_of(items: Iterable[Any]) -> list[dict[str, Any]]:
+    return [i.to_dict() for i in items]

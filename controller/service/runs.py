@@ -1,0 +1,523 @@
+"""The service's runs: many at once on one cluster, queued in submission order, persisted, and carried
+on after the service itself restarts.
+
+Each admitted run has its own driver thread that advances its `RunController` (and nothing else), so
+one run's slow launch, drill or recovery never holds up another's polling. The scheduler thread admits
+pending runs in submission order when their plan fits the nodes no other run holds. A run holds the
+nodes of its placement and the spares free when it was admitted (first come, first served), plus nodes
+it lost while it lives; a node one run quarantines is out of use for every run, and stays so across
+restarts.
+
+Restart: runs the registry shows unfinished are built again from their spec and timeline. Their
+workers went with the old service's driver, so each goes back through the queue and starts a new
+attempt from its latest verified checkpoint (`service_restarted` in its timeline says so). Nothing
+committed is lost: checkpoints are in the object store, the timeline in the database.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from controller.drills import DrillError, DrillInjector, DrillRequest
+from controller.service.registry import Registry, Saved
+from controller.spec import RunSpec, SpecError, parse_spec
+from controller.state import RunController, RunState, WorkerGroup, plan_run
+from controller.topology import NodeState, Topology
+
+MAX_SPEC_BYTES = 64 * 1024
+MAX_DRILLS_PER_RUN = 64
+MAX_RUN_ID = 64
+MAX_EVENTS_PAGE = 1000
+MAX_RUNS = 10_000
+
+
+class ServiceError(Exception):
+    """A request the service refuses; `status` is the HTTP status, `code` the machine-readable reason."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+class Cluster(Protocol):
+    def topology(self) -> Topology: ...
+
+
+GroupFactory = Callable[[RunSpec], WorkerGroup]
+InjectorFactory = Callable[[WorkerGroup], DrillInjector | None]
+StoreFactory = Callable[[RunSpec], Any]
+
+
+@dataclass
+class LiveRun:
+    controller: RunController
+    seq: int
+    group: WorkerGroup
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    saved: Saved = field(default_factory=Saved)
+    thread: threading.Thread | None = None
+    admitted: bool = False
+    closed: bool = False
+    view: dict[str, Any] | None = None
+    """The Run object as of the last save (what reads return)."""
+
+
+class Service:
+    def __init__(self, registry: Registry, cluster: Cluster, *, group_factory: GroupFactory,
+                 injector_factory: InjectorFactory | None = None, store_factory: StoreFactory | None = None,
+                 clock: Callable[[], float] = time.time, poll_s: float = 0.2, accept_submissions: bool = True,
+                 view: Callable[[Topology], Topology] | None = None, threads: bool = True) -> None:
+        self.registry = registry
+        self.cluster = cluster
+        self.group_factory = group_factory
+        self.injector_factory = injector_factory
+        self.store_factory = store_factory
+        self.clock = clock
+        self.poll_s = poll_s
+        self.accept_submissions = accept_submissions
+        self.threads = threads
+        """Schedule, and drive each admitted run, in threads (False: the caller calls `schedule` and `advance`)."""
+        self.view = view or (lambda t: t)
+        """Which of the cluster's nodes this service may use (all of them, unless told)."""
+        self.lock = threading.RLock()
+        """Admission and node ownership; never held while a run's controller steps (except its admission)."""
+        self._runs: dict[str, LiveRun] = {}
+        self._stop = threading.Event()
+        self._scheduler: threading.Thread | None = None
+        self._out_of_use: dict[str, dict[str, Any]] = {r["name"]: r for r in registry.node_rows()}
+
+    # -- life -------------------------------------------------------------------------------------------
+    def start(self) -> "Service":
+        """Carry on the runs the registry shows unfinished, then admit runs as capacity allows."""
+        self._restore()
+        if self.threads:
+            self._scheduler = threading.Thread(target=self._schedule_loop, name="goodput-scheduler", daemon=True)
+            self._scheduler.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop driving: every run's workers are shut down; unfinished runs stay unfinished in the
+        registry and go on when a service starts again on it."""
+        self._stop.set()
+        if self._scheduler is not None:
+            self._scheduler.join(timeout=10)
+        for live in list(self._runs.values()):
+            if live.thread is not None:
+                live.thread.join(timeout=30)
+            with live.lock:
+                if not live.controller.state.terminal and live.admitted:
+                    live.controller.events.add(self.clock(), max(live.controller.attempt, 0), "service_stopped")
+                self._close(live)
+                self._save(live)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def submit(self, raw: Any) -> dict[str, Any]:
+        """A run submitted through the API (refused by the one-run service of `goodput run`)."""
+        if not self.accept_submissions:
+            raise ServiceError(409, "submissions_closed", "this API serves the one run of `goodput run`; "
+                                                          "submit runs to `goodput serve`")
+        spec = self._parse(raw)
+        if spec.cluster.address is not None:
+            raise ServiceError(422, "invalid_spec", "cluster.address is for `goodput run`; the service runs every "
+                                                    "run on its own cluster: remove it")
+        return self.add(spec)
+
+    def add(self, spec: RunSpec) -> dict[str, Any]:
+        """Queue a validated spec; the Run object (pending)."""
+        with self.lock:
+            if len(self._runs) >= MAX_RUNS:
+                raise ServiceError(429, "too_many_runs", f"the service holds {MAX_RUNS} runs")
+            try:
+                plan_run(spec, self._total_view())
+            except SpecError as e:
+                raise ServiceError(422, "does_not_fit", f"this service's cluster cannot hold the run: {e}") from None
+            store = self._store(spec)
+            run_id = self._new_id(spec.name)
+            now = self.clock()
+            group = self.group_factory(spec)
+            controller = RunController(spec, self._total_view(), group, now=now, checkpoint_store=store,
+                                       run_id=run_id, injector=self._injector(group),
+                                       topology_source=lambda: self._own_view(run_id))
+            seq = self.registry.add_run(run_id=run_id, name=spec.name, spec=spec.model_dump(mode="json"),
+                                        state=controller.state.value, created_at=now)
+            live = LiveRun(controller, seq, group)
+            self._runs[run_id] = live
+            self._save(live)
+            return self._last_view(live)
+
+    def runs(self) -> list[dict[str, Any]]:
+        return [self._last_view(live) for live in sorted(self._runs.values(), key=lambda r: r.seq)]
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        return self._last_view(self._live(run_id))
+
+    def _last_view(self, live: LiveRun) -> dict[str, Any]:
+        return live.view if live.view is not None else self._view(live)
+
+    # Reads come from the registry and from each run's last saved view: a run's driver saves after every
+    # step, so a read never waits for a step (a launch can take seconds) and is never older than one.
+    def events(self, run_id: str, *, after: int, limit: int) -> list[dict[str, Any]]:
+        self._live(run_id)
+        return self.registry.events(run_id, after=after, limit=limit)
+
+    def attempts(self, run_id: str) -> list[dict[str, Any]]:
+        self._live(run_id)
+        return self.registry.attempts(run_id)
+
+    def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
+        self._live(run_id)
+        return self.registry.checkpoints(run_id)
+
+    def cancel(self, run_id: str) -> dict[str, Any]:
+        live = self._live(run_id)
+        with live.lock:
+            if not live.controller.state.terminal:
+                live.controller.cancel()
+        return self._view(live)
+
+    def resume(self, run_id: str, *, step: int | None, steps: int | None) -> dict[str, Any]:
+        live = self._live(run_id)
+        with self.lock, live.lock:
+            c = live.controller
+            if not c.state.terminal or (live.thread is not None and live.thread.is_alive()):
+                raise ServiceError(409, "run_not_ended", f"run {run_id!r} is {c.state.value}; only a succeeded, "
+                                                         "failed or cancelled run can be resumed")
+            spec = c.spec
+            if steps is not None:
+                if steps < c.progress.step:
+                    raise ServiceError(422, "invalid_request", f"steps = {steps} is below the run's step "
+                                                               f"{c.progress.step}")
+                spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": steps})})
+            if step is not None:
+                committed = {r["step"] for r in self.registry.checkpoints(run_id)}
+                store_steps = self._committed_in_store(c)
+                if step not in committed and step not in store_steps:
+                    known = sorted(committed | store_steps)
+                    raise ServiceError(422, "no_such_checkpoint", f"run {run_id!r} has no committed step {step}; "
+                                                                  f"committed: {known or 'none'}")
+            c.resume(self.clock(), step=step, steps=steps, spec=spec)
+            self.registry.set_spec(run_id, spec.model_dump(mode="json"))
+            live.group = c.worker_group = self.group_factory(spec)
+            c.injector = self._injector(live.group)
+            live.admitted, live.closed, live.thread = False, False, None
+            self._save(live)
+            return self._view(live)
+
+    def request_drill(self, run_id: str, kind: str, *, target: str | None, at_step: int | None,
+                      factor: float | None, seconds: float | None) -> DrillRequest:
+        live = self._live(run_id)
+        with live.lock:
+            c = live.controller
+            if c.state.terminal:
+                raise ServiceError(409, "run_ended", f"run {run_id!r} has {c.state.value}; drills need a live run")
+            if len(c.drills.pending()) + len(c.events.of_kind("drill_injected")) >= MAX_DRILLS_PER_RUN:
+                raise ServiceError(429, "too_many_drills", f"run {run_id!r} has had {MAX_DRILLS_PER_RUN} drills")
+            try:
+                request = c.request_drill(self.clock(), kind, target=target, at_step=at_step, factor=factor,
+                                          seconds=seconds)
+            except DrillError as e:
+                raise ServiceError(400, "drill_rejected", str(e)) from None
+        self._save(live)
+        return request
+
+    def drill(self, drill_id: str) -> dict[str, Any]:
+        for live in list(self._runs.values()):
+            with live.lock:
+                report = live.controller.drill(drill_id)
+            if report is not None:
+                return {**report, "run_id": live.controller.run_id}
+        raise ServiceError(404, "drill_not_found", f"no drill {drill_id!r} on this service")
+
+    def cluster_view(self) -> dict[str, Any]:
+        """Every node with its state for the service (healthy, spare, quarantined, lost) and the run on it."""
+        with self.lock:
+            try:
+                live_nodes = {n.name: n for n in self.view(self.cluster.topology()).nodes}
+            except Exception:  # noqa: BLE001 - a cluster that does not answer shows no live node
+                live_nodes = {}
+            holder = self._holders()
+            rows = []
+            for name in sorted(set(live_nodes) | set(self._out_of_use)):
+                node = live_nodes.get(name)
+                out = self._out_of_use.get(name)
+                state = out["state"] if out else (node.state.value if node else NodeState.LOST.value)
+                rows.append({"name": name, "state": state, "rack": node.rack if node else None,
+                             "gpus": node.num_gpus if node else 0, "run": holder.get(name),
+                             "reason": out["reason"] if out else None})
+        return {"nodes": rows, "gpus": sum(r["gpus"] for r in rows),
+                "free_gpus": sum(r["gpus"] for r in rows if r["run"] is None and r["state"] == "healthy")}
+
+    def wait(self, run_id: str, *, timeout_s: float | None = None, on_tick: Callable[[RunController], None] | None = None,
+             poll_s: float = 0.2) -> dict[str, Any]:
+        """Block until the run ends (for `goodput run` and tests); on_tick sees the controller each poll."""
+        live = self._live(run_id)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with live.lock:
+                if on_tick is not None:
+                    on_tick(live.controller)
+                ended = live.controller.state.terminal and live.closed
+            if ended:
+                return self.run(run_id)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {run_id} did not end in {timeout_s:.0f} s")
+            time.sleep(poll_s)
+
+    def controller(self, run_id: str) -> RunController:
+        return self._live(run_id).controller
+
+    # -- scheduling -----------------------------------------------------------------------------------
+    def _schedule_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.schedule()
+            except Exception as e:  # noqa: BLE001 - a scheduling error must not stop the service
+                print(f"goodput serve: scheduler: {type(e).__name__}: {e}", flush=True)
+            self._stop.wait(self.poll_s)
+
+    def schedule(self) -> None:
+        """Admit pending runs in submission order while their plans fit the free nodes."""
+        with self.lock:
+            blocked = False
+            for live in sorted(self._runs.values(), key=lambda r: r.seq):
+                c = live.controller
+                if live.admitted or c.state.terminal:
+                    continue
+                if c.cancel_requested:
+                    with live.lock:
+                        c.step(self.clock())
+                    self._close(live)
+                    self._save(live)
+                    continue
+                if blocked:
+                    self._wait(live, "runs submitted earlier wait for capacity first")
+                    continue
+                free = self._free_view()
+                try:
+                    plan_run(c.spec, free)
+                except SpecError as e:
+                    try:
+                        plan_run(c.spec, self._total_view())
+                    except SpecError as never:
+                        with live.lock:
+                            c.fail(self.clock(), "no_capacity", f"the service's cluster can no longer hold the run: {never}")
+                        self._close(live)
+                        self._save(live)
+                        continue
+                    self._wait(live, f"waiting for capacity: {free_gpus(free)} free GPU(s) now; {e}")
+                    blocked = True
+                    continue
+                self._admit(live, free)
+
+    def _wait(self, live: LiveRun, reason: str) -> None:
+        if live.controller.waiting_for != reason:
+            live.controller.waiting_for = reason
+            self._save(live)
+
+    def _admit(self, live: LiveRun, free: Topology) -> None:
+        c = live.controller
+        with live.lock:
+            c.topology = free
+            c.waiting_for = None
+            now = self.clock()
+            while c.state in (RunState.PENDING, RunState.PLANNING):
+                c.step(now)
+            if c.placement is not None and not c.state.terminal:
+                c.confine(set(c.placement.nodes_used()) | {n.name for n in free.spares()})
+            live.admitted = True
+        self._save(live)
+        if self.threads:
+            live.thread = threading.Thread(target=self._drive, args=(live,), name=f"goodput-run-{c.run_id}",
+                                           daemon=True)
+            live.thread.start()
+
+    def _drive(self, live: LiveRun) -> None:
+        while not self._stop.is_set():
+            state = self.advance(live.controller.run_id)
+            if state.terminal:
+                return
+            if state is RunState.RUNNING:
+                time.sleep(self.poll_s)
+
+    def advance(self, run_id: str, now: float | None = None) -> RunState:
+        """One step of a run's controller, then persist it (what its driver thread repeats; tests call
+        it directly on a service whose runs have no threads)."""
+        live = self._live(run_id)
+        c = live.controller
+        try:
+            with live.lock:
+                state = c.step(self.clock() if now is None else now)
+        except Exception as e:  # noqa: BLE001 - a controller bug ends this run, not the service
+            with live.lock:
+                c.fail(self.clock(), "controller_error", f"{type(e).__name__}: {e}")
+            state = c.state
+        self._note_out_of_use(live)
+        if state.terminal and not live.closed:
+            self._close(live)
+        self._save(live)
+        return state
+
+    def _close(self, live: LiveRun) -> None:
+        """Release the run's workers (and with them its GPU slots)."""
+        close = getattr(live.group, "close", None) or live.group.shutdown
+        try:
+            close()
+        finally:
+            live.closed = True
+
+    # -- nodes ------------------------------------------------------------------------------------------
+    def _holders(self) -> dict[str, str]:
+        """node -> the live run that holds it."""
+        held: dict[str, str] = {}
+        for live in self._runs.values():
+            c = live.controller
+            if not live.admitted or (c.state.terminal and live.closed):
+                continue
+            for node in c.topology.nodes:
+                held.setdefault(node.name, c.run_id)
+        return held
+
+    def _total_view(self) -> Topology:
+        """Every node the service may use, held or not (what a run could ever get)."""
+        nodes = [n for n in self.view(self.cluster.topology()).nodes if n.name not in self._out_of_use]
+        return Topology(tuple(nodes))
+
+    def _free_view(self) -> Topology:
+        held = self._holders()
+        return Topology(tuple(n for n in self._total_view().nodes if n.name not in held))
+
+    def _own_view(self, run_id: str) -> Topology:
+        """What the cluster shows of a run's own nodes (the controller merges back nodes it lost)."""
+        live = self._runs[run_id]
+        own = {n.name for n in live.controller.topology.nodes}
+        return Topology(tuple(n for n in self.view(self.cluster.topology()).nodes if n.name in own))
+
+    def _note_out_of_use(self, live: LiveRun) -> None:
+        """A node a run quarantined is out of use for every run, for good."""
+        for q in live.controller.quarantined:
+            if q["node"] not in self._out_of_use:
+                row = {"name": q["node"], "state": "quarantined", "reason": q["reason"],
+                       "run_id": live.controller.run_id, "time": q["time"]}
+                with self.lock:
+                    self._out_of_use[q["node"]] = row
+                self.registry.set_node(q["node"], state="quarantined", reason=q["reason"],
+                                       run_id=live.controller.run_id, time=q["time"])
+
+    # -- persistence -----------------------------------------------------------------------------------
+    def _save(self, live: LiveRun) -> None:
+        with live.lock:
+            c = live.controller
+            now = self.clock()
+            view = self._view(live, now)
+            rows = [e.to_dict() for e in c.events]
+            history = list(c.progress.history)
+            drills = list(view["drills"]) + [{**r.to_dict(), "outcome": "scheduled"} for r in c.drills.pending()]
+            self.registry.save(c.run_id, view, rows, history, drills, live.saved, now)
+            live.view = view
+
+    def _view(self, live: LiveRun, now: float | None = None) -> dict[str, Any]:
+        with live.lock:
+            out = live.controller.to_dict(self.clock() if now is None else now, full=False)
+        return out
+
+    def _restore(self) -> None:
+        now = self.clock()
+        for row in self.registry.run_rows():
+            run_id = row["id"]
+            spec = parse_spec(row["spec"])
+            group = self.group_factory(spec)
+            try:
+                store = self._store(spec)
+            except ServiceError:
+                store = None
+            c = RunController(spec, self._total_view(), group, now=row["created_at"], checkpoint_store=store,
+                              run_id=run_id, injector=self._injector(group),
+                              topology_source=functools.partial(self._own_view, run_id))
+            events = self.registry.all_events(run_id)
+            quarantined = [{"node": e["detail"]["node"], "reason": e["detail"].get("reason"),
+                            "evidence": e["detail"].get("evidence") or {}, "time": e["time"]}
+                           for e in events if e["kind"] == "quarantined" and e["detail"].get("reason") != "lost"]
+            launched = any(e["kind"] == "attempt_started" for e in events)
+            c.restore(events=events, history=self.registry.history(run_id),
+                      attempt=int(row["attempt"]) if launched else -1, quarantined=quarantined)
+            live = LiveRun(c, int(row["seq"]), group)
+            live.saved.events = len(events)
+            live.saved.history = [(int(h["step"]), int(h["attempt"])) for h in c.progress.history]
+            state = RunState(row["state"])
+            if state.terminal:
+                c.state = state
+                c.finished_at = row["finished_at"]
+                if row["error"]:
+                    from controller.state import RunError
+
+                    c.error = RunError(row["error"]["code"], row["error"]["message"])
+                live.admitted, live.closed = True, True
+            elif state is not RunState.PENDING or launched:
+                # It ran under the previous service; its workers went with that service's driver.
+                c.events.add(now, max(c.attempt, 0), "service_restarted", previous_state=state.value,
+                             action="resume from the latest verified checkpoint as a new attempt")
+                if store is None:
+                    c.fail(now, "store_unavailable", f"checkpoint.uri {spec.checkpoint.uri!r} cannot be reached")
+                    live.admitted, live.closed = True, True
+            self._runs[run_id] = live
+            self._save(live)
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _live(self, run_id: str) -> LiveRun:
+        live = self._runs.get(run_id)
+        if live is None:
+            raise ServiceError(404, "run_not_found", f"no run {run_id!r} on this service (`goodput list` shows its runs)")
+        return live
+
+    def _parse(self, raw: Any) -> RunSpec:
+        import json
+
+        try:
+            size = len(json.dumps(raw))
+        except (TypeError, ValueError):
+            raise ServiceError(422, "invalid_spec", "the run spec must be a JSON object") from None
+        if size > MAX_SPEC_BYTES:
+            raise ServiceError(413, "spec_too_large", f"the run spec is {size} bytes; at most {MAX_SPEC_BYTES}")
+        try:
+            spec = parse_spec(raw)
+        except SpecError as e:
+            raise ServiceError(422, "invalid_spec", str(e)) from None
+        if len(spec.name) > MAX_RUN_ID - 8:
+            raise ServiceError(422, "invalid_spec", f"name is {len(spec.name)} characters; at most {MAX_RUN_ID - 8}")
+        if len(spec.drills) > MAX_DRILLS_PER_RUN:
+            raise ServiceError(422, "invalid_spec", f"{len(spec.drills)} drills; at most {MAX_DRILLS_PER_RUN} per run")
+        return spec
+
+    def _store(self, spec: RunSpec) -> Any:
+        if self.store_factory is None:
+            return None
+        try:
+            return self.store_factory(spec)
+        except SpecError as e:
+            raise ServiceError(422, "invalid_spec", str(e)) from None
+
+    def _injector(self, group: WorkerGroup) -> DrillInjector | None:
+        return self.injector_factory(group) if self.injector_factory is not None else None
+
+    def _new_id(self, name: str) -> str:
+        """The spec's name, or name-2, name-3, ... when taken (ids are checkpoint prefixes: never shared)."""
+        run_id, n = name, 1
+        while run_id in self._runs or self.registry.has_run(run_id):
+            n += 1
+            run_id = f"{name}-{n}"
+        return run_id
+
+    def _committed_in_store(self, c: RunController) -> set[int]:
+        from checkpointing.manifest import committed_steps
+
+        if c.checkpoint_store is None:
+            return set()
+        return set(committed_steps(c.checkpoint_store, c.run_id))
+
+
+def free_gpus(topology: Topology) -> int:
+    return sum(n.num_gpus for n in topology.nodes if n.state is NodeState.HEALTHY)

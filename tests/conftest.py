@@ -1,0 +1,12 @@
+"""Every test (and every process a test starts) keeps goodput's state under a temporary dir, never
+in the home directory of whoever runs the suite."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+_STATE = tempfile.mkdtemp(prefix="goodput-test-state-")
+os.environ["GOODPUT_STATE_DIR"] = _STATE
+os.environ.pop("GOODPUT_TOKEN", None)
+os.environ.pop("GOODPUT_URL", None)

@@ -1,0 +1,255 @@
+"""The service without Ray: runs queue in submission order for GPUs, cancel works in every state, a
+run resumes from its latest or a chosen checkpoint, quarantined nodes stay out of use, and a service
+started again on the same registry carries on every unfinished run (as a new attempt from its latest
+checkpoint) and still lists every run. The test advances runs itself (no driver threads)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from checkpointing.manifest import Manifest, commit
+from checkpointing.store import LocalStore
+from controller.service.auth import AuthConfigError, check_bind, ensure_token, read_token_file
+from controller.service.registry import Registry, sqlite_url
+from controller.service.runs import Service, ServiceError
+from controller.spec import RunSpec, parse_spec
+from controller.state import RunState
+from controller.topology import Topology
+from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
+CLUSTER = Topology.from_local(nodes=5, gpus_per_node=2, racks=2, spares=1)  # 8 training GPUs + 1 spare node
+
+
+def raw_spec(name: str, *, dp: int = 2, tp: int = 2, pp: int = 1, steps: int = 40, **extra: Any) -> dict:
+    raw = copy.deepcopy(BASE)
+    raw.update(name=name, drills=[], parallelism={"dp": dp, "tp": tp, "pp": pp})
+    raw["train"]["steps"] = steps
+    raw.update(extra)
+    return raw
+
+
+class Harness:
+    def __init__(self, db: str, store_root: Path | None = None, topology: Topology = CLUSTER) -> None:
+        self.clock = ManualClock(1000.0)
+        self.groups: dict[str, list[FakeWorkerGroup]] = {}
+        self.registry = Registry(db)
+        self.store_root = store_root
+        self.service = Service(self.registry, FakeCluster(topology), group_factory=self._group,
+                               injector_factory=lambda g: FakeInjector(g),  # type: ignore[arg-type]
+                               store_factory=self._store if store_root else None, clock=self.clock, threads=False)
+
+    def _group(self, spec: RunSpec) -> FakeWorkerGroup:
+        group = FakeWorkerGroup()
+        self.groups.setdefault(spec.name, []).append(group)
+        return group
+
+    def _store(self, spec: RunSpec) -> LocalStore:
+        assert self.store_root is not None
+        return LocalStore(self.store_root)
+
+    def group(self, run_id: str) -> FakeWorkerGroup:
+        return self.service.controller(run_id).worker_group  # type: ignore[return-value]
+
+    def tick(self, *run_ids: str, dt: float = 1.0) -> None:
+        self.clock.t += dt
+        self.service.schedule()
+        for run_id in run_ids:
+            if self.service.run(run_id)["state"] not in ("pending", "succeeded", "failed", "cancelled"):
+                self.service.advance(run_id)
+
+    def until(self, run_id: str, state: str, *others: str) -> None:
+        for _ in range(20):
+            if self.service.run(run_id)["state"] == state:
+                return
+            self.tick(run_id, *others)
+        raise AssertionError(f"{run_id} is {self.service.run(run_id)['state']}, not {state}")
+
+
+def test_runs_wait_in_submission_order_for_gpus_and_start_when_capacity_frees(tmp_path: Path) -> None:
+    h = Harness(sqlite_url(str(tmp_path)))
+    s = h.service
+    assert s.add(parse_spec(raw_spec("big", dp=2, tp=2)))["state"] == "pending"
+    s.add(parse_spec(raw_spec("second", dp=2, tp=2)))  # 4 + 4 GPUs: fits beside the first
+    s.add(parse_spec(raw_spec("third", dp=1, tp=2)))  # 2 more: does not fit now
+    s.add(parse_spec(raw_spec("small", dp=1, tp=1)))  # would fit a free GPU, but waits its turn
+    h.tick("big", "second")
+    h.until("big", "running", "second")
+    assert s.run("second")["state"] == "running"
+    third = s.run("third")
+    assert third["state"] == "pending" and "waiting for capacity: 0 free GPU(s)" in third["waiting_for"], third
+    assert "earlier" in s.run("small")["waiting_for"]
+    nodes_big = {r["node"] for r in s.run("big")["placement"]}
+    nodes_second = {r["node"] for r in s.run("second")["placement"]}
+    assert not nodes_big & nodes_second, "runs never share a node"
+    cluster = s.cluster_view()
+    assert cluster["free_gpus"] == 0 and {r["name"]: r["run"] for r in cluster["nodes"]}["node-4"] == "big", \
+        "the spare went to the first run admitted"
+    h.group("big").finish_steps(1, 40)
+    h.group("big").complete()
+    h.until("big", "succeeded", "second")
+    h.tick("third", "small")
+    assert s.run("third")["state"] in ("launching", "running") and s.run("small")["state"] in ("launching", "running")
+    assert h.group("big").closed, "an ended run's workers are released"
+
+
+def test_cancel_works_in_every_state_and_frees_the_gpus(tmp_path: Path) -> None:
+    h = Harness(sqlite_url(str(tmp_path)))
+    s = h.service
+    s.add(parse_spec(raw_spec("a", dp=4, tp=2)))
+    s.add(parse_spec(raw_spec("b", dp=4, tp=2)))
+    h.until("a", "running")
+    assert s.run("b")["state"] == "pending"
+    assert s.cancel("b")["state"] == "pending", "takes effect at the next scheduling pass"
+    h.tick()
+    assert s.run("b")["state"] == "cancelled"
+    s.cancel("a")
+    h.tick("a")
+    assert s.run("a")["state"] == "cancelled" and h.group("a").closed
+    assert s.cluster_view()["free_gpus"] == 8
+    assert [e["kind"] for e in s.events("a", after=-1, limit=1000)][-1] == "cancelled"
+    assert s.cancel("a")["state"] == "cancelled", "cancelling an ended run changes nothing"
+
+
+def test_a_spec_the_service_cannot_hold_is_refused_with_numbers() -> None:
+    h = Harness("sqlite://")
+    with pytest.raises(ServiceError) as e:
+        h.service.add(parse_spec(raw_spec("huge", dp=8, tp=2)))
+    assert e.value.status == 422 and "16" in e.value.message
+    with pytest.raises(ServiceError) as e:
+        h.service.submit({**raw_spec("remote"), "cluster": {"address": "127.0.0.1:6379"}})
+    assert e.value.status == 422 and "cluster.address" in e.value.message
+    with pytest.raises(ServiceError) as e:
+        h.service.submit({**raw_spec("x"), "notes": "y" * 70_000})
+    assert e.value.status == 413
+    with pytest.raises(ServiceError) as e:
+        h.service.submit({**raw_spec("x"), "typo": 1})
+    assert e.value.status == 422 and "typo" in e.value.message
+
+
+def _commit(root: Path, run_id: str, step: int) -> None:
+    store = LocalStore(root)
+    store.put_bytes(f"{run_id}/step-{step:08d}/data.bin", b"x" * 10)
+    import hashlib
+
+    files = {"data.bin": {"size": 10, "sha256": hashlib.sha256(b"x" * 10).hexdigest()}}
+    commit(store, Manifest(run_id=run_id, step=step, attempt=0, mesh={"dp": 2, "pp": 1, "tp": 2}, world_size=4,
+                           cursor=step * 16, seeds={}, files=files, created_at=0.0))
+
+
+def test_a_restarted_service_carries_on_every_unfinished_run(tmp_path: Path) -> None:
+    db = sqlite_url(str(tmp_path))
+    store = tmp_path / "ckpt"
+    h = Harness(db, store)
+    s = h.service
+    s.add(parse_spec(raw_spec("done", dp=1, tp=1, steps=5)))
+    s.add(parse_spec(raw_spec("live", dp=2, tp=2)))
+    s.add(parse_spec(raw_spec("queued", dp=4, tp=2)))
+    h.until("done", "running", "live")
+    h.group("done").finish_steps(1, 5)
+    h.group("done").complete()
+    h.until("done", "succeeded", "live")
+    h.group("live").finish_steps(1, 20)
+    _commit(store, "live", 20)
+    h.group("live").emit(0, "checkpoint_committed", step=20, seconds=0.1, bytes=10, uri="file://x", removed=[])
+    h.group("live").finish_steps(21, 23)
+    h.tick("live")
+    assert s.run("live")["step"] == 23 and s.run("queued")["state"] == "pending"
+    drill = s.request_drill("live", "kill-rank", target="1", at_step=30, factor=None, seconds=None)
+    # The service dies here (no stop): its registry is all that is left.
+    h2 = Harness(db, store)
+    s2 = h2.service
+    s2.start()
+    assert [r["id"] for r in s2.runs()] == ["done", "live", "queued"], "every run submitted before the restart"
+    assert s2.run("done")["state"] == "succeeded"
+    kinds = [e["kind"] for e in s2.events("live", after=-1, limit=1000)]
+    assert kinds.count("submitted") == 1 and kinds[-1] == "service_restarted"
+    h2.until("live", "running")
+    attempt = h2.group("live").started[-1]
+    assert attempt.attempt == 1 and attempt.resume_step == 20 and attempt.start_step == 20
+    assert s2.checkpoints("live")[0]["step"] == 20
+    assert [a["attempt"] for a in s2.attempts("live")] == [0, 1]
+    assert s2.controller("live").drills.find(drill.id) is not None, "a requested drill survives the restart"
+    assert s2.run("queued")["state"] == "pending", "still waits its turn"
+    assert s2.controller("live").progress.step == 23, "history carried over; steps after 20 are redone"
+
+
+def test_resume_from_the_latest_or_a_chosen_step(tmp_path: Path) -> None:
+    store = tmp_path / "ckpt"
+    h = Harness(sqlite_url(str(tmp_path)), store)
+    s = h.service
+    s.add(parse_spec(raw_spec("r", steps=30)))
+    h.until("r", "running")
+    with pytest.raises(ServiceError) as e:
+        s.resume("r", step=None, steps=None)
+    assert e.value.status == 409
+    h.group("r").finish_steps(1, 30)
+    for step in (10, 20, 30):
+        _commit(store, "r", step)
+        h.group("r").emit(0, "checkpoint_committed", step=step, seconds=0.1, bytes=10, uri="file://x", removed=[])
+    h.group("r").complete()
+    h.until("r", "succeeded")
+    with pytest.raises(ServiceError) as e:
+        s.resume("r", step=15, steps=None)
+    assert e.value.status == 422 and "10, 20, 30" in e.value.message
+    run = s.resume("r", step=20, steps=60)
+    assert run["state"] == "pending" and run["total_steps"] == 60
+    h.until("r", "running")
+    attempt = h.group("r").started[-1]
+    assert attempt.resume_step == 20 and attempt.config.train.steps == 60
+    assert not (store / "r" / "step-00000030" / "manifest.json").exists(), "newer commits are discarded"
+    assert [c["step"] for c in s.checkpoints("r")] == [10, 20]
+
+
+def test_a_quarantined_node_is_out_of_use_for_every_run_and_after_a_restart(tmp_path: Path) -> None:
+    db = sqlite_url(str(tmp_path))
+    h = Harness(db)
+    s = h.service
+    s.add(parse_spec(raw_spec("a", dp=2, tp=2)))
+    h.until("a", "running")
+    h.group("a").finish_steps(1, 3)
+    h.group("a").emit(0, "sdc_suspect", step=3, check="periodic", ranks=[3], clean_through_step=0,
+                      evidence={"3": ["selftest differs"]})
+    h.tick("a")
+    node = s.controller("a").quarantined[0]["node"]
+    assert {r["name"]: r["state"] for r in s.cluster_view()["nodes"]}[node] == "quarantined"
+    h2 = Harness(db)
+    assert node not in {n.name for n in h2.service._total_view().nodes}
+
+
+def test_token_file_is_owner_only_and_serving_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
+    token, path, made = ensure_token(tmp_path / "state", None)
+    assert made and path is not None and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert ensure_token(tmp_path / "state", None) == (token, path, False)
+    os.chmod(path, 0o644)
+    with pytest.raises(AuthConfigError, match="chmod 600"):
+        read_token_file(path)
+    assert ensure_token(tmp_path / "other", "explicit") == ("explicit", None, False)
+    check_bind("127.0.0.1", None)
+    check_bind("0.0.0.0", "t")
+    with pytest.raises(AuthConfigError, match="without a token"):
+        check_bind("0.0.0.0", None)
+
+
+def test_registry_keeps_history_through_a_rollback_and_pages_events() -> None:
+    from controller.service.registry import Saved
+
+    r = Registry("sqlite://")
+    r.add_run(run_id="x", name="x", spec={}, state="running", created_at=0.0)
+    saved = Saved()
+    view = {"state": "running", "attempt": 0, "step": 5}
+    events = [{"time": float(i), "attempt": 0, "kind": "k", "detail": {"i": i}} for i in range(5)]
+    hist = [{"step": s, "loss": 1.0 / s, "attempt": 0} for s in range(1, 6)]
+    r.save("x", view, events, hist, [], saved, 1.0)
+    hist2 = hist[:2] + [{"step": s, "loss": 2.0 / s, "attempt": 1} for s in range(3, 5)]
+    r.save("x", view, events, hist2, [], saved, 2.0)
+    assert r.history("x") == hist2
+    assert [e["seq"] for e in r.events("x", after=1, limit=2)] == [2, 3]
