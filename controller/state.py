@@ -469,6 +469,7 @@ class RunController:
 
     def _apply(self, now: float, decision: Decision) -> None:
         mesh = decision.mesh
+        self.stragglers = None  # its scores were of the attempt that just ended
         self.events.add(now, self.attempt, "decision", action=decision.action.value, reason=decision.reason,
                         mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp} if mesh else None)
         failure = self._last_failure

@@ -355,10 +355,15 @@ class Service:
             with live.lock:
                 c.fail(self.clock(), "controller_error", f"{type(e).__name__}: {e}")
             state = c.state
-        self._note_out_of_use(live)
-        if state.terminal and not live.closed:
-            self._close(live)
-        self._save(live)
+        try:
+            self._note_out_of_use(live)
+            if state.terminal and not live.closed:
+                self._close(live)
+        finally:
+            try:
+                self._save(live)
+            except Exception as e:  # noqa: BLE001 - the run goes on; its stored view is one step older
+                print(f"goodput: run {run_id}: saving its state failed: {type(e).__name__}: {e}", flush=True)
         return state
 
     def _close(self, live: LiveRun) -> None:

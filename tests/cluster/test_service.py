@@ -1,0 +1,188 @@
+"""`goodput serve` from a user's point of view, one service for the module (its own embedded cluster:
+3 nodes of 2 GPU slots, one of them a hot spare): submit, a kill-node drill recovered onto the spare,
+two runs that together need more GPUs than there are (one waits, then both succeed), and the service
+SIGKILLed mid-run and started again on the same state dir (every run still listed, the unfinished one
+goes on from its latest checkpoint as a new attempt and succeeds). Everything through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+import yaml
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Serve:
+    """A `goodput serve` subprocess on 127.0.0.1 (a free port) with its own state dir."""
+
+    def __init__(self, state: Path, log: Path, *args: str) -> None:
+        self.state, self.log_path, self.args = state, log, args
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self, timeout_s: float = 180) -> "Serve":
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "controller", "serve", "--port", "0", "--state-dir", str(self.state), *self.args],
+            stdout=log, stderr=log, env={**os.environ, "GOODPUT_STATE_DIR": str(self.state)})
+        deadline = time.monotonic() + timeout_s
+        offset = len(self.text())
+        while time.monotonic() < deadline:
+            found = re.search(r"API on (http://127\.0\.0\.1:\d+)", self.text()[offset:])
+            if found:
+                self.url = found.group(1)
+                return self
+            assert self.proc.poll() is None, self.text()[-3000:]
+            time.sleep(0.3)
+        raise AssertionError(f"goodput serve did not come up in {timeout_s} s:\n{self.text()[-3000:]}")
+
+    def text(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def cli(self, *args: str, ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "GOODPUT_URL": self.url,
+                                                    "GOODPUT_STATE_DIR": str(self.state)})
+        if ok:
+            assert proc.returncode == 0, proc.stderr
+        return proc
+
+    def json(self, *args: str) -> object:
+        return json.loads(self.cli(*args, "--json").stdout)
+
+    def descendants(self) -> list[psutil.Process]:
+        assert self.proc is not None
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    root = tmp_path_factory.mktemp("serve")
+    serve = Serve(root / "state", root / "serve.log", "--local-nodes", "3", "--gpus-per-node", "2", "--racks", "1",
+                  "--spares", "1").start()
+    try:
+        yield serve
+    finally:
+        serve.stop()
+
+
+def write_spec(path: Path, name: str, *, steps: int, dp: int, tp: int = 1, drills: list | None = None) -> Path:
+    spec = {
+        "name": name,
+        "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 128, "seq_len": 64},
+        "train": {"steps": steps, "global_batch": 8, "micro_batch": 2, "lr": 3e-3, "seed": 0},
+        "parallelism": {"dp": dp, "tp": tp, "pp": 1},
+        "checkpoint": {"uri": f"file://{path.parent}/ckpt", "every_steps": 10, "keep": 3},
+        "health": {"collective_timeout_s": 20, "hang_floor_s": 30},
+        "drills": drills or [],
+    }
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def wait_for(serve: Serve, run: str, predicate, timeout_s: float = 300) -> dict:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.json("status", run)
+        assert isinstance(status, dict)
+        if predicate(status):
+            return status
+        assert status["state"] not in ("failed", "cancelled"), status
+        time.sleep(1.0)
+    raise AssertionError(f"run {run} did not get there in {timeout_s} s: {serve.json('status', run)}")
+
+
+def test_submit_drill_and_watch_a_run_to_the_end(service: Serve, tmp_path: Path) -> None:
+    submitted = service.json("submit", str(write_spec(tmp_path / "a.yaml", "svc-a", steps=40, dp=2)))
+    assert isinstance(submitted, dict) and submitted["id"] == "svc-a"
+    wait_for(service, "svc-a", lambda s: s["step"] >= 12)
+    report = service.json("drill", "svc-a", "kill-node")
+    assert isinstance(report, dict)
+    assert report["outcome"] == "recovered" and report["decision"] == "replace", report
+    final = wait_for(service, "svc-a", lambda s: s["state"] == "succeeded")
+    assert final["step"] == 40 and final["attempt"] == 1
+    events = service.json("events", "svc-a")
+    assert isinstance(events, list)
+    kinds = [e["kind"] for e in events]
+    injected = next(e for e in events if e["kind"] == "drill_injected")
+    detected = next(e for e in events if e["kind"] == "failure_detected")
+    decision = next(e for e in events if e["kind"] == "decision")
+    assert injected["detail"]["id"] == report["id"] and detected["detail"]["nodes"] == [report["target"]]
+    assert decision["detail"]["action"] == report["decision"] == "replace"
+    assert report["detection_s"] == pytest.approx(detected["time"] - injected["time"], abs=0.01)
+    assert kinds[-1] == "succeeded"
+    attempts = service.json("checkpoints", "svc-a")
+    assert isinstance(attempts, list) and [c["step"] for c in attempts] == [20, 30, 40]
+    table = service.cli("list").stdout
+    assert re.search(r"svc-a\s+succeeded\s+40/40", table), table
+    cluster = service.cli("status", "svc-a").stdout
+    assert "svc-a: succeeded, step 40" in cluster
+
+
+def test_two_runs_that_do_not_fit_together_queue_and_both_succeed(service: Serve, tmp_path: Path) -> None:
+    service.cli("submit", str(write_spec(tmp_path / "b.yaml", "svc-b", steps=30, dp=2, tp=2)))
+    waiting = service.json("submit", str(write_spec(tmp_path / "c.yaml", "svc-c", steps=30, dp=2, tp=2)))
+    assert isinstance(waiting, dict)
+    c = wait_for(service, "svc-c", lambda s: s["waiting_for"] is not None, timeout_s=30)
+    assert c["state"] == "pending" and "waiting for capacity" in c["waiting_for"], c
+    b = wait_for(service, "svc-b", lambda s: s["state"] == "succeeded")
+    c = wait_for(service, "svc-c", lambda s: s["state"] == "succeeded")
+    events = service.json("events", "svc-c")
+    assert isinstance(events, list)
+    started = next(e["time"] for e in events if e["kind"] == "attempt_started")
+    assert started >= b["finished_at"], "the second run started once the first freed its GPUs"
+    assert c["step"] == 30
+
+
+def test_service_killed_mid_run_comes_back_and_carries_the_run_on(service: Serve, tmp_path: Path) -> None:
+    service.cli("submit", str(write_spec(tmp_path / "d.yaml", "svc-d", steps=60, dp=2)))
+    wait_for(service, "svc-d", lambda s: s["step"] >= 24)
+    before = service.json("list")
+    assert isinstance(before, list)
+    children = service.descendants()
+    assert service.proc is not None
+    service.proc.send_signal(signal.SIGKILL)
+    service.proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    for p in alive:  # what the killed service started and left behind, ended by PID
+        p.kill()
+    assert not alive, f"a killed service left {[p.pid for p in alive]} running"
+    service.start()
+    after = service.json("list")
+    assert isinstance(after, list)
+    assert [r["id"] for r in after] == [r["id"] for r in before], "every run submitted before the restart"
+    d = wait_for(service, "svc-d", lambda s: s["state"] == "succeeded")
+    events = service.json("events", "svc-d")
+    assert isinstance(events, list)
+    restarted = [e for e in events if e["kind"] == "service_restarted"]
+    assert len(restarted) == 1
+    new_attempt = [e for e in events if e["kind"] == "attempt_started"][-1]
+    assert new_attempt["attempt"] == 1 and new_attempt["detail"]["resume_step"] >= 20
+    assert d["step"] == 60
+    committed = service.json("checkpoints", "svc-d")
+    assert isinstance(committed, list) and committed[-1]["step"] == 60
