@@ -18,6 +18,8 @@ class RunProgress:
     tokens_per_s: list[float] = field(default_factory=list)
     compute_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
+    committed: int = 0
+    """Step of the checkpoint the current attempt started from (steps up to it are done, reported or not)."""
 
     def add(self, report: StepReport) -> bool:
         """Record a report; True when it finished a new step (it carries the loss)."""
@@ -37,7 +39,7 @@ class RunProgress:
 
     @property
     def step(self) -> int:
-        return self.history[-1]["step"] if self.history else 0
+        return max(self.history[-1]["step"] if self.history else 0, self.committed)
 
     @property
     def loss(self) -> float | None:

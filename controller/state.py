@@ -312,9 +312,10 @@ class RunController:
                         mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp},
                         placement=list(self.placement.rows()), start_step=start_step,
                         resume_step=resume_step)
+        self.progress.committed = start_step
         if start_step >= self.spec.train.steps:
             self.worker_group.shutdown()
-            self._finish(now, RunState.SUCCEEDED, "succeeded")
+            self._finish(now, RunState.SUCCEEDED, "succeeded", step=start_step)
             return
         self.state = RunState.RUNNING
 

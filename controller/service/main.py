@@ -63,12 +63,16 @@ def serve_forever(opts: ServeOptions) -> int:
         cluster = LocalRayCluster(LocalClusterSpec(nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node,
                                                    racks=opts.racks, spares=opts.spares,
                                                    gpu_memory_gb=opts.gpu_memory_gb))
+    if not opts.address:
+        reap_leftovers(state)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server = service = None
     try:
         cluster.start()
+        if not opts.address:
+            record_processes(state)
         log(f"cluster {'at ' + opts.address if opts.address else 'embedded'}: "
             f"{sum(n.num_gpus for n in cluster.topology().nodes)} GPU slot(s)")
         service = ray_service(registry, cluster, poll_s=opts.poll_s).start()
@@ -86,7 +90,65 @@ def serve_forever(opts: ServeOptions) -> int:
             service.stop()
         registry.close()
         cluster.shutdown()
+        (state / PIDS_FILE).unlink(missing_ok=True)
     return 0
+
+
+PIDS_FILE = "embedded-cluster.pids"
+"""The embedded cluster's processes (pid and start time), so that a service started after one that
+was killed can end what the dead one left running: Ray's per-node agents outlive their raylets."""
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def record_processes(state: Path) -> None:
+    if not Path("/proc").is_dir():
+        return
+    rows = [f"{pid} {start}" for pid in _descendants(os.getpid()) if (start := _start_time(pid)) is not None]
+    (state / PIDS_FILE).write_text("\n".join(rows) + "\n")
+
+
+def reap_leftovers(state: Path) -> None:
+    """SIGKILL the processes a previous service on this state dir started and left running (the same
+    pid with the same start time, so a reused pid is never hit)."""
+    path = state / PIDS_FILE
+    if not path.exists():
+        return
+    ended = 0
+    for row in path.read_text().splitlines():
+        pid_text, _, start = row.partition(" ")
+        if not pid_text.isdigit() or _start_time(int(pid_text)) != start:
+            continue
+        try:
+            os.kill(int(pid_text), signal.SIGKILL)
+            ended += 1
+        except ProcessLookupError:
+            pass
+    if ended:
+        log(f"ended {ended} process(es) of the embedded cluster a killed service left running")
+    path.unlink()
 
 
 def _safe_url(url: str) -> str:

@@ -262,6 +262,18 @@ class Registry:
             return [{k: v for k, v in r._mapping.items() if k != "run_id"}
                     for r in conn.execute(q.order_by(checkpoints.c.step))]
 
+    def index_checkpoint(self, run_id: str, *, step: int, attempt: int, committed_at: float, uri: str | None,
+                         size: int | None, state: str = "committed") -> None:
+        with self.engine.begin() as conn:
+            conn.execute(delete(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == step))
+            conn.execute(insert(checkpoints).values(run_id=run_id, step=step, attempt=attempt, committed_at=committed_at,
+                                                    uri=uri, bytes=size, state=state))
+
+    def set_checkpoint_state(self, run_id: str, step: int, state: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == step)
+                         .values(state=state))
+
     def drill(self, drill_id: str) -> dict[str, Any] | None:
         with self.engine.connect() as conn:
             row = conn.execute(select(drills).where(drills.c.id == drill_id)).first()

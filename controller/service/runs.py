@@ -169,7 +169,28 @@ class Service:
         return self.registry.attempts(run_id)
 
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
-        self._live(run_id)
+        """The committed checkpoints. The index follows the events, and the store is the truth: a commit
+        whose event died with its node is added, a step no longer in the store is marked retired."""
+        live = self._live(run_id)
+        store = live.controller.checkpoint_store
+        if store is not None:
+            from checkpointing.manifest import CheckpointError, committed_steps, read_manifest, step_prefix
+            from checkpointing.store import StoreError
+
+            try:
+                in_store = set(committed_steps(store, run_id))
+                indexed = {r["step"] for r in self.registry.checkpoints(run_id)}
+                for step in sorted(in_store - indexed):
+                    try:
+                        m = read_manifest(store, run_id, step)
+                    except CheckpointError:
+                        continue
+                    self.registry.index_checkpoint(run_id, step=step, attempt=m.attempt, committed_at=m.created_at,
+                                                   uri=f"{store.uri}/{step_prefix(run_id, step)}", size=m.total_bytes())
+                for step in sorted(indexed - in_store):
+                    self.registry.set_checkpoint_state(run_id, step, "retired")
+            except StoreError:
+                pass  # the index as it stands; the store answers again later
         return self.registry.checkpoints(run_id)
 
     def cancel(self, run_id: str) -> dict[str, Any]:

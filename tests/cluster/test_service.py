@@ -1,5 +1,5 @@
 """`goodput serve` from a user's point of view, one service for the module (its own embedded cluster:
-3 nodes of 2 GPU slots, one of them a hot spare): submit, a kill-node drill recovered onto the spare,
+4 nodes of 2 GPU slots, one of them a hot spare): submit, a kill-node drill recovered onto the spare,
 two runs that together need more GPUs than there are (one waits, then both succeed), and the service
 SIGKILLed mid-run and started again on the same state dir (every run still listed, the unfinished one
 goes on from its latest checkpoint as a new attempt and succeeds). Everything through the CLI."""
@@ -83,12 +83,20 @@ class Serve:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     root = tmp_path_factory.mktemp("serve")
-    serve = Serve(root / "state", root / "serve.log", "--local-nodes", "3", "--gpus-per-node", "2", "--racks", "1",
+    serve = Serve(root / "state", root / "serve.log", "--local-nodes", "4", "--gpus-per-node", "2", "--racks", "1",
                   "--spares", "1").start()
     try:
         yield serve
     finally:
         serve.stop()
+
+
+def _running(p: psutil.Process) -> bool:
+    """Alive and not a zombie (an exited child of a dead parent waits for init to reap it)."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def write_spec(path: Path, name: str, *, steps: int, dp: int, tp: int = 1, drills: list | None = None) -> Path:
@@ -118,14 +126,14 @@ def wait_for(serve: Serve, run: str, predicate, timeout_s: float = 300) -> dict:
 
 
 def test_submit_drill_and_watch_a_run_to_the_end(service: Serve, tmp_path: Path) -> None:
-    submitted = service.json("submit", str(write_spec(tmp_path / "a.yaml", "svc-a", steps=40, dp=2)))
+    submitted = service.json("submit", str(write_spec(tmp_path / "a.yaml", "svc-a", steps=200, dp=2)))
     assert isinstance(submitted, dict) and submitted["id"] == "svc-a"
     wait_for(service, "svc-a", lambda s: s["step"] >= 12)
     report = service.json("drill", "svc-a", "kill-node")
     assert isinstance(report, dict)
     assert report["outcome"] == "recovered" and report["decision"] == "replace", report
     final = wait_for(service, "svc-a", lambda s: s["state"] == "succeeded")
-    assert final["step"] == 40 and final["attempt"] == 1
+    assert final["step"] == 200 and final["attempt"] == 1
     events = service.json("events", "svc-a")
     assert isinstance(events, list)
     kinds = [e["kind"] for e in events]
@@ -137,11 +145,11 @@ def test_submit_drill_and_watch_a_run_to_the_end(service: Serve, tmp_path: Path)
     assert report["detection_s"] == pytest.approx(detected["time"] - injected["time"], abs=0.01)
     assert kinds[-1] == "succeeded"
     attempts = service.json("checkpoints", "svc-a")
-    assert isinstance(attempts, list) and [c["step"] for c in attempts] == [20, 30, 40]
+    assert isinstance(attempts, list) and [c["step"] for c in attempts] == [180, 190, 200]
     table = service.cli("list").stdout
-    assert re.search(r"svc-a\s+succeeded\s+40/40", table), table
+    assert re.search(r"svc-a\s+succeeded\s+200/200", table), table
     cluster = service.cli("status", "svc-a").stdout
-    assert "svc-a: succeeded, step 40" in cluster
+    assert "svc-a: succeeded, step 200" in cluster
 
 
 def test_two_runs_that_do_not_fit_together_queue_and_both_succeed(service: Serve, tmp_path: Path) -> None:
@@ -160,7 +168,7 @@ def test_two_runs_that_do_not_fit_together_queue_and_both_succeed(service: Serve
 
 
 def test_service_killed_mid_run_comes_back_and_carries_the_run_on(service: Serve, tmp_path: Path) -> None:
-    service.cli("submit", str(write_spec(tmp_path / "d.yaml", "svc-d", steps=60, dp=2)))
+    service.cli("submit", str(write_spec(tmp_path / "d.yaml", "svc-d", steps=150, dp=2)))
     wait_for(service, "svc-d", lambda s: s["step"] >= 24)
     before = service.json("list")
     assert isinstance(before, list)
@@ -168,11 +176,12 @@ def test_service_killed_mid_run_comes_back_and_carries_the_run_on(service: Serve
     assert service.proc is not None
     service.proc.send_signal(signal.SIGKILL)
     service.proc.wait()
-    gone, alive = psutil.wait_procs(children, timeout=30)
-    for p in alive:  # what the killed service started and left behind, ended by PID
+    service.start()  # on the same state dir: it ends what the killed one left running
+    _, alive = psutil.wait_procs(children, timeout=30)
+    left = [p for p in alive if _running(p)]
+    for p in left:  # the test started them too: ended by PID if the service did not
         p.kill()
-    assert not alive, f"a killed service left {[p.pid for p in alive]} running"
-    service.start()
+    assert not left, f"the killed service's {[(p.pid, p.name()) for p in left]} still run after the restart"
     after = service.json("list")
     assert isinstance(after, list)
     assert [r["id"] for r in after] == [r["id"] for r in before], "every run submitted before the restart"
@@ -183,6 +192,6 @@ def test_service_killed_mid_run_comes_back_and_carries_the_run_on(service: Serve
     assert len(restarted) == 1
     new_attempt = [e for e in events if e["kind"] == "attempt_started"][-1]
     assert new_attempt["attempt"] == 1 and new_attempt["detail"]["resume_step"] >= 20
-    assert d["step"] == 60
+    assert d["step"] == 150
     committed = service.json("checkpoints", "svc-d")
-    assert isinstance(committed, list) and committed[-1]["step"] == 60
+    assert isinstance(committed, list) and committed[-1]["step"] == 150
