@@ -164,7 +164,16 @@ class RemoteRayCluster(_RayClusterBase):
             raise ClusterError(f"cannot join the Ray cluster at {self.address}: {e}") from None
 
     def kill_node(self, name: str) -> None:
-        raise ClusterError("kill-node drills need the embedded local cluster")
+        """SIGKILL the raylet of the node labelled `name`, from a task placed on that node (a worker's
+        parent is its node's raylet): the node is lost as if it had died."""
+        ray = _ray()
+        task = ray.remote(num_cpus=0, max_retries=0)(_kill_own_raylet).options(label_selector={"node": name})
+        try:
+            refused = ray.get(task.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - the expected end: the task died with the raylet it killed
+            return
+        if isinstance(refused, str):
+            raise ClusterError(refused)
 
     def shutdown(self) -> None:
         self._disconnect()
@@ -189,3 +198,21 @@ def topology_from_ray() -> Topology:
     if not nodes:
         raise ClusterError("the Ray cluster has no alive node with GPU slots")
     return Topology(tuple(sorted(nodes, key=lambda n: n.name)))
+
+
+def _kill_own_raylet() -> int | str:
+    import os
+    import signal
+    import time
+
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/comm") as f:
+            name = f.read().strip()
+    except OSError:
+        name = "?"
+    if name != "raylet":
+        return f"kill-node: the worker's parent is {name!r} (pid {parent}), not a raylet; not killed"
+    os.kill(parent, signal.SIGKILL)
+    time.sleep(5)  # the raylet's death takes this worker with it
+    return parent

@@ -1,5 +1,5 @@
 """Drills on a Ray cluster: the real thing, not a simulation. kill-node SIGKILLs a node's raylet
-(embedded cluster), kill-rank SIGKILLs a rank's training process, hang-rank SIGSTOPs it; slow-rank,
+(on the embedded cluster through Ray's test facility, on any other from a task on that node), kill-rank SIGKILLs a rank's training process, hang-rank SIGSTOPs it; slow-rank,
 bitflip and storage-outage flip the switches of the targeted GPU slots (trainer/switches.py): the
 rank's own compute takes `factor` times as long, one bit of its parameters flips in place, the
 object store refuses checkpoint writes for `seconds`."""

@@ -54,6 +54,9 @@ class RankActor:
         self._events: list[tuple[str, dict]] = []
         self._process: Any = None
         self._beat: Any = None
+        self._identity: dict[str, Any] = {}
+        self._done = threading.Event()
+        self._outcome: tuple[str, Any] | None = None
 
     def warm(self) -> dict[str, Any]:
         import torch  # noqa: F401 - the point: pay the import once, before any attempt
@@ -72,6 +75,39 @@ class RankActor:
                 "pid": process.pid if process is not None and process.is_alive() else None}
 
     def run(self, args: WorkerArgs) -> WorkerSummary:
+        """This attempt's training process, start to end; its outcome is kept for `wait_done` (a
+        controller that re-attaches after its predecessor died has no handle on this call)."""
+        done = threading.Event()
+        with self._lock:
+            self._identity = {"run_id": args.run_id, "attempt": args.attempt, "rank": args.rank}
+            self._done, self._outcome = done, None
+        try:
+            summary = self._run(args)
+            self._outcome = ("ok", summary)
+            return summary
+        except BaseException as e:
+            self._outcome = ("error", e)
+            raise
+        finally:
+            done.set()
+
+    def wait_done(self) -> WorkerSummary:
+        """Block until the current attempt's training process ends; its summary, or its error raised."""
+        self._done.wait()
+        assert self._outcome is not None
+        kind, value = self._outcome
+        if kind == "error":
+            raise value
+        return value
+
+    def identity(self) -> dict[str, Any]:
+        """Which run, attempt and rank this slot trains, and whether its training process is alive."""
+        with self._lock:
+            process = self._process
+            return {**self._identity, "alive": process is not None and process.is_alive(),
+                    "done": self._done.is_set()}
+
+    def _run(self, args: WorkerArgs) -> WorkerSummary:
         import multiprocessing
 
         ctx = multiprocessing.get_context("fork")
@@ -210,9 +246,17 @@ def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, swit
         send.close()
 
 
+NAMESPACE = "goodput"
+"""Ray namespace of the named (detached) actors of a service's runs."""
+
+
 class RayWorkerGroup:
     def __init__(self, *, store_host: str = "127.0.0.1", launch_timeout_s: float = 120.0,
-                 collective_timeout_s: float = 120.0, warm: bool = True) -> None:
+                 collective_timeout_s: float = 120.0, warm: bool = True, name: str | None = None) -> None:
+        self.name = name
+        """With a name (the run id), actors are detached and named `{name}/{node}/{k}`: they outlive the
+        controller's process, and a restarted controller finds them again (`attach`)."""
+        self._made: dict[str, int] = {}
         self.store_host = store_host
         self.launch_timeout_s = launch_timeout_s
         self.collective_timeout_s = collective_timeout_s
@@ -279,11 +323,20 @@ class RayWorkerGroup:
 
         actor_cls = ray.remote(RankActor)
         new = []
+        if self.name is not None and not self._made:  # names an earlier controller used stay taken
+            for name, _ in self._named():
+                node, k = name.split("/")[-2], int(name.rsplit("/", 1)[1])
+                self._made[node] = max(self._made.get(node, 0), k + 1)
         for node, count in wanted.items():
             pool = self._pool.setdefault(node, [])
             while len(pool) < count:
-                actor: Any = actor_cls.options(num_cpus=0, num_gpus=1, max_concurrency=4,
-                                          label_selector={"node": node}).remote()
+                options: dict[str, Any] = {}
+                if self.name is not None:
+                    k = self._made.get(node, 0)
+                    self._made[node] = k + 1
+                    options = {"name": f"{self.name}/{node}/{k}", "namespace": NAMESPACE, "lifetime": "detached"}
+                actor: Any = actor_cls.options(num_cpus=0, num_gpus=1, max_concurrency=5,
+                                               label_selector={"node": node}, **options).remote()
                 pool.append(actor)
                 new.append((node, actor.warm.remote()))
         return new
@@ -429,11 +482,59 @@ class RayWorkerGroup:
                 pool.remove(actor)
 
     def close(self) -> None:
-        """Release everything: every actor, and with it every training process."""
+        """Release everything: every actor, and with it every training process (named ones of this
+        run that an earlier controller left, too)."""
         import ray
 
-        for pool in self._pool.values():
-            for actor in pool:
+        actors = [actor for pool in self._pool.values() for actor in pool]
+        actors += [handle for _, handle in self._named()]
+        for actor in actors:
+            try:
                 ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         self._pool = {}
         self.actors, self._runs, self._drains = [], [], {}
+
+    def _named(self) -> list[tuple[str, Any]]:
+        """(name, handle) of this run's named actors alive in the cluster."""
+        import ray
+
+        if self.name is None:
+            return []
+        found = []
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry.get("namespace") == NAMESPACE and entry.get("name", "").startswith(f"{self.name}/"):
+                try:
+                    found.append((entry["name"], ray.get_actor(entry["name"], namespace=NAMESPACE)))
+                except ValueError:
+                    continue
+        return found
+
+    def attach(self, attempt: AttemptSpec) -> bool:
+        """Take over the live workers of `attempt` that an earlier controller started: True when every
+        rank's training process is still running (then `poll` goes on as if nothing happened)."""
+        import ray
+
+        named = self._named()
+        if not named:
+            return False
+        try:
+            identities = ray.get([h.identity.remote() for _, h in named], timeout=15)
+        except Exception:  # noqa: BLE001 - a dead or stuck actor: not attachable
+            return False
+        world = attempt.placement.mesh.world_size
+        by_rank: dict[int, Any] = {}
+        for (name, handle), ident in zip(named, identities):
+            node = name.split("/")[-2]
+            self._pool.setdefault(node, []).append(handle)
+            self._made[node] = max(self._made.get(node, 0), int(name.rsplit("/", 1)[1]) + 1)
+            if ident.get("attempt") == attempt.attempt and ident.get("alive") and not ident.get("done"):
+                by_rank[int(ident["rank"])] = handle
+        if sorted(by_rank) != list(range(world)):
+            return False
+        self.actors = [by_rank[r] for r in range(world)]
+        self._runs = [actor.wait_done.remote() for actor in self.actors]
+        self._finished, self._failed, self._drains = set(), set(), {}
+        self._nodes = set(attempt.placement.node_of_rank)
+        return True

@@ -119,8 +119,10 @@ def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluste
     from controller.ray_workers import RayWorkerGroup
     from controller.service.runs import Service
 
-    def group(spec: RunSpec) -> RayWorkerGroup:
-        return RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s)
+    def group(spec: RunSpec, run_id: str) -> RayWorkerGroup:
+        # A long-lived service names its runs' actors so that they outlive it and it can re-attach.
+        return RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s,
+                              name=run_id if accept_submissions else None)
 
     def injector(g: Any) -> RayDrillInjector:
         return RayDrillInjector(cluster, g)

@@ -244,6 +244,27 @@ class RunController:
                      for e in events if e["kind"] == "drill_requested" and (d := e["detail"]).get("id") not in done]
         self.drills = DrillSchedule([r for r in self.drills.pending() if r.id not in done] + requested)
 
+    def attempt_spec(self, attempt: int, placement: Placement, *, start_step: int, cursor: int,
+                     resume_step: int | None) -> AttemptSpec:
+        """The AttemptSpec an attempt was launched with (for re-attaching to its live workers)."""
+        config = self.spec.trainer_config(placement.mesh)
+        return AttemptSpec(run_id=self.run_id, attempt=attempt, config=config, placement=placement,
+                           start_step=start_step, cursor=cursor, resume_step=resume_step)
+
+    def adopt(self, now: float, attempt: AttemptSpec) -> None:
+        """Go on driving an attempt whose workers run on (a restarted service re-attached to them)."""
+        self.attempt = attempt.attempt
+        self.placement = attempt.placement
+        self.config = attempt.config
+        self.progress.committed = attempt.start_step
+        self._attempt_started_at = now
+        self._reset_attempt_tracking()
+        mesh = attempt.config.mesh
+        self.stragglers = StragglerTracker(
+            {r: mesh.rank_coords(r)["pp"] for r in range(mesh.world_size)},
+            StragglerConfig(ratio=self.spec.health.straggler_ratio))
+        self.state = RunState.RUNNING
+
     def resume(self, now: float, *, step: int | None, steps: int | None, spec: RunSpec) -> None:
         """Start an ended run again (a new attempt) from its latest or the given committed step."""
         assert self.state.terminal
@@ -309,9 +330,9 @@ class RunController:
             return
         mesh = self.config.mesh
         self.events.add(now, self.attempt, "attempt_started",
-                        mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp},
-                        placement=list(self.placement.rows()), start_step=start_step,
-                        resume_step=resume_step)
+                        mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp, "dp_replicas": mesh.dp_replicas},
+                        placement=list(self.placement.rows()), spares=list(self.placement.spares),
+                        start_step=start_step, resume_step=resume_step, cursor=cursor)
         self.progress.committed = start_step
         if start_step >= self.spec.train.steps:
             self.worker_group.shutdown()

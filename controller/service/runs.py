@@ -26,7 +26,9 @@ from controller.drills import DrillError, DrillInjector, DrillRequest
 from controller.service.registry import Registry, Saved
 from controller.spec import RunSpec, SpecError, parse_spec
 from controller.state import RunController, RunState, WorkerGroup, plan_run
+from controller.placement import Placement
 from controller.topology import NodeState, Topology
+from trainer.config import MeshShape
 
 MAX_SPEC_BYTES = 64 * 1024
 MAX_DRILLS_PER_RUN = 64
@@ -47,7 +49,8 @@ class Cluster(Protocol):
     def topology(self) -> Topology: ...
 
 
-GroupFactory = Callable[[RunSpec], WorkerGroup]
+GroupFactory = Callable[[RunSpec, str], WorkerGroup]
+"""(spec, run id) -> the run's worker group."""
 InjectorFactory = Callable[[WorkerGroup], DrillInjector | None]
 StoreFactory = Callable[[RunSpec], Any]
 
@@ -138,7 +141,7 @@ class Service:
             store = self._store(spec)
             run_id = self._new_id(spec.name)
             now = self.clock()
-            group = self.group_factory(spec)
+            group = self.group_factory(spec, run_id)
             controller = RunController(spec, self._total_view(), group, now=now, checkpoint_store=store,
                                        run_id=run_id, injector=self._injector(group),
                                        topology_source=lambda: self._own_view(run_id))
@@ -222,7 +225,7 @@ class Service:
                                                                   f"committed: {known or 'none'}")
             c.resume(self.clock(), step=step, steps=steps, spec=spec)
             self.registry.set_spec(run_id, spec.model_dump(mode="json"))
-            live.group = c.worker_group = self.group_factory(spec)
+            live.group = c.worker_group = self.group_factory(spec, run_id)
             c.injector = self._injector(live.group)
             live.admitted, live.closed, live.thread = False, False, None
             self._save(live)
@@ -352,9 +355,12 @@ class Service:
             live.admitted = True
         self._save(live)
         if self.threads:
-            live.thread = threading.Thread(target=self._drive, args=(live,), name=f"goodput-run-{c.run_id}",
-                                           daemon=True)
-            live.thread.start()
+            self._start_driver(live)
+
+    def _start_driver(self, live: LiveRun) -> None:
+        live.thread = threading.Thread(target=self._drive, args=(live,), name=f"goodput-run-{live.controller.run_id}",
+                                       daemon=True)
+        live.thread.start()
 
     def _drive(self, live: LiveRun) -> None:
         while not self._stop.is_set():
@@ -455,7 +461,7 @@ class Service:
         for row in self.registry.run_rows():
             run_id = row["id"]
             spec = parse_spec(row["spec"])
-            group = self.group_factory(spec)
+            group = self.group_factory(spec, run_id)
             try:
                 store = self._store(spec)
             except ServiceError:
@@ -482,8 +488,13 @@ class Service:
 
                     c.error = RunError(row["error"]["code"], row["error"]["message"])
                 live.admitted, live.closed = True, True
+            elif state is RunState.RUNNING and self._reattach(live, events, now):
+                pass
             elif state is not RunState.PENDING or launched:
-                # It ran under the previous service; its workers went with that service's driver.
+                # It ran under the previous service and its workers are gone (or not all there).
+                close = getattr(group, "close", None)
+                if close is not None:
+                    close()  # what is left of them must not hold GPU slots
                 c.events.add(now, max(c.attempt, 0), "service_restarted", previous_state=state.value,
                              action="resume from the latest verified checkpoint as a new attempt")
                 if store is None:
@@ -491,6 +502,34 @@ class Service:
                     live.admitted, live.closed = True, True
             self._runs[run_id] = live
             self._save(live)
+        for live in self._runs.values():
+            if live.admitted and not live.closed and self.threads:
+                self._start_driver(live)
+
+    def _reattach(self, live: LiveRun, events: list[dict[str, Any]], now: float) -> bool:
+        """A run that was training when the previous service died: take over its attempt if every rank
+        of it still trains (the workers outlive the service on a cluster it joined)."""
+        c = live.controller
+        attach = getattr(live.group, "attach", None)
+        started = [e for e in events if e["kind"] == "attempt_started"]
+        if attach is None or not started or started[-1]["attempt"] != c.attempt:
+            return False
+        d = started[-1]["detail"]
+        try:
+            placement = placement_from_rows(d["placement"], d.get("mesh") or {}, d.get("spares") or [])
+            attempt = c.attempt_spec(c.attempt, placement, start_step=int(d.get("start_step") or 0),
+                                     cursor=int(d.get("cursor") or 0), resume_step=d.get("resume_step"))
+            if not attach(attempt):
+                return False
+        except Exception as e:  # noqa: BLE001 - not attachable: the caller resumes from a checkpoint
+            print(f"goodput: run {c.run_id}: cannot re-attach ({type(e).__name__}: {e})", flush=True)
+            return False
+        c.adopt(now, attempt)
+        c.confine(set(placement.nodes_used()) | set(placement.spares))
+        c.events.add(now, c.attempt, "service_restarted", previous_state="running",
+                     action=f"re-attached to the live workers of attempt {c.attempt}")
+        live.admitted = True
+        return True
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _live(self, run_id: str) -> LiveRun:
@@ -543,6 +582,16 @@ class Service:
         if c.checkpoint_store is None:
             return set()
         return set(committed_steps(c.checkpoint_store, c.run_id))
+
+
+def placement_from_rows(rows: list[dict[str, Any]], mesh: dict[str, int], spares: list[str]) -> Placement:
+    """The Placement an `attempt_started` event recorded."""
+    ordered = sorted(rows, key=lambda r: r["rank"])
+    shape = MeshShape(dp=mesh.get("dp", 1), pp=mesh.get("pp", 1), tp=mesh.get("tp", 1),
+                      dp_replicas=mesh.get("dp_replicas", 1))
+    return Placement(mesh=shape, node_of_rank=tuple(r["node"] for r in ordered),
+                     gpu_of_rank=tuple(int(r["gpu"]) for r in ordered),
+                     rack_of_node={r["node"]: r["rack"] for r in ordered}, spares=tuple(spares))
 
 
 def free_gpus(topology: Topology) -> int:

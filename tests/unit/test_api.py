@@ -45,7 +45,7 @@ def live_run(**overrides: object) -> tuple[RunController, FakeWorkerGroup, FakeI
     group = FakeWorkerGroup()
     injector = FakeInjector(group)
     clock = ManualClock(100.0)
-    service = Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=lambda _: group,
+    service = Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=lambda *_: group,
                       injector_factory=lambda _: injector, clock=clock, threads=False)
     service.add(spec)
     service.schedule()

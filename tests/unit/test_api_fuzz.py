@@ -33,7 +33,7 @@ def api_url() -> Iterator[str]:
     raw["drills"] = []
     service = Service(Registry("sqlite://"), FakeCluster(Topology.from_local(nodes=6, gpus_per_node=2, racks=2,
                                                                               spares=1)),
-                      group_factory=lambda _: FakeWorkerGroup(),
+                      group_factory=lambda *_: FakeWorkerGroup(),
                       injector_factory=lambda g: FakeInjector(g))  # type: ignore[arg-type]
     service.start()
     service.add(parse_spec(raw))

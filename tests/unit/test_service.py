@@ -47,7 +47,7 @@ class Harness:
                                injector_factory=lambda g: FakeInjector(g),  # type: ignore[arg-type]
                                store_factory=self._store if store_root else None, clock=self.clock, threads=False)
 
-    def _group(self, spec: RunSpec) -> FakeWorkerGroup:
+    def _group(self, spec: RunSpec, run_id: str) -> FakeWorkerGroup:
         group = FakeWorkerGroup()
         self.groups.setdefault(spec.name, []).append(group)
         return group
