@@ -41,6 +41,10 @@ class EventLog:
         """Put back a timeline read from the registry (before anything else is added)."""
         self._events = [Event(r["time"], self.run_id, r["attempt"], r["kind"], dict(r["detail"])) for r in rows]
 
+    def since(self, n: int) -> list[Event]:
+        """Events after the first n (what a saver has not written yet)."""
+        return self._events[n:]
+
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self._events)
 

@@ -330,7 +330,7 @@ class RunController:
             return
         mesh = self.config.mesh
         self.events.add(now, self.attempt, "attempt_started",
-                        mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp, "dp_replicas": mesh.dp_replicas},
+                        mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, dp_replicas=mesh.dp_replicas,
                         placement=list(self.placement.rows()), spares=list(self.placement.spares),
                         start_step=start_step, resume_step=resume_step, cursor=cursor)
         self.progress.committed = start_step

@@ -12,16 +12,18 @@ table definitions, with pooled connections and transactions that behave alike on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterator
 
 from sqlalchemy import (
     JSON, Column, Float, Integer, MetaData, String, Table, UniqueConstraint, create_engine, delete, event, func,
     insert, select, update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
 
 metadata = MetaData()
@@ -136,7 +138,19 @@ class Registry:
                 cursor.execute("PRAGMA journal_mode=WAL")
                 cursor.execute("PRAGMA synchronous=NORMAL")
                 cursor.close()
+        self._lock = threading.RLock() if memory else contextlib.nullcontext()
+        """An in-memory database is one connection: its users take turns (a file has SQLite's own locking)."""
         metadata.create_all(self.engine)
+
+    @contextlib.contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        with self._lock, self.engine.begin() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[Connection]:
+        with self._lock, self.engine.connect() as conn:
+            yield conn
 
     def close(self) -> None:
         self.engine.dispose()
@@ -144,43 +158,42 @@ class Registry:
     # -- runs -------------------------------------------------------------------------------------
     def add_run(self, *, run_id: str, name: str, spec: dict, state: str, created_at: float) -> int:
         """A new run; its submission number (runs start in this order)."""
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             seq = (conn.execute(select(func.max(runs.c.seq))).scalar() or 0) + 1
             conn.execute(insert(runs).values(id=run_id, seq=seq, name=name, spec=spec, state=state,
                                              created_at=created_at, attempt=0, step=0, updated_at=created_at))
         return int(seq)
 
     def has_run(self, run_id: str) -> bool:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return conn.execute(select(runs.c.id).where(runs.c.id == run_id)).first() is not None
 
     def run_rows(self) -> list[dict[str, Any]]:
         """Every run, in submission order."""
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return [dict(r._mapping) for r in conn.execute(select(runs).order_by(runs.c.seq))]
 
     def run_row(self, run_id: str) -> dict[str, Any] | None:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
             return dict(row._mapping) if row is not None else None
 
     def set_spec(self, run_id: str, spec: dict) -> None:
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(update(runs).where(runs.c.id == run_id).values(spec=spec))
 
-    def save(self, run_id: str, view: dict[str, Any], event_rows: list[dict[str, Any]],
+    def save(self, run_id: str, view: dict[str, Any], new_events: list[dict[str, Any]],
              hist: list[dict[str, Any]], drill_reports: list[dict[str, Any]], saved: Saved, now: float) -> None:
-        """Write what changed in one transaction: the Run object, new events (and the attempts and
-        checkpoint index they imply), the per-step history since it last diverged, changed drills."""
-        new_events = event_rows[saved.events:]
-        old_hist = saved.history or []
-        new_hist = [(int(h["step"]), int(h["attempt"])) for h in hist]
-        same = 0
-        while same < min(len(old_hist), len(new_hist)) and old_hist[same] == new_hist[same]:
-            same += 1
+        """Write what changed in one transaction: the Run object, the events not saved yet (and the
+        attempts and checkpoint index they imply), the per-step history from where it last diverged
+        (a rollback redoes steps), and changed drills. Costs what changed, not what the run has done."""
+        old_hist = saved.history if saved.history is not None else []
+        same = min(len(old_hist), len(hist))
+        while same > 0 and old_hist[same - 1] != (int(hist[same - 1]["step"]), int(hist[same - 1]["attempt"])):
+            same -= 1
         known_drills = saved.drills or {}
         changed = [d for d in drill_reports if known_drills.get(d["id"]) != json.dumps(d, sort_keys=True, default=str)]
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(update(runs).where(runs.c.id == run_id).values(
                 state=view["state"], finished_at=view.get("finished_at"), attempt=view.get("attempt", 0),
                 step=view.get("step", 0), loss=view.get("loss"), error=view.get("error"), view=view,
@@ -191,7 +204,7 @@ class Registry:
                      "kind": e["kind"], "detail": e["detail"]} for i, e in enumerate(new_events)])
                 for e in new_events:
                     self._index(conn, run_id, e)
-            if same < len(old_hist) or same < len(new_hist):
+            if same < len(old_hist) or same < len(hist):
                 if same < len(old_hist):
                     first_changed = old_hist[same][0]
                     conn.execute(delete(history).where(history.c.run_id == run_id, history.c.step >= first_changed))
@@ -204,8 +217,10 @@ class Registry:
             for d in changed:
                 conn.execute(delete(drills).where(drills.c.id == d["id"]))
                 conn.execute(insert(drills).values(id=d["id"], run_id=run_id, kind=d["kind"], report=d, updated_at=now))
-        saved.events = len(event_rows)
-        saved.history = new_hist
+        saved.events += len(new_events)
+        del old_hist[same:]
+        old_hist.extend((int(h["step"]), int(h["attempt"])) for h in hist[same:])
+        saved.history = old_hist
         saved.drills = {**known_drills, **{d["id"]: json.dumps(d, sort_keys=True, default=str) for d in changed}}
 
     def _index(self, conn: Any, run_id: str, e: dict[str, Any]) -> None:
@@ -235,7 +250,7 @@ class Registry:
     # -- reads --------------------------------------------------------------------------------------
     def events(self, run_id: str, *, after: int = -1, limit: int = 1000) -> list[dict[str, Any]]:
         """Events with seq > after, oldest first, at most `limit`."""
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             rows = conn.execute(select(events).where(events.c.run_id == run_id, events.c.seq > after)
                                 .order_by(events.c.seq).limit(limit))
             return [{"seq": r.seq, "time": r.time, "run_id": r.run_id, "attempt": r.attempt, "kind": r.kind,
@@ -245,17 +260,17 @@ class Registry:
         return self.events(run_id, limit=10**9)
 
     def history(self, run_id: str) -> list[dict[str, Any]]:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             rows = conn.execute(select(history).where(history.c.run_id == run_id).order_by(history.c.step))
             return [{"step": r.step, "loss": r.loss, "attempt": r.attempt} for r in rows]
 
     def attempts(self, run_id: str) -> list[dict[str, Any]]:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             rows = conn.execute(select(attempts).where(attempts.c.run_id == run_id).order_by(attempts.c.attempt))
             return [{k: v for k, v in r._mapping.items() if k != "run_id"} for r in rows]
 
     def checkpoints(self, run_id: str, *, state: str | None = "committed") -> list[dict[str, Any]]:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             q = select(checkpoints).where(checkpoints.c.run_id == run_id)
             if state is not None:
                 q = q.where(checkpoints.c.state == state)
@@ -264,36 +279,32 @@ class Registry:
 
     def index_checkpoint(self, run_id: str, *, step: int, attempt: int, committed_at: float, uri: str | None,
                          size: int | None, state: str = "committed") -> None:
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(delete(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == step))
             conn.execute(insert(checkpoints).values(run_id=run_id, step=step, attempt=attempt, committed_at=committed_at,
                                                     uri=uri, bytes=size, state=state))
 
     def set_checkpoint_state(self, run_id: str, step: int, state: str) -> None:
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(update(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == step)
                          .values(state=state))
 
     def drill(self, drill_id: str) -> dict[str, Any] | None:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             row = conn.execute(select(drills).where(drills.c.id == drill_id)).first()
             return {**row.report, "run_id": row.run_id} if row is not None else None
 
     def drill_count(self, run_id: str) -> int:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return int(conn.execute(select(func.count()).select_from(drills).where(drills.c.run_id == run_id)).scalar()
                        or 0)
 
     # -- nodes the service took out of use -----------------------------------------------------------
     def set_node(self, name: str, *, state: str, reason: str, run_id: str | None, time: float) -> None:
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(delete(nodes).where(nodes.c.name == name))
             conn.execute(insert(nodes).values(name=name, state=state, reason=reason, run_id=run_id, time=time))
 
     def node_rows(self) -> list[dict[str, Any]]:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return [dict(r._mapping) for r in conn.execute(select(nodes).order_by(nodes.c.name))]
-
-
-def rows_of(items: Iterable[Any]) -> list[dict[str, Any]]:
-    return [i.to_dict() for i in items]

@@ -445,10 +445,9 @@ class Service:
             c = live.controller
             now = self.clock()
             view = self._view(live, now)
-            rows = [e.to_dict() for e in c.events]
-            history = list(c.progress.history)
+            new_events = [e.to_dict() for e in c.events.since(live.saved.events)]
             drills = list(view["drills"]) + [{**r.to_dict(), "outcome": "scheduled"} for r in c.drills.pending()]
-            self.registry.save(c.run_id, view, rows, history, drills, live.saved, now)
+            self.registry.save(c.run_id, view, new_events, c.progress.history, drills, live.saved, now)
             live.view = view
 
     def _view(self, live: LiveRun, now: float | None = None) -> dict[str, Any]:
@@ -516,7 +515,8 @@ class Service:
             return False
         d = started[-1]["detail"]
         try:
-            placement = placement_from_rows(d["placement"], d.get("mesh") or {}, d.get("spares") or [])
+            mesh = {**(d.get("mesh") or {}), "dp_replicas": d.get("dp_replicas", 1)}
+            placement = placement_from_rows(d["placement"], mesh, d.get("spares") or [])
             attempt = c.attempt_spec(c.attempt, placement, start_step=int(d.get("start_step") or 0),
                                      cursor=int(d.get("cursor") or 0), resume_step=d.get("resume_step"))
             if not attach(attempt):

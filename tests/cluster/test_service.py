@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -128,7 +129,9 @@ def wait_for(serve: Serve, run: str, predicate, timeout_s: float = 300) -> dict:
 def test_submit_drill_and_watch_a_run_to_the_end(service: Serve, tmp_path: Path) -> None:
     submitted = service.json("submit", str(write_spec(tmp_path / "a.yaml", "svc-a", steps=200, dp=2)))
     assert isinstance(submitted, dict) and submitted["id"] == "svc-a"
+    service.cli("submit", str(write_spec(tmp_path / "by.yaml", "svc-bystander", steps=200, dp=2)))
     wait_for(service, "svc-a", lambda s: s["step"] >= 12)
+    wait_for(service, "svc-bystander", lambda s: s["step"] >= 1)
     report = service.json("drill", "svc-a", "kill-node")
     assert isinstance(report, dict)
     assert report["outcome"] == "recovered" and report["decision"] == "replace", report
@@ -144,6 +147,11 @@ def test_submit_drill_and_watch_a_run_to_the_end(service: Serve, tmp_path: Path)
     assert decision["detail"]["action"] == report["decision"] == "replace"
     assert report["detection_s"] == pytest.approx(detected["time"] - injected["time"], abs=0.01)
     assert kinds[-1] == "succeeded"
+    bystander = wait_for(service, "svc-bystander", lambda s: s["state"] == "succeeded")
+    by_events = service.json("events", "svc-bystander")
+    assert isinstance(by_events, list) and bystander["attempt"] == 0, "another run's drill left this one alone"
+    assert not [e for e in by_events if e["kind"] in ("failure_detected", "decision")]
+    assert not {r["node"] for r in bystander["placement"]} & {report["target"]}
     attempts = service.json("checkpoints", "svc-a")
     assert isinstance(attempts, list) and [c["step"] for c in attempts] == [180, 190, 200]
     table = service.cli("list").stdout
@@ -159,6 +167,8 @@ def test_two_runs_that_do_not_fit_together_queue_and_both_succeed(service: Serve
     c = wait_for(service, "svc-c", lambda s: s["waiting_for"] is not None, timeout_s=30)
     assert c["state"] == "pending" and "waiting for capacity" in c["waiting_for"], c
     b = wait_for(service, "svc-b", lambda s: s["state"] == "succeeded")
+    watched = service.cli("status", "svc-c", "--watch")  # the progress bar until it ends
+    assert "svc-c: succeeded, step 30" in watched.stdout and "attempt 0 started" in watched.stderr, watched
     c = wait_for(service, "svc-c", lambda s: s["state"] == "succeeded")
     events = service.json("events", "svc-c")
     assert isinstance(events, list)
@@ -195,3 +205,9 @@ def test_service_killed_mid_run_comes_back_and_carries_the_run_on(service: Serve
     assert d["step"] == 150
     committed = service.json("checkpoints", "svc-d")
     assert isinstance(committed, list) and committed[-1]["step"] == 150
+    token = (service.state / "api-token").read_text().strip()
+    assert stat.S_IMODE(os.stat(service.state / "api-token").st_mode) == 0o600
+    assert token not in service.text(), "the token is never logged"
+    assert "api-token" in service.text(), "where it is kept is"
+    for run in ("svc-a", "svc-d"):
+        assert token not in json.dumps(service.json("events", run))

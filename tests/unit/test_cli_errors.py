@@ -84,3 +84,41 @@ def test_cli_help_is_fast_and_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ}, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_service_down_or_wrong_token_is_one_line(tmp_path: Path) -> None:
+    """Every client command against a service that is not there, or that refuses the token."""
+    from controller.service.app import ApiServer, create_app
+    from controller.service.registry import Registry
+    from controller.service.runs import Service
+    from tests.unit.fakes import FakeCluster
+
+    env = {**os.environ, "GOODPUT_URL": f"http://127.0.0.1:{closed_port()}"}
+    for args in (["list"], ["status", "r"], ["events", "r"], ["checkpoints", "r"], ["cancel", "r"],
+                 ["resume", "r"], ["drill", "r", "kill-rank"]):
+        proc = subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert "no goodput API answers at" in one_line(proc) and proc.returncode == 2, args
+    from controller.topology import Topology
+
+    cluster = FakeCluster(Topology.from_local(nodes=2, gpus_per_node=2, racks=1, spares=0))
+    service = Service(Registry("sqlite://"), cluster, group_factory=lambda *_: None,  # type: ignore[arg-type,return-value]
+                      threads=False)
+    server = ApiServer(create_app(service, token="right"), "127.0.0.1", 0).start()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "controller", "list"], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "GOODPUT_URL": server.url, "GOODPUT_TOKEN": "wrong"})
+        line = one_line(proc)
+        assert "refused the token (HTTP 401)" in line and "wrong" not in line and "right" not in line
+        proc = subprocess.run([sys.executable, "-m", "controller", "list", "--json"], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "GOODPUT_URL": server.url, "GOODPUT_TOKEN": "right"})
+        assert proc.returncode == 0 and json.loads(proc.stdout) == []
+    finally:
+        server.stop()
+
+
+def test_serve_refuses_a_foreign_address_without_a_token(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GOODPUT_TOKEN"}
+    proc = subprocess.run([sys.executable, "-m", "controller", "serve", "--host", "0.0.0.0", "--state-dir",
+                           str(tmp_path / "state")], capture_output=True, text=True, timeout=60, env=env)
+    assert "refusing to serve on 0.0.0.0 without a token" in one_line(proc)

@@ -250,6 +250,7 @@ def test_registry_keeps_history_through_a_rollback_and_pages_events() -> None:
     hist = [{"step": s, "loss": 1.0 / s, "attempt": 0} for s in range(1, 6)]
     r.save("x", view, events, hist, [], saved, 1.0)
     hist2 = hist[:2] + [{"step": s, "loss": 2.0 / s, "attempt": 1} for s in range(3, 5)]
-    r.save("x", view, events, hist2, [], saved, 2.0)
+    r.save("x", view, [], hist2, [], saved, 2.0)
+    assert saved.events == 5
     assert r.history("x") == hist2
     assert [e["seq"] for e in r.events("x", after=1, limit=2)] == [2, 3]
