@@ -20,8 +20,8 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from controller.ray_cluster import LocalRayCluster  # noqa: E402
-from controller.runner import drive  # noqa: E402
+from controller.ray.cluster import LocalRayCluster  # noqa: E402
+from controller.ray.runner import drive  # noqa: E402
 from controller.spec import LocalClusterSpec, parse_spec  # noqa: E402
 
 

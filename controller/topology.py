@@ -1,7 +1,7 @@
 """The cluster as the planner sees it: nodes with GPU slots, GPU memory and labels (node, rack).
 
 An NVLink domain is a node. Built from the spec's `cluster.local` or from a live Ray cluster's nodes
-(`controller.ray_cluster` does that translation). Pure: no ray, no torch.
+(`controller.ray.cluster` does that translation). Pure: no ray, no torch.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controller.client import TOKEN_ENV
+from controller.service.auth import TOKEN_ENV
 from controller.drills import rank_target
 from controller.service.runs import MAX_EVENTS_PAGE, MAX_SPEC_BYTES, Service, ServiceError
 from controller.spec import RunSpec

@@ -13,6 +13,13 @@ import stat
 from pathlib import Path
 
 TOKEN_FILE = "api-token"
+TOKEN_ENV = "GOODPUT_TOKEN"
+STATE_DIR_ENV = "GOODPUT_STATE_DIR"
+
+
+def default_state_dir() -> str:
+    """Where a service (and `goodput run`) keeps its state and token: $GOODPUT_STATE_DIR, else ~/.goodput."""
+    return os.environ.get(STATE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".goodput")
 
 
 class AuthConfigError(Exception):

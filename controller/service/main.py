@@ -35,9 +35,9 @@ def log(message: str) -> None:
 
 
 def serve_forever(opts: ServeOptions) -> int:
-    from controller.client import TOKEN_ENV
-    from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
-    from controller.runner import ray_service
+    from controller.service.auth import TOKEN_ENV
+    from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
+    from controller.ray.runner import ray_service
     from controller.service.app import ApiServer, create_app
     from controller.service.auth import check_bind, ensure_token
     from controller.service.registry import Registry, sqlite_url

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Iterator
 import psutil
 import pytest
 
-from controller.ray_cluster import LocalRayCluster
+from controller.ray.cluster import LocalRayCluster
 from controller.spec import LocalClusterSpec
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ import torch
 
 from checkpointing.manifest import committed_steps, read_manifest
 from checkpointing.store import open_store
-from controller.ray_cluster import LocalRayCluster
-from controller.runner import drive
+from controller.ray.cluster import LocalRayCluster
+from controller.ray.runner import drive
 from controller.spec import RunSpec, parse_spec
 from controller.state import RunController, RunState
 from tests.dist.harness import run_ranks

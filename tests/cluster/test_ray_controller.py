@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.ray_cluster import LocalRayCluster
-from controller.runner import drive
+from controller.ray.cluster import LocalRayCluster
+from controller.ray.runner import drive
 from controller.spec import RunSpec, parse_spec
 from controller.state import RunController, RunState
 

@@ -18,7 +18,7 @@ from typing import Iterator
 import psutil
 import pytest
 
-from controller.ray_cluster import FAST_HEALTH_CHECK
+from controller.ray.cluster import FAST_HEALTH_CHECK
 from tests.cluster.test_service import Serve, wait_for, write_spec
 
 pytestmark = pytest.mark.cluster

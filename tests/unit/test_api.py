@@ -13,7 +13,7 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from controller.client import ApiClientError, Client
+from controller.cli.client import ApiClientError, Client
 from controller.drills import DrillSchedule
 from controller.service.app import ApiBindError, ApiServer, create_app, serve
 from controller.service.registry import Registry

@@ -9,8 +9,8 @@ import json
 import sys
 from typing import Any, Callable, Iterator
 
-from controller.client import DEFAULT_HOST, DEFAULT_PORT
-from controller.ray_cluster import ClusterError
+from controller.cli.client import DEFAULT_HOST, DEFAULT_PORT
+from controller.ray.cluster import ClusterError
 from controller.spec import SpecError, load_spec
 
 
@@ -30,10 +30,10 @@ def cmd_run(opts: argparse.Namespace) -> int:
     spec = load_spec(opts.spec)
     if opts.launcher == "torchrun":
         return _run_torchrun(spec, opts)
-    from controller.runner import run_foreground
+    from controller.ray.runner import run_foreground
     from controller.service.app import ApiBindError
     from controller.state import RunController
-    from controller.ui import ProgressView
+    from controller.cli.ui import ProgressView
 
     with ProgressView(spec.name, spec.train.steps, quiet=opts.json) as view:
         seen = [0]
@@ -85,7 +85,7 @@ def _api_token(host: str) -> tuple[str, Any]:
     0600). Serving beyond loopback needs an explicit token."""
     import os
 
-    from controller.client import TOKEN_ENV, default_state_dir
+    from controller.service.auth import TOKEN_ENV, default_state_dir
     from controller.service.auth import AuthConfigError, check_bind, ensure_token
 
     explicit = os.environ.get(TOKEN_ENV) or None
@@ -144,7 +144,7 @@ def _run_torchrun(spec: Any, opts: argparse.Namespace) -> int:
     entry point is launcher-agnostic."""
     from controller.progress import RunProgress
     from controller.torchrun_launch import run_with_torchrun
-    from controller.ui import ProgressView
+    from controller.cli.ui import ProgressView
 
     mesh = spec.fixed_mesh()
     if mesh is None:
@@ -170,7 +170,7 @@ def _run_torchrun(spec: Any, opts: argparse.Namespace) -> int:
 
 
 def cmd_plan(opts: argparse.Namespace) -> int:
-    from controller.runner import plan_local
+    from controller.ray.runner import plan_local
 
     spec = load_spec(opts.spec)
     if spec.cluster.address:
@@ -253,7 +253,7 @@ def _checkpoints_from_store(opts: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _api() -> Iterator[Any]:
     """A client of the run's API (GOODPUT_URL); its failures become one-line CLI errors."""
-    from controller.client import ApiClientError, Client
+    from controller.cli.client import ApiClientError, Client
 
     client = Client()
     try:
@@ -321,7 +321,7 @@ def _watch(client: Any, run: dict) -> dict:
     final Run object."""
     import time
 
-    from controller.ui import ProgressView
+    from controller.cli.ui import ProgressView
 
     after = -1
     with ProgressView(run["id"], run.get("total_steps") or 1, quiet=False) as view:
@@ -410,7 +410,7 @@ def cmd_resume(opts: argparse.Namespace) -> int:
 
 
 def cmd_serve(opts: argparse.Namespace) -> int:
-    from controller.client import default_state_dir
+    from controller.service.auth import default_state_dir
     from controller.service.auth import AuthConfigError
     from controller.service.main import ServeOptions, serve_forever
 

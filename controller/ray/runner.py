@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from checkpointing.store import ObjectStore, StoreError, open_store
 from controller.placement import Placement
 from controller.planner import MeshPlan
-from controller.ray_cluster import LocalRayCluster, RemoteRayCluster
+from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
 from controller.spec import LocalClusterSpec, RunSpec, SpecError
 from controller.state import RunController, RunState, plan_run
 from controller.topology import NodeState, Topology
@@ -65,8 +65,8 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
     one run this way; `goodput run` and `goodput serve` go through a Service). Cancel on Ctrl-C (and
     re-raise). `warm_workers=False` starts fresh actors for every attempt (the slower mechanism, kept to be
     measured against: benchmarks/recovery_drills.py)."""
-    from controller.ray_drills import RayDrillInjector
-    from controller.ray_workers import RayWorkerGroup
+    from controller.ray.drills import RayDrillInjector
+    from controller.ray.workers import RayWorkerGroup
 
     store = checkpoint_store(spec)
     group = RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s, warm=warm_workers)
@@ -115,8 +115,8 @@ def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluste
                 view: Callable[[Topology], Topology] | None = None, accept_submissions: bool = True,
                 poll_s: float = 0.2) -> "Service":
     """A service whose runs train on `cluster` with Ray worker groups (goodput serve, goodput run)."""
-    from controller.ray_drills import RayDrillInjector
-    from controller.ray_workers import RayWorkerGroup
+    from controller.ray.drills import RayDrillInjector
+    from controller.ray.workers import RayWorkerGroup
     from controller.service.runs import Service
 
     def group(spec: RunSpec, run_id: str) -> RayWorkerGroup:

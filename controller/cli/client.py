@@ -8,16 +8,12 @@ import os
 from typing import Any
 from urllib.parse import urlparse
 
+from controller.service.auth import TOKEN_ENV, default_state_dir
+
 URL_ENV = "GOODPUT_URL"
-TOKEN_ENV = "GOODPUT_TOKEN"
-STATE_DIR_ENV = "GOODPUT_STATE_DIR"
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8470
 """Where `goodput run` serves its API unless told otherwise, and where this client looks first."""
 DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
-
-
-def default_state_dir() -> str:
-    return os.environ.get(STATE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".goodput")
 
 
 def local_token() -> str | None:

@@ -1,6 +1,7 @@
-"""Drills on a Ray cluster: the real thing, not a simulation. kill-node SIGKILLs a node's raylet
-(on the embedded cluster through Ray's test facility, on any other from a task on that node), kill-rank SIGKILLs a rank's training process, hang-rank SIGSTOPs it; slow-rank,
-bitflip and storage-outage flip the switches of the targeted GPU slots (trainer/switches.py): the
+"""Drills on a Ray cluster: the real thing, not a simulation. kill-node SIGKILLs a node's raylet (on
+the embedded cluster through Ray's test facility, on any other from a task on that node), kill-rank
+SIGKILLs a rank's training process, hang-rank SIGSTOPs it; slow-rank, bitflip and storage-outage
+flip the switches of the targeted GPU slots (trainer/switches.py): the
 rank's own compute takes `factor` times as long, one bit of its parameters flips in place, the
 object store refuses checkpoint writes for `seconds`."""
 
@@ -8,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.ray_cluster import ClusterError, LocalRayCluster, RemoteRayCluster
-from controller.ray_workers import RayWorkerGroup
+from controller.ray.cluster import ClusterError, LocalRayCluster, RemoteRayCluster
+from controller.ray.workers import RayWorkerGroup
 
 
 class RayDrillInjector:
