@@ -257,13 +257,19 @@ class RunController:
         self.placement = attempt.placement
         self.config = attempt.config
         self.progress.committed = attempt.start_step
+        self._track_attempt(now)
+        self.state = RunState.RUNNING
+
+    def _track_attempt(self, now: float) -> None:
+        """Fresh per-attempt bookkeeping: failure signals, progress timestamps, straggler scores."""
+        assert self.config is not None
         self._attempt_started_at = now
         self._reset_attempt_tracking()
-        mesh = attempt.config.mesh
+        mesh = self.config.mesh
         self.stragglers = StragglerTracker(
             {r: mesh.rank_coords(r)["pp"] for r in range(mesh.world_size)},
             StragglerConfig(ratio=self.spec.health.straggler_ratio))
-        self.state = RunState.RUNNING
+        self._replace_stragglers = set()
 
     def resume(self, now: float, *, step: int | None, steps: int | None, spec: RunSpec) -> None:
         """Start an ended run again (a new attempt) from its latest or the given committed step."""
@@ -315,13 +321,7 @@ class RunController:
             checkpoint_keep=self.spec.checkpoint.keep, store_retry_budget_s=self.spec.checkpoint.retry_budget_s,
             mtbf_s=observed_mtbf_s(now - self.created_at, len(self.failures), mtbf_h * 3600 if mtbf_h else None),
         )
-        self._attempt_started_at = now
-        self._reset_attempt_tracking()
-        mesh = self.config.mesh
-        self.stragglers = StragglerTracker(
-            {r: mesh.rank_coords(r)["pp"] for r in range(mesh.world_size)},
-            StragglerConfig(ratio=self.spec.health.straggler_ratio))
-        self._replace_stragglers = set()
+        self._track_attempt(now)
         try:
             self.worker_group.start(attempt)
         except Exception as e:  # noqa: BLE001 - any launch failure ends the attempt with its reason
