@@ -254,3 +254,47 @@ def test_registry_keeps_history_through_a_rollback_and_pages_events() -> None:
     assert saved.events == 5
     assert r.history("x") == hist2
     assert [e["seq"] for e in r.events("x", after=1, limit=2)] == [2, 3]
+
+
+@pytest.mark.parametrize("workers_alive", [True, False])
+def test_restart_reattaches_to_live_workers_else_resumes(tmp_path: Path, workers_alive: bool) -> None:
+    db = sqlite_url(str(tmp_path))
+    store = tmp_path / "ckpt"
+    h = Harness(db, store)
+    h.service.add(parse_spec(raw_spec("r", dp=2, tp=2, steps=40)))
+    h.until("r", "running")
+    h.group("r").finish_steps(1, 10)
+    _commit(store, "r", 10)
+    h.group("r").emit(0, "checkpoint_committed", step=10, seconds=0.1, bytes=10, uri="file://x", removed=[])
+    h.group("r").finish_steps(11, 14)
+    h.tick("r")
+    placement = h.service.run("r")["placement"]
+
+    class Attachable(FakeWorkerGroup):
+        def attach(self, attempt: Any) -> bool:
+            self.attached = attempt
+            if workers_alive:
+                self.started.append(attempt)
+            return workers_alive
+
+    h2 = Harness(db, store)
+    h2.service.group_factory = lambda *_: Attachable()  # type: ignore[assignment,return-value]
+    h2.service.start()
+    c = h2.service.controller("r")
+    group = c.worker_group
+    assert isinstance(group, Attachable) and group.attached.attempt == 0
+    assert [r["node"] for r in group.attached.placement.rows()] == [r["node"] for r in placement]
+    restarted = [e for e in h2.service.events("r", after=-1, limit=1000) if e["kind"] == "service_restarted"]
+    if workers_alive:
+        assert "re-attached to the live workers of attempt 0" in restarted[0]["detail"]["action"]
+        assert c.state is RunState.RUNNING and c.attempt == 0 and group.started == [group.attached]
+        group.finish_steps(15, 40)  # what the workers did meanwhile, and after
+        group.complete()
+        h2.until("r", "succeeded")
+        assert h2.service.run("r")["attempt"] == 0 and c.progress.step == 40
+        assert not h2.service.cluster_view()["nodes"][0]["run"], "its nodes are free again"
+    else:
+        assert "resume from the latest verified checkpoint" in restarted[0]["detail"]["action"]
+        assert group.closed, "what is left of the old workers is released first"
+        h2.until("r", "running")
+        assert group.started[-1].attempt == 1 and group.started[-1].resume_step == 10
