@@ -112,6 +112,8 @@ class Service:
             if live.thread is not None:
                 live.thread.join(timeout=30)
             with live.lock:
+                if live.closed:
+                    continue
                 if not live.controller.state.terminal and live.admitted:
                     live.controller.events.add(self.clock(), max(live.controller.attempt, 0), "service_stopped")
                 self._close(live)
