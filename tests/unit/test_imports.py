@@ -23,7 +23,7 @@ PURE_MODULES = [
     "controller.topology", "controller.planner", "controller.placement", "controller.failure_policy",
     "controller.attribution", "controller.state", "controller.events", "controller.drills",
     "checkpointing.manifest", "checkpointing.policy", "checkpointing.store", "health.hang", "controller.cli.client",
-    "health.straggler", "health.sdc",
+    "health.straggler", "health.sdc", "controller.accounting",
 ]
 
 

@@ -1,0 +1,181 @@
+"""Goodput accounting: where a run's wall time went, from its event timeline and its step spans. Pure.
+
+Wall time (submission to end, or to now) is cut into elementary segments, each given exactly one
+category, so productive time plus the badput categories add up to wall time (to float precision):
+
+- productive            steps whose progress was kept (the last execution of each step number),
+                        less their straggler excess
+- queueing              submitted -> first attempt started (pending, planning)
+- startup               first attempt started -> its first step began
+- checkpoint_stall      the training loop between a step and the next when a save began after it
+- failure_detection     the failure (a drill's injection, else the attempt's last finished step) ->
+                        `failure_detected`
+- restart_restore       `failure_detected` -> the next attempt's first step (new mesh, launch, load)
+- recomputation         steps whose progress was lost (done again after a rollback), and the step in
+                        flight when a failure struck
+- straggler_slowdown    in kept steps after a `straggler` verdict: the time above the attempt's
+                        median step before it
+- waiting_for_capacity  a `decision` to wait (below min_dp) -> the next attempt started
+- other                 everything else (gaps between steps, shutdown)
+
+Events are dicts {time, attempt, kind, detail} (the REST form); spans come from the step reports.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+CATEGORIES = ("queueing", "startup", "checkpoint_stall", "failure_detection", "restart_restore", "recomputation",
+              "straggler_slowdown", "waiting_for_capacity", "other")
+
+# When labelled intervals overlap, the higher priority (lower index) takes the time.
+_PRIORITY = ("productive", "recomputation", "failure_detection", "waiting_for_capacity", "restart_restore",
+             "startup", "queueing", "checkpoint_stall", "other")
+
+
+@dataclass(frozen=True)
+class StepSpan:
+    step: int
+    """Step number the execution finished."""
+    attempt: int
+    """Attempt that ran it."""
+    start: float
+    """Unix seconds it began (end - its step time)."""
+    end: float
+    """Unix seconds it finished."""
+
+
+@dataclass
+class Accounting:
+    wall_s: float
+    productive_s: float
+    badput_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ettr(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ettr": self.ettr, "wall_seconds": self.wall_s, "productive_seconds": self.productive_s,
+                "badput_seconds": dict(self.badput_s)}
+
+
+def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end: float,
+            save_steps: Iterable[int] = ()) -> Accounting:
+    """Categorise [submitted, end). `save_steps`: steps after which a checkpoint save began."""
+    submitted = next((e["time"] for e in events if e["kind"] == "submitted"), None)
+    if submitted is None:
+        raise ValueError("the timeline has no `submitted` event")
+    start = float(submitted)
+    end = max(end, start)
+    intervals: list[tuple[float, float, str]] = []
+    kept = _kept(spans)
+    saves = set(save_steps)
+    by_attempt: dict[int, list[StepSpan]] = {}
+    for s in spans:
+        by_attempt.setdefault(s.attempt, []).append(s)
+        intervals.append((s.start, s.end, "productive" if s in kept else "recomputation"))
+    for attempt_spans in by_attempt.values():
+        attempt_spans.sort(key=lambda s: s.end)
+        for before, after in zip(attempt_spans, attempt_spans[1:]):
+            intervals.append((before.end, after.start, "checkpoint_stall" if before.step in saves else "other"))
+
+    started = {e["attempt"]: e["time"] for e in events if e["kind"] == "attempt_started"}
+    first_attempt = min(started) if started else None
+    if first_attempt is not None:
+        intervals.append((start, started[first_attempt], "queueing"))
+    for attempt, t in started.items():
+        own = by_attempt.get(attempt, [])
+        first_step = min((s.start for s in own), default=None)
+        if first_step is not None:
+            intervals.append((t, first_step, "startup" if attempt == first_attempt else "restart_restore"))
+
+    detected = [e for e in events if e["kind"] == "failure_detected"]
+    for failure in detected:
+        attempt, t_detected = failure["attempt"], failure["time"]
+        own = by_attempt.get(attempt, [])
+        last_end = max((s.end for s in own if s.end <= t_detected), default=started.get(attempt, start))
+        drill = [e["time"] for e in events if e["kind"] == "drill_injected" and e["attempt"] == attempt
+                 and last_end <= e["time"] <= t_detected]
+        onset = max(drill) if drill else last_end
+        intervals.append((last_end, onset, "recomputation"))  # the step in flight, lost
+        intervals.append((onset, t_detected, "failure_detection"))
+        later = sorted(t for a, t in started.items() if t >= t_detected)
+        next_start = later[0] if later else end
+        next_first_step = min((s.start for s in spans if s.start >= next_start), default=next_start)
+        waits = [e["time"] for e in events if e["kind"] == "decision" and e["detail"].get("action") == "wait"
+                 and t_detected <= e["time"] <= next_start]
+        if waits:
+            intervals.append((t_detected, waits[0], "restart_restore"))
+            intervals.append((waits[0], next_start, "waiting_for_capacity"))
+            intervals.append((next_start, next_first_step, "restart_restore"))
+        else:
+            intervals.append((t_detected, next_first_step, "restart_restore"))
+
+    totals = _partition(intervals, start, end)
+    productive = totals.pop("productive", 0.0)
+    straggler = _straggler_excess(events, kept, by_attempt)
+    straggler = min(straggler, productive)
+    badput = {c: totals.get(c, 0.0) for c in CATEGORIES}
+    badput["straggler_slowdown"] = straggler
+    return Accounting(wall_s=end - start, productive_s=productive - straggler, badput_s=badput)
+
+
+def _kept(spans: Sequence[StepSpan]) -> set[StepSpan]:
+    """The execution of each step number whose progress lasted: the last one. An execution is lost
+    when a later one redoes its step (a rollback), or when an earlier step is redone after it."""
+    ordered = sorted(spans, key=lambda s: s.end)
+    kept: list[StepSpan] = []
+    for s in ordered:
+        while kept and kept[-1].step >= s.step:  # a rollback: everything from this step on was lost
+            kept.pop()
+        kept.append(s)
+    return set(kept)
+
+
+def _partition(intervals: list[tuple[float, float, str]], start: float, end: float) -> dict[str, float]:
+    """Seconds per category: every instant of [start, end) goes to the highest-priority interval
+    covering it, or to `other`. One sweep over the interval ends (n log n)."""
+    rank = {c: i for i, c in enumerate(_PRIORITY)}
+    edges: list[tuple[float, int, int]] = []
+    for a, b, c in intervals:
+        a, b = max(a, start), min(b, end)
+        if b > a:
+            edges.append((a, 1, rank[c]))
+            edges.append((b, -1, rank[c]))
+    edges.sort()
+    active = [0] * len(_PRIORITY)
+    totals: dict[str, float] = {}
+    at = start
+    for t, delta, r in edges:
+        if t > at:
+            top = next((i for i, n in enumerate(active) if n > 0), None)
+            category = _PRIORITY[top] if top is not None else "other"
+            totals[category] = totals.get(category, 0.0) + (t - at)
+            at = t
+        active[r] += delta
+    if end > at:
+        top = next((i for i, n in enumerate(active) if n > 0), None)
+        category = _PRIORITY[top] if top is not None else "other"
+        totals[category] = totals.get(category, 0.0) + (end - at)
+    return totals
+
+
+def _straggler_excess(events: Sequence[dict[str, Any]], kept: set[StepSpan],
+                      by_attempt: dict[int, list[StepSpan]]) -> float:
+    """In each attempt, kept steps after its first straggler verdict cost what they took above the
+    attempt's median step before the verdict."""
+    excess = 0.0
+    for attempt, own in by_attempt.items():
+        flagged = [e["detail"].get("step", 0) for e in events if e["kind"] == "straggler" and e["attempt"] == attempt]
+        if not flagged:
+            continue
+        since = min(flagged)
+        before = [s.end - s.start for s in own if s.step < since]
+        if not before:
+            continue
+        baseline = statistics.median(before)
+        excess += sum(max(0.0, (s.end - s.start) - baseline) for s in own if s.step >= since and s in kept)
+    return excess

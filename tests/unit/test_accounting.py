@@ -1,0 +1,72 @@
+"""Goodput accounting from hand-made timelines: every category is checked against the arithmetic
+done by hand, and the categories plus productive time add up to wall time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controller.accounting import CATEGORIES, StepSpan, account
+
+
+def ev(time: float, kind: str, attempt: int = 0, **detail: Any) -> dict[str, Any]:
+    return {"time": time, "attempt": attempt, "kind": kind, "detail": detail}
+
+
+def steps(first: int, last: int, start: float, seconds: float = 1.0, attempt: int = 0) -> list[StepSpan]:
+    return [StepSpan(step=s, attempt=attempt, start=start + (s - first) * seconds,
+                     end=start + (s - first + 1) * seconds) for s in range(first, last + 1)]
+
+
+def check(result: Any, wall: float, productive: float, **badput: float) -> None:
+    assert result.wall_s == pytest.approx(wall)
+    assert result.productive_s == pytest.approx(productive)
+    expected = {c: 0.0 for c in CATEGORIES} | badput
+    assert result.badput_s == pytest.approx(expected), result.badput_s
+    assert result.productive_s + sum(result.badput_s.values()) == pytest.approx(result.wall_s, abs=1e-3)
+    assert result.ettr == pytest.approx(productive / wall)
+
+
+def test_no_failure() -> None:
+    spans = steps(1, 5, 5.0) + steps(6, 10, 10.5)  # a save after step 5 holds the loop 0.5 s
+    events = [ev(0.0, "submitted"), ev(2.0, "planned"), ev(2.0, "attempt_started"),
+              ev(12.0, "checkpoint_committed", step=5), ev(16.0, "succeeded")]
+    check(account(events, spans, end=16.0, save_steps=[5]), wall=16.0, productive=10.0,
+          queueing=2.0, startup=3.0, checkpoint_stall=0.5, other=0.5)
+
+
+def test_kill_node_with_rollback() -> None:
+    # Attempt 0 finishes steps 1-7 (a commit at 5); a node is killed in step 8; the spare resumes from 5.
+    spans = steps(1, 7, 2.0) + steps(6, 10, 14.0, attempt=1)
+    events = [ev(0.0, "submitted"), ev(1.0, "attempt_started"), ev(7.2, "checkpoint_committed", step=5),
+              ev(9.4, "drill_injected", drill="kill-node"), ev(10.4, "failure_detected", cause="node_lost"),
+              ev(10.4, "decision", action="replace"), ev(11.0, "attempt_started", attempt=1),
+              ev(19.5, "succeeded", attempt=1)]
+    check(account(events, spans, end=19.5, save_steps=[5]), wall=19.5, productive=10.0,
+          queueing=1.0, startup=1.0, recomputation=2.0 + 0.4, failure_detection=1.0, restart_restore=3.6,
+          other=0.5)
+
+
+def test_wait_below_min_dp() -> None:
+    spans = steps(1, 3, 1.0) + steps(4, 5, 22.0, attempt=1)
+    events = [ev(0.0, "submitted"), ev(0.0, "attempt_started"), ev(5.0, "failure_detected", cause="node_lost"),
+              ev(5.5, "decision", action="wait"), ev(20.0, "attempt_started", attempt=1),
+              ev(24.0, "succeeded", attempt=1)]
+    check(account(events, spans, end=24.0), wall=24.0, productive=5.0,
+          startup=1.0, failure_detection=1.0, restart_restore=0.5 + 2.0, waiting_for_capacity=14.5)
+
+
+def test_straggler() -> None:
+    spans = steps(1, 4, 1.0) + [StepSpan(5, 0, 5.0, 6.5), StepSpan(6, 0, 6.5, 8.0)]
+    events = [ev(0.0, "submitted"), ev(0.0, "attempt_started"), ev(5.0, "straggler", rank=3, step=4),
+              ev(8.0, "succeeded")]
+    check(account(events, spans, end=8.0), wall=8.0, productive=6.0, startup=1.0, straggler_slowdown=1.0)
+
+
+def test_a_live_run_is_accounted_up_to_now_and_a_timeline_needs_its_start() -> None:
+    events = [ev(10.0, "submitted"), ev(12.0, "attempt_started")]
+    result = account(events, steps(1, 2, 13.0), end=16.0)
+    check(result, wall=6.0, productive=2.0, queueing=2.0, startup=1.0, other=1.0)
+    with pytest.raises(ValueError, match="submitted"):
+        account([ev(1.0, "attempt_started")], [], end=2.0)
