@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from controller.accounting import StepSpan
 from trainer.report import StepReport
 
 
@@ -18,11 +19,14 @@ class RunProgress:
     tokens_per_s: list[float] = field(default_factory=list)
     compute_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
+    spans: list[StepSpan] = field(default_factory=list)
+    """Every execution of every step, kept or later redone (what goodput accounting needs)."""
     committed: int = 0
     """Step of the checkpoint the current attempt started from (steps up to it are done, reported or not)."""
 
-    def add(self, report: StepReport) -> bool:
-        """Record a report; True when it finished a new step (it carries the loss)."""
+    def add(self, report: StepReport, heard_at: float | None = None) -> bool:
+        """Record a report; True when it finished a new step (it carries the loss). `heard_at` stands
+        in for a report's unknown end time."""
         self.compute_s.append(report.compute_s)
         self.wait_s.append(report.wait_s)
         if report.loss is None:
@@ -33,6 +37,9 @@ class RunProgress:
                 return False
             self.history = [h for h in self.history if h["step"] < report.step]
         self.history.append({"step": report.step, "loss": report.loss, "attempt": report.attempt})
+        end = report.end_time or heard_at
+        if end is not None:
+            self.spans.append(StepSpan(report.step, report.attempt, end - report.step_time_s, end))
         self.step_times.append(report.step_time_s)
         self.tokens_per_s.append(report.tokens_per_s)
         return True

@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol
 from checkpointing.manifest import MANIFEST, committed_steps, latest_verified, step_prefix
 from checkpointing.policy import observed_mtbf_s
 from checkpointing.store import ObjectStore
+from controller.accounting import account
 from controller.events import EventLog
 from controller.placement import Placement, PlacementError, place
 from controller.planner import MeshPlan, PlanError, plan_mesh
@@ -165,7 +166,6 @@ class RunController:
         self.finished_at: float | None = None
         self.events = EventLog(self.run_id)
         self.progress = RunProgress()
-        self.badput: dict[str, float] = {"startup": 0.0, "checkpoint": 0.0}
         self._attempt_started_at = now
         self._cancel_requested = False
         self.injector = injector
@@ -381,17 +381,14 @@ class RunController:
             self._last_report_at[report.rank] = now
             if self.stragglers is not None:
                 self.stragglers.add(report.rank, report.step, report.compute_s)
-            if self.progress.add(report):
+            if self.progress.add(report, heard_at=now):
                 self._attempt_step_times.append(report.step_time_s)
                 if first:
-                    self.badput["startup"] += max(0.0, now - self._attempt_started_at - report.step_time_s)
                     if self.attempt > 0:
                         self.events.add(now, self.attempt, "first_step_after_recovery", step=report.step)
         self._judge_stragglers(now)
         suspect = next((detail for _, kind, detail in result.events if kind == "sdc_suspect"), None)
         for rank, kind, detail in result.events:
-            if kind == "checkpoint_committed":
-                self.badput["checkpoint"] += float(detail.get("seconds", 0.0))
             self.events.add(now, self.attempt, kind, rank=rank, **detail)
             if (suspect is None and kind == "checkpoint_committed"
                     and (self._maybe_replace_stragglers(now) or self._maybe_grow(now))):
@@ -616,12 +613,11 @@ class RunController:
 
     # -- views -----------------------------------------------------------------------------------
     def goodput(self, now: float) -> dict[str, Any]:
-        """ETTR = time spent in kept training steps / wall time; the rest, by category."""
-        end = self.finished_at or now
-        wall = max(end - self.created_at, 1e-9)
-        productive = sum(self.progress.step_times)
-        other = max(0.0, wall - productive - sum(self.badput.values()))
-        return {"ettr": productive / wall, "badput_seconds": {**self.badput, "other": other}}
+        """ETTR and where the rest of the wall time went (controller.accounting), up to now or the end."""
+        events = [e.to_dict() for e in self.events]
+        saves = [e["detail"]["step"] for e in events
+                 if e["kind"] in ("checkpoint_committed", "checkpoint_failed") and "step" in e["detail"]]
+        return account(events, self.progress.spans, end=self.finished_at or now, save_steps=saves).to_dict()
 
     def health(self) -> dict[str, Any]:
         """Per-rank straggler scores of the current attempt, and the health events so far."""

@@ -36,6 +36,8 @@ class StepReport:
     """Health probes (integrity checksums, the anomaly all-reduce, periodic SDC checks)."""
     tokens_per_s: float
     """Global tokens per second implied by this rank's step time."""
+    end_time: float = 0.0
+    """Unix seconds the step ended on this rank (0: not known; the controller then uses when it heard)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

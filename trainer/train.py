@@ -144,7 +144,7 @@ class Trainer:
         return StepReport(
             rank=self.rank, attempt=self.attempt, step=self.step, cursor=self.cursor, loss=loss_value,
             step_time_s=t4 - t0, data_s=t1 - t0, compute_s=compute, probe_s=probe_s,
-            wait_s=max(0.0, t4 - t1 - compute - probe_s), tokens_per_s=tokens / (t4 - t0),
+            wait_s=max(0.0, t4 - t1 - compute - probe_s), tokens_per_s=tokens / (t4 - t0), end_time=time.time(),
         )
 
     def _slow_down(self, compute_s: float) -> None:
