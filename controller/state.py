@@ -225,14 +225,16 @@ class RunController:
         """This run may use only these nodes from now on (a service shares its cluster among runs)."""
         self.topology = Topology(tuple(n for n in self.topology.nodes if n.name in nodes))
 
-    def restore(self, *, events: list[dict[str, Any]], history: list[dict[str, Any]], attempt: int,
-                quarantined: list[dict[str, Any]]) -> None:
+    def restore(self, *, events: list[dict[str, Any]], history: list[dict[str, Any]]) -> None:
         """Carry on a run a previous controller drove (a restarted service): its timeline, progress,
-        attempt count, failures (they count against max_failures) and drills already injected."""
+        and what the timeline implies: the attempt count, the nodes it quarantined, its failures (they
+        count against max_failures) and the drills it still has to inject."""
         self.events.restore(events)
         self.progress.history = [dict(h) for h in history]
-        self.attempt = attempt
-        self.quarantined = [dict(q) for q in quarantined]
+        self.attempt = max((e["attempt"] for e in events if e["kind"] == "attempt_started"), default=-1)
+        self.quarantined = [{"node": e["detail"]["node"], "reason": e["detail"].get("reason"),
+                             "evidence": e["detail"].get("evidence") or {}, "time": e["time"]}
+                            for e in events if e["kind"] == "quarantined" and e["detail"].get("reason") != "lost"]
         self.failures = [FailureEvent(time=e["time"], cause=FailureCause(e["detail"]["cause"]),
                                       nodes=tuple(e["detail"].get("nodes") or ()), ranks=tuple(e["detail"].get("ranks") or ()),
                                       message=e["detail"].get("message", ""))

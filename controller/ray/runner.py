@@ -76,6 +76,7 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
 
     controller = RunController(spec, topology(), group, now=time.time(), checkpoint_store=store,
                                injector=RayDrillInjector(cluster, group), topology_source=topology)
+
     def advance() -> RunState:
         return controller.step(time.time())
 

@@ -39,8 +39,9 @@ class RankProcessDied(RuntimeError):
 
 class RankActor:
     """Holds one GPU slot on one node. `warm` imports torch; `run` forks this attempt's training process
-    and relays its reports; `stop` SIGKILLs it. Concurrent calls (max_concurrency=4): `run` waits on
-    the process while `drain` hands reports to the controller and `stop` ends it."""
+    and relays its reports; `stop` SIGKILLs it. Concurrent calls (max_concurrency=5): `run` waits on
+    the process while `drain` hands reports to the controller, `wait_done` (a re-attached controller)
+    waits for its outcome and `stop` ends it."""
 
     def __init__(self) -> None:
         import multiprocessing

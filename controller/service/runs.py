@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 from controller.drills import DrillError, DrillInjector, DrillRequest
 from controller.service.registry import Registry, Saved
 from controller.spec import RunSpec, SpecError, parse_spec
-from controller.state import RunController, RunState, WorkerGroup, plan_run
+from controller.state import RunController, RunError, RunState, WorkerGroup, plan_run
 from controller.placement import Placement
 from controller.topology import NodeState, Topology
 from trainer.config import MeshShape
@@ -219,10 +219,9 @@ class Service:
                                                                f"{c.progress.step}")
                 spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": steps})})
             if step is not None:
-                committed = {r["step"] for r in self.registry.checkpoints(run_id)}
-                store_steps = self._committed_in_store(c)
-                if step not in committed and step not in store_steps:
-                    known = sorted(committed | store_steps)
+                committed = {r["step"] for r in self.checkpoints(run_id)}  # reconciled with the store
+                if step not in committed:
+                    known = sorted(committed)
                     raise ServiceError(422, "no_such_checkpoint", f"run {run_id!r} has no committed step {step}; "
                                                                   f"committed: {known or 'none'}")
             c.resume(self.clock(), step=step, steps=steps, spec=spec)
@@ -471,12 +470,8 @@ class Service:
                               run_id=run_id, injector=self._injector(group),
                               topology_source=functools.partial(self._own_view, run_id))
             events = self.registry.all_events(run_id)
-            quarantined = [{"node": e["detail"]["node"], "reason": e["detail"].get("reason"),
-                            "evidence": e["detail"].get("evidence") or {}, "time": e["time"]}
-                           for e in events if e["kind"] == "quarantined" and e["detail"].get("reason") != "lost"]
-            launched = any(e["kind"] == "attempt_started" for e in events)
-            c.restore(events=events, history=self.registry.history(run_id),
-                      attempt=int(row["attempt"]) if launched else -1, quarantined=quarantined)
+            c.restore(events=events, history=self.registry.history(run_id))
+            launched = c.attempt >= 0
             live = LiveRun(c, int(row["seq"]), group)
             live.saved.events = len(events)
             live.saved.history = [(int(h["step"]), int(h["attempt"])) for h in c.progress.history]
@@ -485,8 +480,6 @@ class Service:
                 c.state = state
                 c.finished_at = row["finished_at"]
                 if row["error"]:
-                    from controller.state import RunError
-
                     c.error = RunError(row["error"]["code"], row["error"]["message"])
                 live.admitted, live.closed = True, True
             elif state is RunState.RUNNING and self._reattach(live, events, now):
@@ -577,13 +570,6 @@ class Service:
             n += 1
             run_id = f"{name}-{n}"
         return run_id
-
-    def _committed_in_store(self, c: RunController) -> set[int]:
-        from checkpointing.manifest import committed_steps
-
-        if c.checkpoint_store is None:
-            return set()
-        return set(committed_steps(c.checkpoint_store, c.run_id))
 
 
 def placement_from_rows(rows: list[dict[str, Any]], mesh: dict[str, int], spares: list[str]) -> Placement:
