@@ -47,19 +47,54 @@ class StepSpan:
     """Unix seconds it finished."""
 
 
+@dataclass(frozen=True)
+class FailureTiming:
+    """One failure's latencies: onset (a drill's injection, else the last finished step) -> detected ->
+    recovered (the first step of the next attempt began; None while it has not)."""
+    attempt: int
+    cause: str
+    onset: float
+    detected_at: float
+    recovered_at: float | None
+
+    @property
+    def detection_s(self) -> float:
+        return self.detected_at - self.onset
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.recovered_at is None else self.recovered_at - self.detected_at
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "cause": self.cause, "onset": self.onset, "detected_at": self.detected_at,
+                "recovered_at": self.recovered_at, "detection_seconds": self.detection_s,
+                "recovery_seconds": self.recovery_s}
+
+
 @dataclass
 class Accounting:
     wall_s: float
     productive_s: float
     badput_s: dict[str, float] = field(default_factory=dict)
+    attempts: list["Accounting"] = field(default_factory=list)
+    """The same for each attempt's share of wall time: attempt k from its start (the first from
+    submission) to the next attempt's start (the last to the end)."""
+    attempt: int | None = None
+    """Which attempt this is (None for the whole run)."""
+    failures: list[FailureTiming] = field(default_factory=list)
 
     @property
     def ettr(self) -> float:
         return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ettr": self.ettr, "wall_seconds": self.wall_s, "productive_seconds": self.productive_s,
-                "badput_seconds": dict(self.badput_s)}
+        out: dict[str, Any] = {"ettr": self.ettr, "wall_seconds": self.wall_s, "productive_seconds": self.productive_s,
+                               "badput_seconds": dict(self.badput_s)}
+        if self.attempt is not None:
+            return {"attempt": self.attempt, **out}
+        out["attempts"] = [a.to_dict() for a in self.attempts]
+        out["failures"] = [f.to_dict() for f in self.failures]
+        return out
 
 
 def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end: float,
@@ -93,6 +128,7 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
             intervals.append((t, first_step, "startup" if attempt == first_attempt else "restart_restore"))
 
     detected = [e for e in events if e["kind"] == "failure_detected"]
+    failures: list[FailureTiming] = []
     for failure in detected:
         attempt, t_detected = failure["attempt"], failure["time"]
         own = by_attempt.get(attempt, [])
@@ -105,6 +141,9 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         later = sorted(t for a, t in started.items() if t >= t_detected)
         next_start = later[0] if later else end
         next_first_step = min((s.start for s in spans if s.start >= next_start), default=next_start)
+        recovered = next_first_step if later and any(s.start >= next_start for s in spans) else None
+        failures.append(FailureTiming(attempt, str(failure["detail"].get("cause", "unknown")), onset, t_detected,
+                                      recovered))
         waits = [e["time"] for e in events if e["kind"] == "decision" and e["detail"].get("action") == "wait"
                  and t_detected <= e["time"] <= next_start]
         if waits:
@@ -114,9 +153,26 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         else:
             intervals.append((t_detected, next_first_step, "restart_restore"))
 
-    totals = _partition(intervals, start, end)
+    segments = _partition(intervals, start, end)
+    excess = _straggler_excess(events, kept, by_attempt)
+    whole = _total(segments, start, end, sum(excess.values()))
+    whole.failures = failures
+    bounds = sorted((t, a) for a, t in started.items())
+    for i, (t, attempt) in enumerate(bounds):
+        a = start if i == 0 else max(t, start)
+        b = bounds[i + 1][0] if i + 1 < len(bounds) else end
+        part = _total([(max(x, a), min(y, b), c) for x, y, c in segments if min(y, b) > max(x, a)], a, max(a, b),
+                      excess.get(attempt, 0.0))
+        part.attempt = attempt
+        whole.attempts.append(part)
+    return whole
+
+
+def _total(segments: list[tuple[float, float, str]], start: float, end: float, straggler: float) -> Accounting:
+    totals: dict[str, float] = {}
+    for a, b, category in segments:
+        totals[category] = totals.get(category, 0.0) + (b - a)
     productive = totals.pop("productive", 0.0)
-    straggler = _straggler_excess(events, kept, by_attempt)
     straggler = min(straggler, productive)
     badput = {c: totals.get(c, 0.0) for c in CATEGORIES}
     badput["straggler_slowdown"] = straggler
@@ -135,9 +191,9 @@ def _kept(spans: Sequence[StepSpan]) -> set[StepSpan]:
     return set(kept)
 
 
-def _partition(intervals: list[tuple[float, float, str]], start: float, end: float) -> dict[str, float]:
-    """Seconds per category: every instant of [start, end) goes to the highest-priority interval
-    covering it, or to `other`. One sweep over the interval ends (n log n)."""
+def _partition(intervals: list[tuple[float, float, str]], start: float, end: float) -> list[tuple[float, float, str]]:
+    """[start, end) cut into segments: every instant goes to the highest-priority interval covering
+    it, or to `other`. One sweep over the interval ends (n log n)."""
     rank = {c: i for i, c in enumerate(_PRIORITY)}
     edges: list[tuple[float, int, int]] = []
     for a, b, c in intervals:
@@ -147,27 +203,25 @@ def _partition(intervals: list[tuple[float, float, str]], start: float, end: flo
             edges.append((b, -1, rank[c]))
     edges.sort()
     active = [0] * len(_PRIORITY)
-    totals: dict[str, float] = {}
+    segments: list[tuple[float, float, str]] = []
     at = start
     for t, delta, r in edges:
         if t > at:
             top = next((i for i, n in enumerate(active) if n > 0), None)
-            category = _PRIORITY[top] if top is not None else "other"
-            totals[category] = totals.get(category, 0.0) + (t - at)
+            segments.append((at, t, _PRIORITY[top] if top is not None else "other"))
             at = t
         active[r] += delta
     if end > at:
         top = next((i for i, n in enumerate(active) if n > 0), None)
-        category = _PRIORITY[top] if top is not None else "other"
-        totals[category] = totals.get(category, 0.0) + (end - at)
-    return totals
+        segments.append((at, end, _PRIORITY[top] if top is not None else "other"))
+    return segments
 
 
 def _straggler_excess(events: Sequence[dict[str, Any]], kept: set[StepSpan],
-                      by_attempt: dict[int, list[StepSpan]]) -> float:
+                      by_attempt: dict[int, list[StepSpan]]) -> dict[int, float]:
     """In each attempt, kept steps after its first straggler verdict cost what they took above the
     attempt's median step before the verdict."""
-    excess = 0.0
+    excess: dict[int, float] = {}
     for attempt, own in by_attempt.items():
         flagged = [e["detail"].get("step", 0) for e in events if e["kind"] == "straggler" and e["attempt"] == attempt]
         if not flagged:
@@ -177,5 +231,5 @@ def _straggler_excess(events: Sequence[dict[str, Any]], kept: set[StepSpan],
         if not before:
             continue
         baseline = statistics.median(before)
-        excess += sum(max(0.0, (s.end - s.start) - baseline) for s in own if s.step >= since and s in kept)
+        excess[attempt] = sum(max(0.0, (s.end - s.start) - baseline) for s in own if s.step >= since and s in kept)
     return excess

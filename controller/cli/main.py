@@ -40,7 +40,8 @@ def cmd_run(opts: argparse.Namespace) -> int:
 
         def on_tick(c: RunController) -> None:
             for event in list(c.events)[seen[0]:]:
-                view.note(_describe(event.to_dict()))
+                if event.kind not in QUIET_KINDS:
+                    view.note(_describe(event.to_dict()))
             seen[0] = len(c.events)
             if c.progress.history:
                 view.update(c.progress, attempt=max(c.attempt, 0))
@@ -97,6 +98,10 @@ def _api_token(host: str) -> tuple[str, Any]:
     return token, path
 
 
+QUIET_KINDS = frozenset({"checkpoint_staged"})
+"""Events the live views leave out (`goodput events` shows every one)."""
+
+
 def _describe(event: dict) -> str:
     d = event["detail"]
     kind = event["kind"]
@@ -108,6 +113,8 @@ def _describe(event: dict) -> str:
         return f"attempt {event['attempt']} started on {nodes} {src}"
     if kind == "checkpoint_committed":
         return f"checkpoint committed at step {d['step']} ({d['seconds']:.2f} s)"
+    if kind == "checkpoint_staged":
+        return f"checkpoint of step {d['step']} staged (training blocked {d['blocked_s']:.3f} s)"
     if kind == "restored":
         return f"rank {d.get('rank')} restored step {d['step']}"
     if kind == "straggler":
@@ -328,7 +335,8 @@ def _watch(client: Any, run: dict) -> dict:
         while True:
             for event in client.call("GET", f"/v1/runs/{run['id']}/events", params={"after": after}):
                 after = event["seq"]
-                view.note(_describe(event))
+                if event["kind"] not in QUIET_KINDS:
+                    view.note(_describe(event))
             if run["step"]:
                 view.show(run["step"], run.get("total_steps") or run["step"], run["loss"], run["attempt"])
             if run["state"] in ("succeeded", "failed", "cancelled"):

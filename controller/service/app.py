@@ -16,11 +16,13 @@ from typing import Any
 
 from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller.service.auth import TOKEN_ENV
+from controller.service.metrics import ServiceCollector
 from controller.drills import rank_target
 from controller.service.runs import MAX_EVENTS_PAGE, MAX_SPEC_BYTES, Service, ServiceError
 from controller.spec import RunSpec
@@ -106,6 +108,17 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    metrics_registry = CollectorRegistry(auto_describe=False)
+    metrics_registry.register(ServiceCollector(service))
+    ProcessCollector(registry=metrics_registry)
+
+    @app.get("/metrics", dependencies=auth, responses={**_errors(401), 200: {
+        "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text format"}},
+        response_class=PlainTextResponse)
+    def metrics() -> Response:
+        """Every goodput_* metric (controller/service/metrics.py) for Prometheus to scrape."""
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/runs", status_code=201, dependencies=auth, responses=_errors(401, 409, 413, 422, 429))
     def submit(spec: RunSpec = Body(description="the run spec (DESIGN.md)")) -> dict[str, Any]:

@@ -295,6 +295,13 @@ class Service:
     def controller(self, run_id: str) -> RunController:
         return self._live(run_id).controller
 
+    def live_controllers(self) -> list[tuple[str, RunController, threading.RLock]]:
+        """(run id, its controller, the lock to hold while reading it) for every run of this service,
+        in submission order (what /metrics exports)."""
+        with self.lock:
+            lives = sorted(self._runs.values(), key=lambda live: live.seq)
+        return [(live.controller.run_id, live.controller, live.lock) for live in lives]
+
     # -- scheduling -----------------------------------------------------------------------------------
     def _schedule_loop(self) -> None:
         while not self._stop.is_set():

@@ -43,9 +43,19 @@ def test_kill_node_with_rollback() -> None:
               ev(9.4, "drill_injected", drill="kill-node"), ev(10.4, "failure_detected", cause="node_lost"),
               ev(10.4, "decision", action="replace"), ev(11.0, "attempt_started", attempt=1),
               ev(19.5, "succeeded", attempt=1)]
-    check(account(events, spans, end=19.5, save_steps=[5]), wall=19.5, productive=10.0,
+    result = account(events, spans, end=19.5, save_steps=[5])
+    check(result, wall=19.5, productive=10.0,
           queueing=1.0, startup=1.0, recomputation=2.0 + 0.4, failure_detection=1.0, restart_restore=3.6,
           other=0.5)
+    # Per attempt: attempt 0 owns [submitted, attempt 1 started), attempt 1 the rest.
+    first, second = result.attempts
+    check(first, wall=11.0, productive=5.0, queueing=1.0, startup=1.0, recomputation=2.4, failure_detection=1.0,
+          restart_restore=0.6)
+    check(second, wall=8.5, productive=5.0, restart_restore=3.0, other=0.5)
+    assert (first.attempt, second.attempt) == (0, 1)
+    (failure,) = result.failures
+    assert (failure.cause, failure.onset, failure.detection_s, failure.recovery_s) == ("node_lost", 9.4,
+                                                                                       pytest.approx(1.0), pytest.approx(3.6))
 
 
 def test_wait_below_min_dp() -> None:
@@ -53,8 +63,10 @@ def test_wait_below_min_dp() -> None:
     events = [ev(0.0, "submitted"), ev(0.0, "attempt_started"), ev(5.0, "failure_detected", cause="node_lost"),
               ev(5.5, "decision", action="wait"), ev(20.0, "attempt_started", attempt=1),
               ev(24.0, "succeeded", attempt=1)]
-    check(account(events, spans, end=24.0), wall=24.0, productive=5.0,
+    result = account(events, spans, end=24.0)
+    check(result, wall=24.0, productive=5.0,
           startup=1.0, failure_detection=1.0, restart_restore=0.5 + 2.0, waiting_for_capacity=14.5)
+    assert result.failures[0].recovery_s == pytest.approx(17.0)  # the wait counts in recovery
 
 
 def test_straggler() -> None:
@@ -68,5 +80,9 @@ def test_a_live_run_is_accounted_up_to_now_and_a_timeline_needs_its_start() -> N
     events = [ev(10.0, "submitted"), ev(12.0, "attempt_started")]
     result = account(events, steps(1, 2, 13.0), end=16.0)
     check(result, wall=6.0, productive=2.0, queueing=2.0, startup=1.0, other=1.0)
+    check(result.attempts[0], wall=6.0, productive=2.0, queueing=2.0, startup=1.0, other=1.0)
+    # A failure not yet recovered from has no recovery time.
+    unrecovered = account(events + [ev(15.5, "failure_detected", cause="hang")], steps(1, 2, 13.0), end=16.0)
+    assert unrecovered.failures[0].recovered_at is None and unrecovered.failures[0].detection_s == 0.5
     with pytest.raises(ValueError, match="submitted"):
         account([ev(1.0, "attempt_started")], [], end=2.0)
