@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from controller.cli.client import DEFAULT_HOST, DEFAULT_PORT
@@ -446,6 +448,23 @@ def _table(header: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
+def cmd_dashboards_push(opts: argparse.Namespace) -> int:
+    from controller.cli.dashboards import DEFAULT_DIR, PushError, push
+
+    if not opts.token:
+        raise CliError("give --token (or GRAFANA_TOKEN): a Grafana service-account token with the Editor role")
+    try:
+        pushed = push(opts.url.rstrip("/"), opts.token, Path(opts.dir) if opts.dir else DEFAULT_DIR)
+    except PushError as e:
+        raise CliError(str(e)) from None
+    if opts.json:
+        print(json.dumps(pushed, indent=2))
+    else:
+        for board in pushed:
+            print(f"{board['title']}: version {board['version']} at {opts.url.rstrip('/')}{board['url'] or ''}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="goodput", description="Fault-tolerant LLM training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -522,6 +541,15 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--steps", type=int, help="train to this many steps in all")
     resume.add_argument("--json", action="store_true")
     resume.set_defaults(func=cmd_resume)
+    boards = sub.add_parser("dashboards", help="Grafana dashboards (dashboards/grafana)")
+    boards_sub = boards.add_subparsers(dest="action", required=True)
+    push = boards_sub.add_parser("push", help="upload the dashboards into Grafana's goodput folder")
+    push.add_argument("--url", required=True, help="Grafana's base URL, e.g. http://127.0.0.1:3000")
+    push.add_argument("--token", default=os.environ.get("GRAFANA_TOKEN"),
+                      help="a service-account token with the Editor role (default $GRAFANA_TOKEN)")
+    push.add_argument("--dir", help="folder of dashboard JSON (default: dashboards/grafana of this checkout)")
+    push.add_argument("--json", action="store_true")
+    push.set_defaults(func=cmd_dashboards_push)
     return parser
 
 
