@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-unit setup typecheck bench clean
+.PHONY: run test test-unit test-deps setup typecheck bench clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,17 @@ run: $(STAMP)
 	@if [ -d goodput-runs/tiny-gpt ]; then echo "make run: removing the last demo's checkpoints (goodput-runs/tiny-gpt)"; rm -rf goodput-runs/tiny-gpt; fi
 	$(VENV)/bin/goodput run examples/tiny-gpt.yaml
 
-test: $(STAMP)
+# The observability tests run a real Prometheus and promtool: Debian's `prometheus` package. Without
+# root (or sudo) it cannot be installed, and those tests skip saying so.
+test-deps:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO="sudo -n"; \
+	else echo "make: cannot install Debian's prometheus (not root, no sudo): its tests will skip"; exit 0; fi; \
+	echo "make: installing Debian's prometheus (server and promtool) for the tests"; \
+	( $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	  --no-install-recommends prometheus >/dev/null ) || echo "make: installing prometheus failed: its tests will skip"
+
+test: $(STAMP) test-deps
 	$(PY) -m mypy
 	$(PY) -m pytest -q tests
 

@@ -14,7 +14,7 @@ class RunProgress:
     """Folds step reports of all ranks into per-step facts (loss from the last pipeline stage)."""
 
     history: list[dict] = field(default_factory=list)
-    """One entry per finished step: {step, loss, attempt}."""
+    """One entry per kept step: {step, loss, attempt, start, end} (start/end: Unix seconds, when known)."""
     step_times: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     compute_s: list[float] = field(default_factory=list)
@@ -23,6 +23,12 @@ class RunProgress:
     """Every execution of every step, kept or later redone (what goodput accounting needs)."""
     committed: int = 0
     """Step of the checkpoint the current attempt started from (steps up to it are done, reported or not)."""
+
+    def restore(self, history: list[dict]) -> None:
+        """Put back the kept steps a registry holds (the executions later redone are not kept there)."""
+        self.history = [dict(h) for h in history]
+        self.spans = [StepSpan(h["step"], h["attempt"], h["start"], h["end"]) for h in self.history
+                      if h.get("start") is not None and h.get("end") is not None]
 
     def add(self, report: StepReport, heard_at: float | None = None) -> bool:
         """Record a report; True when it finished a new step (it carries the loss). `heard_at` stands
@@ -36,10 +42,12 @@ class RunProgress:
             if self.history[-1]["step"] == report.step and self.history[-1]["attempt"] == report.attempt:
                 return False
             self.history = [h for h in self.history if h["step"] < report.step]
-        self.history.append({"step": report.step, "loss": report.loss, "attempt": report.attempt})
+        entry: dict = {"step": report.step, "loss": report.loss, "attempt": report.attempt}
         end = report.end_time or heard_at
         if end is not None:
+            entry.update(start=end - report.step_time_s, end=end)
             self.spans.append(StepSpan(report.step, report.attempt, end - report.step_time_s, end))
+        self.history.append(entry)
         self.step_times.append(report.step_time_s)
         self.tokens_per_s.append(report.tokens_per_s)
         return True

@@ -230,7 +230,7 @@ class RunController:
         and what the timeline implies: the attempt count, the nodes it quarantined, its failures (they
         count against max_failures) and the drills it still has to inject."""
         self.events.restore(events)
-        self.progress.history = [dict(h) for h in history]
+        self.progress.restore(history)
         self.attempt = max((e["attempt"] for e in events if e["kind"] == "attempt_started"), default=-1)
         self.quarantined = [{"node": e["detail"]["node"], "reason": e["detail"].get("reason"),
                              "evidence": e["detail"].get("evidence") or {}, "time": e["time"]}

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controller.service.auth import TOKEN_ENV
 from controller.service.metrics import ServiceCollector
 from controller.drills import rank_target
-from controller.service.runs import MAX_EVENTS_PAGE, MAX_SPEC_BYTES, Service, ServiceError
+from controller.service.runs import MAX_EVENTS_PAGE, MAX_HISTORY_PAGE, MAX_SPEC_BYTES, Service, ServiceError
 from controller.spec import RunSpec
 
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -137,6 +137,13 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
                    after: int = Query(-1, ge=-1, le=2**31, description="events after this seq"),
                    limit: int = Query(MAX_EVENTS_PAGE, ge=1, le=MAX_EVENTS_PAGE)) -> list[dict[str, Any]]:
         return service.events(run_id, after=after, limit=limit)
+
+    @app.get("/v1/runs/{run_id}/history", dependencies=auth, responses=_errors(401, 404, 422))
+    def get_history(run_id: str = run_id_param,
+                    after: int = Query(-1, ge=-1, le=2**31, description="steps after this one"),
+                    limit: int = Query(MAX_HISTORY_PAGE, ge=1, le=MAX_HISTORY_PAGE)) -> list[dict[str, Any]]:
+        """Every kept step: loss, attempt, and when it ran (start and end, Unix seconds)."""
+        return service.history(run_id, after=after, limit=limit)
 
     @app.get("/v1/runs/{run_id}/attempts", dependencies=auth, responses=_errors(401, 404, 422))
     def get_attempts(run_id: str = run_id_param) -> list[dict[str, Any]]:

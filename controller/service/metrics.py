@@ -305,7 +305,8 @@ class ServiceCollector(Collector):
         out(STRAGGLER_RATIO).add_metric([run], health["straggler_ratio"])
         for score in health["scores"]:
             out(STRAGGLER).add_metric([run, str(score["rank"]), score["node"]], score["relative"])
-        for (rank, node), n in sorted(fold.stragglers.items()):
+        verdicts = {(str(score["rank"]), score["node"]): 0 for score in health["scores"]} | fold.stragglers
+        for (rank, node), n in sorted(verdicts.items()):
             out(STRAGGLERS).add_metric([run, rank, node], n)
         for kind, n in fold.sdc.items():
             out(SDC).add_metric([run, kind], n)

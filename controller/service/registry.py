@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from sqlalchemy import (
     JSON, Column, Float, Integer, MetaData, String, Table, UniqueConstraint, create_engine, delete, event, func,
-    insert, select, update,
+    insert, inspect, select, text, update,
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
@@ -76,6 +76,8 @@ history = Table(
     Column("step", Integer, primary_key=True),
     Column("loss", Float),
     Column("attempt", Integer, nullable=False),
+    Column("started_at", Float),
+    Column("ended_at", Float),
 )
 
 drills = Table(
@@ -141,6 +143,16 @@ class Registry:
         self._lock = threading.RLock() if memory else contextlib.nullcontext()
         """An in-memory database is one connection: its users take turns (a file has SQLite's own locking)."""
         metadata.create_all(self.engine)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """A registry made by an older goodput lacks the newer nullable columns: add them (the only
+        schema change so far; a real migration tool is due once a change is not purely additive)."""
+        have = {c["name"] for c in inspect(self.engine).get_columns("history")}
+        with self._begin() as conn:
+            for column in ("started_at", "ended_at"):
+                if column not in have:
+                    conn.execute(text(f"ALTER TABLE history ADD COLUMN {column} FLOAT"))
 
     @contextlib.contextmanager
     def _begin(self) -> Iterator[Connection]:
@@ -208,8 +220,8 @@ class Registry:
                 if same < len(old_hist):
                     first_changed = old_hist[same][0]
                     conn.execute(delete(history).where(history.c.run_id == run_id, history.c.step >= first_changed))
-                rows = [{"run_id": run_id, "step": h["step"], "loss": h["loss"], "attempt": h["attempt"]}
-                        for h in hist[same:]]
+                rows = [{"run_id": run_id, "step": h["step"], "loss": h["loss"], "attempt": h["attempt"],
+                         "started_at": h.get("start"), "ended_at": h.get("end")} for h in hist[same:]]
                 if rows:
                     conn.execute(delete(history).where(history.c.run_id == run_id,
                                                        history.c.step >= rows[0]["step"]))
@@ -259,10 +271,13 @@ class Registry:
     def all_events(self, run_id: str) -> list[dict[str, Any]]:
         return self.events(run_id, limit=10**9)
 
-    def history(self, run_id: str) -> list[dict[str, Any]]:
+    def history(self, run_id: str, *, after: int = -1, limit: int = 10**9) -> list[dict[str, Any]]:
+        """Kept steps in order: {step, loss, attempt, start, end} (start/end: Unix seconds, when known)."""
         with self._connect() as conn:
-            rows = conn.execute(select(history).where(history.c.run_id == run_id).order_by(history.c.step))
-            return [{"step": r.step, "loss": r.loss, "attempt": r.attempt} for r in rows]
+            rows = conn.execute(select(history).where(history.c.run_id == run_id, history.c.step > after)
+                                .order_by(history.c.step).limit(limit))
+            return [{"step": r.step, "loss": r.loss, "attempt": r.attempt, "start": r.started_at, "end": r.ended_at}
+                    for r in rows]
 
     def attempts(self, run_id: str) -> list[dict[str, Any]]:
         with self._connect() as conn:

@@ -34,6 +34,7 @@ MAX_SPEC_BYTES = 64 * 1024
 MAX_DRILLS_PER_RUN = 64
 MAX_RUN_ID = 64
 MAX_EVENTS_PAGE = 1000
+MAX_HISTORY_PAGE = 10000
 MAX_RUNS = 10_000
 
 
@@ -168,6 +169,11 @@ class Service:
     def events(self, run_id: str, *, after: int, limit: int) -> list[dict[str, Any]]:
         self._live(run_id)
         return self.registry.events(run_id, after=after, limit=limit)
+
+    def history(self, run_id: str, *, after: int, limit: int) -> list[dict[str, Any]]:
+        """Kept steps after step `after`: {step, loss, attempt, start, end}."""
+        self._live(run_id)
+        return self.registry.history(run_id, after=after, limit=limit)
 
     def attempts(self, run_id: str) -> list[dict[str, Any]]:
         self._live(run_id)

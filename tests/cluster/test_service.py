@@ -11,74 +11,17 @@ import os
 import re
 import signal
 import stat
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
 import psutil
 import pytest
-import yaml
+
+from tests.support.serve import Serve, _running, wait_for, write_spec
 
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-class Serve:
-    """A `goodput serve` subprocess on 127.0.0.1 (a free port) with its own state dir."""
-
-    def __init__(self, state: Path, log: Path, *args: str) -> None:
-        self.state, self.log_path, self.args = state, log, args
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def start(self, timeout_s: float = 180) -> "Serve":
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller", "serve", "--port", "0", "--state-dir", str(self.state), *self.args],
-            stdout=log, stderr=log, env={**os.environ, "GOODPUT_STATE_DIR": str(self.state)})
-        deadline = time.monotonic() + timeout_s
-        offset = len(self.text())
-        while time.monotonic() < deadline:
-            found = re.search(r"API on (http://127\.0\.0\.1:\d+)", self.text()[offset:])
-            if found:
-                self.url = found.group(1)
-                return self
-            assert self.proc.poll() is None, self.text()[-3000:]
-            time.sleep(0.3)
-        raise AssertionError(f"goodput serve did not come up in {timeout_s} s:\n{self.text()[-3000:]}")
-
-    def text(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
-
-    def cli(self, *args: str, ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-        proc = subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "GOODPUT_URL": self.url,
-                                                    "GOODPUT_STATE_DIR": str(self.state)})
-        if ok:
-            assert proc.returncode == 0, proc.stderr
-        return proc
-
-    def json(self, *args: str) -> object:
-        return json.loads(self.cli(*args, "--json").stdout)
-
-    def descendants(self) -> list[psutil.Process]:
-        assert self.proc is not None
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -90,40 +33,6 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
         yield serve
     finally:
         serve.stop()
-
-
-def _running(p: psutil.Process) -> bool:
-    """Alive and not a zombie (an exited child of a dead parent waits for init to reap it)."""
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def write_spec(path: Path, name: str, *, steps: int, dp: int, tp: int = 1, drills: list | None = None) -> Path:
-    spec = {
-        "name": name,
-        "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 128, "seq_len": 64},
-        "train": {"steps": steps, "global_batch": 8, "micro_batch": 2, "lr": 3e-3, "seed": 0},
-        "parallelism": {"dp": dp, "tp": tp, "pp": 1},
-        "checkpoint": {"uri": f"file://{path.parent}/ckpt", "every_steps": 10, "keep": 3},
-        "health": {"collective_timeout_s": 20, "hang_floor_s": 30},
-        "drills": drills or [],
-    }
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def wait_for(serve: Serve, run: str, predicate, timeout_s: float = 300) -> dict:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = serve.json("status", run)
-        assert isinstance(status, dict)
-        if predicate(status):
-            return status
-        assert status["state"] not in ("failed", "cancelled"), status
-        time.sleep(1.0)
-    raise AssertionError(f"run {run} did not get there in {timeout_s} s: {serve.json('status', run)}")
 
 
 def test_submit_drill_and_watch_a_run_to_the_end(service: Serve, tmp_path: Path) -> None:

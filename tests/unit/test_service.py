@@ -247,13 +247,28 @@ def test_registry_keeps_history_through_a_rollback_and_pages_events() -> None:
     saved = Saved()
     view = {"state": "running", "attempt": 0, "step": 5}
     events = [{"time": float(i), "attempt": 0, "kind": "k", "detail": {"i": i}} for i in range(5)]
-    hist = [{"step": s, "loss": 1.0 / s, "attempt": 0} for s in range(1, 6)]
+    hist = [{"step": s, "loss": 1.0 / s, "attempt": 0, "start": s - 0.5, "end": float(s)} for s in range(1, 6)]
     r.save("x", view, events, hist, [], saved, 1.0)
-    hist2 = hist[:2] + [{"step": s, "loss": 2.0 / s, "attempt": 1} for s in range(3, 5)]
+    hist2 = hist[:2] + [{"step": s, "loss": 2.0 / s, "attempt": 1, "start": 10 + s - 0.5, "end": 10.0 + s}
+                        for s in range(3, 5)]
     r.save("x", view, [], hist2, [], saved, 2.0)
     assert saved.events == 5
     assert r.history("x") == hist2
+    assert r.history("x", after=2, limit=1) == hist2[2:3]
     assert [e["seq"] for e in r.events("x", after=1, limit=2)] == [2, 3]
+
+
+def test_a_registry_from_before_step_times_gets_the_new_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "registry.db"
+    with sqlite3.connect(path) as conn:  # the history table as the first service release made it
+        conn.execute("CREATE TABLE history (run_id VARCHAR(128) NOT NULL, step INTEGER NOT NULL, loss FLOAT, "
+                     "attempt INTEGER NOT NULL, PRIMARY KEY (run_id, step))")
+        conn.execute("INSERT INTO history VALUES ('old', 1, 0.5, 0)")
+    r = Registry(f"sqlite:///{path}")
+    assert r.history("old") == [{"step": 1, "loss": 0.5, "attempt": 0, "start": None, "end": None}]
+    Registry(f"sqlite:///{path}")  # opening it again changes nothing
 
 
 @pytest.mark.parametrize("workers_alive", [True, False])

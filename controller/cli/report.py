@@ -1,0 +1,120 @@
+"""`goodput report RUN`: where a run's wall time went, as a table (or JSON) and a picture read at a
+glance — loss over wall time with failures, detections, recoveries, drills and checkpoints marked,
+and the goodput/badput bar by category below. matplotlib (Agg: no screen needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from controller.accounting import CATEGORIES
+
+COLORS = {"productive": "#2e7d32", "queueing": "#90a4ae", "startup": "#607d8b", "checkpoint_stall": "#8d6e63",
+          "failure_detection": "#d32f2f", "restart_restore": "#f9a825", "recomputation": "#ef6c00",
+          "straggler_slowdown": "#7b1fa2", "waiting_for_capacity": "#1565c0", "other": "#bdbdbd"}
+
+
+def build(run: dict[str, Any], events: list[dict[str, Any]], history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report's data: the accounting of the Run object, plus the timeline a plot needs."""
+    goodput = run["goodput"]
+    wall = goodput["wall_seconds"]
+    rows = [{"category": "productive", "seconds": goodput["productive_seconds"],
+             "share": goodput["productive_seconds"] / wall if wall else 0.0}]
+    rows += [{"category": c, "seconds": goodput["badput_seconds"].get(c, 0.0),
+              "share": goodput["badput_seconds"].get(c, 0.0) / wall if wall else 0.0} for c in CATEGORIES]
+    return {
+        "run": run["id"], "state": run["state"], "step": run["step"], "total_steps": run.get("total_steps"),
+        "attempts": run["attempt"] + 1, "ettr": goodput["ettr"], "wall_seconds": wall, "breakdown": rows,
+        "per_attempt": goodput.get("attempts", []), "failures": goodput.get("failures", []),
+        "submitted_at": next((e["time"] for e in events if e["kind"] == "submitted"), run.get("created_at")),
+        "events": [e for e in events if e["kind"] in ("drill_injected", "failure_detected", "first_step_after_recovery",
+                                                       "attempt_started", "checkpoint_committed", "quarantined")],
+        "history": history,
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [f"run {report['run']}: {report['state']}, step {report['step']}/{report['total_steps']}, "
+             f"{report['attempts']} attempt(s), ETTR {report['ettr']:.3f} of {report['wall_seconds']:.1f} s",
+             "", f"{'category':<22}{'seconds':>10}{'share':>9}"]
+    for row in report["breakdown"]:
+        lines.append(f"{row['category']:<22}{row['seconds']:>10.2f}{row['share']:>8.1%}")
+    if len(report["per_attempt"]) > 1:
+        lines += ["", f"{'attempt':<9}{'wall s':>9}{'ETTR':>7}  largest badput"]
+        for a in report["per_attempt"]:
+            worst = max(a["badput_seconds"].items(), key=lambda kv: kv[1])
+            lines.append(f"{a['attempt']:<9}{a['wall_seconds']:>9.1f}{a['ettr']:>7.2f}  {worst[0]} {worst[1]:.1f} s")
+    if report["failures"]:
+        lines += ["", f"{'failure':<18}{'attempt':>8}{'detection s':>13}{'recovery s':>12}"]
+        for f in report["failures"]:
+            recovery = "-" if f["recovery_seconds"] is None else f"{f['recovery_seconds']:.2f}"
+            lines.append(f"{f['cause']:<18}{f['attempt']:>8}{f['detection_seconds']:>13.2f}{recovery:>12}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = report["submitted_at"]
+    fig, (top, bar) = plt.subplots(2, 1, figsize=(12, 7), gridspec_kw={"height_ratios": [4, 1]})
+    fig.suptitle(f"{report['run']}: {report['state']}, step {report['step']}/{report['total_steps']}, "
+                 f"{report['attempts']} attempt(s), ETTR {report['ettr']:.2f}", fontsize=13)
+
+    steps = [h for h in report["history"] if h.get("end") is not None and h.get("loss") is not None]
+    for attempt in sorted({h["attempt"] for h in steps}):
+        own = [h for h in steps if h["attempt"] == attempt]
+        top.plot([h["end"] - t0 for h in own], [h["loss"] for h in own], marker=".", markersize=3, linewidth=1.2,
+                 label=f"loss, attempt {attempt}")
+    for f in report["failures"]:
+        top.axvspan(f["onset"] - t0, f["detected_at"] - t0, color=COLORS["failure_detection"], alpha=0.25, lw=0)
+        if f["recovered_at"] is not None:
+            top.axvspan(f["detected_at"] - t0, f["recovered_at"] - t0, color=COLORS["restart_restore"], alpha=0.25,
+                        lw=0)
+    marks = {"drill_injected": ("#ef6c00", "--", "drill injected"), "failure_detected": ("#d32f2f", "-", "failure detected"),
+             "first_step_after_recovery": ("#2e7d32", "-", "recovered (first step)"),
+             "quarantined": ("#7b1fa2", ":", "node quarantined")}
+    labelled: set[str] = set()
+    for e in report["events"]:
+        if e["kind"] in marks:
+            color, style, label = marks[e["kind"]]
+            top.axvline(e["time"] - t0, color=color, linestyle=style, linewidth=1.4,
+                        label=None if label in labelled else label)
+            labelled.add(label)
+            if e["kind"] == "drill_injected":
+                top.annotate(e["detail"].get("drill", "drill"), (e["time"] - t0, 1.0), xycoords=("data", "axes fraction"),
+                             xytext=(3, -12), textcoords="offset points", fontsize=8, color=color)
+            if e["kind"] == "failure_detected":
+                top.annotate(e["detail"].get("cause", ""), (e["time"] - t0, 1.0), xycoords=("data", "axes fraction"),
+                             xytext=(3, -24), textcoords="offset points", fontsize=8, color=color)
+    commits = [e["time"] - t0 for e in report["events"] if e["kind"] == "checkpoint_committed"]
+    if commits:
+        top.plot(commits, [0.0] * len(commits), linestyle="none", marker="^", color="#455a64", markersize=7,
+                 transform=top.get_xaxis_transform(), clip_on=False, label="checkpoint committed")
+    top.set_xlim(0, max(report["wall_seconds"], 1e-3))
+    top.set_xlabel("seconds since submission")
+    top.set_ylabel("training loss")
+    top.grid(alpha=0.3)
+    top.legend(loc="upper right", fontsize=8, ncol=2)
+
+    left = 0.0
+    for row in report["breakdown"]:
+        if row["seconds"] <= 0:
+            continue
+        bar.barh(0, row["seconds"], left=left, color=COLORS[row["category"]], edgecolor="white",
+                 label=f"{row['category']} {row['seconds']:.1f} s ({row['share']:.0%})")
+        if row["share"] >= 0.06:
+            bar.text(left + row["seconds"] / 2, 0, f"{row['share']:.0%}", ha="center", va="center", fontsize=9,
+                     color="white")
+        left += row["seconds"]
+    bar.set_xlim(0, max(report["wall_seconds"], 1e-3))
+    bar.set_yticks([])
+    bar.set_xlabel("wall time, by where it went (productive = goodput; the rest badput)")
+    bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
