@@ -169,6 +169,8 @@ class RunController:
         self._attempt_started_at = now
         self._cancel_requested = False
         self.injector = injector
+        self._event_dicts: list[dict[str, Any]] = []
+        self._goodput_cache: tuple[float, int, dict[str, Any]] | None = None
         self.topology_source = topology_source
         self.drills = DrillSchedule([DrillRequest(id=spec_drill_id(self.run_id, i), kind=d.kind, at_step=d.at_step,
                                                   target=d.target, factor=d.factor, seconds=d.seconds)
@@ -614,12 +616,26 @@ class RunController:
         self.events.add(now, max(self.attempt, 0), kind, **detail)
 
     # -- views -----------------------------------------------------------------------------------
-    def goodput(self, now: float) -> dict[str, Any]:
-        """ETTR and where the rest of the wall time went (controller.accounting), up to now or the end."""
-        events = [e.to_dict() for e in self.events]
+    GOODPUT_REFRESH_S = 1.0
+    """A live run's accounting is recomputed at most this often (it costs O(steps)); an ended run's once."""
+
+    def goodput(self, now: float, *, fresh: bool = False) -> dict[str, Any]:
+        """ETTR and where the rest of the wall time went (controller.accounting), up to now or the end.
+        Views and scrapes in the same second share one computation (its wall_seconds says up to when)."""
+        end = self.finished_at or now
+        cached = self._goodput_cache
+        if (not fresh and cached is not None and cached[1] == len(self.events)
+                and (cached[0] == end or (self.finished_at is None and 0 <= end - cached[0] < self.GOODPUT_REFRESH_S))):
+            return cached[2]
+        if len(self._event_dicts) > len(self.events):  # a restored timeline
+            self._event_dicts = []
+        self._event_dicts.extend(e.to_dict() for e in self.events.since(len(self._event_dicts)))
+        events = self._event_dicts
         saves = [e["detail"]["step"] for e in events
                  if e["kind"] in ("checkpoint_committed", "checkpoint_failed") and "step" in e["detail"]]
-        return account(events, self.progress.spans, end=self.finished_at or now, save_steps=saves).to_dict()
+        result = account(events, self.progress.spans, end=end, save_steps=saves).to_dict()
+        self._goodput_cache = (end, len(self.events), result)
+        return result
 
     def health(self) -> dict[str, Any]:
         """Per-rank straggler scores of the current attempt, and the health events so far."""

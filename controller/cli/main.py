@@ -37,10 +37,14 @@ def cmd_run(opts: argparse.Namespace) -> int:
     from controller.state import RunController
     from controller.cli.ui import ProgressView
 
+    out_dir = Path(opts.out_dir or f"goodput-out/{spec.name}")
+    out_dir.mkdir(parents=True, exist_ok=True)
     with ProgressView(spec.name, spec.train.steps, quiet=opts.json) as view:
         seen = [0]
 
         def on_tick(c: RunController) -> None:
+            if not seen[0]:  # the cluster is up: say once where its own output goes
+                view.note(f"Ray's own logs go to {out_dir}/ (ray-driver.log, ray-processes.log)")
             for event in list(c.events)[seen[0]:]:
                 if event.kind not in QUIET_KINDS:
                     view.note(_describe(event.to_dict()))
@@ -55,12 +59,14 @@ def cmd_run(opts: argparse.Namespace) -> int:
             where = f"; token in {token_file}" if token_file else ""
             view.note(f"API on {url} (goodput status|drill {spec.name}; GOODPUT_URL={url}{where})")
 
-        # Ray's own messages (a raylet's death notice, for one) print to sys.stdout from its threads;
-        # stdout is kept for the final result alone, so while the run lasts they go to stderr.
-        with contextlib.redirect_stdout(sys.stderr):
+        # Ray's own messages (a raylet's death notice with its state dump, for one) print to sys.stdout
+        # from its threads, and its processes write their own output: both go to the run's log
+        # directory. The terminal shows goodput's account of what happened; stdout keeps the result.
+        ray_log = out_dir / "ray-driver.log"
+        with open(ray_log, "a") as ray_out, contextlib.redirect_stdout(ray_out):
             try:
                 run = run_foreground(spec, on_tick=on_tick, api=api, api_any_port=opts.api is None, on_api=on_api,
-                                     token=token)
+                                     token=token, log_dir=str(out_dir))
             except ApiBindError as e:
                 raise CliError(f"{e.strerror}; give --api HOST:PORT with a free port (0 picks one) "
                                "or --api off") from None
@@ -68,6 +74,13 @@ def cmd_run(opts: argparse.Namespace) -> int:
         _emit_json(run)
     else:
         ProgressView.print_summary(_summary(run))
+    if opts.report != "off":
+        from controller.cli import report
+
+        path = report.plot(report.build(run, run["events"], run["history"]),
+                           Path(opts.report or out_dir / "timeline.png"))
+        print(f"goodput: timeline and goodput breakdown in {path} (goodput report {run['id']} while the API "
+              "serves the run)", file=sys.stderr if opts.json else sys.stdout)
     if run["state"] != "succeeded":
         error = run.get("error") or {}
         raise CliError(f"run {run['state']}: {error.get('message', 'see events')}")
@@ -115,6 +128,15 @@ def _describe(event: dict) -> str:
         return f"attempt {event['attempt']} started on {nodes} {src}"
     if kind == "checkpoint_committed":
         return f"checkpoint committed at step {d['step']} ({d['seconds']:.2f} s)"
+    if kind == "drill_injected":
+        target = f" on {d['target']}" if d.get("target") is not None else ""
+        return f"drill {d['drill']}{target} injected after step {d.get('step')}"
+    if kind == "failure_detected":
+        return f"failure detected: {d['cause']}: {d.get('message', '')}"
+    if kind == "decision":
+        return f"decision: {d['action']}: {d.get('reason', '')}"
+    if kind == "first_step_after_recovery":
+        return f"recovered: first step of attempt {event['attempt']} is step {d['step']}"
     if kind == "checkpoint_staged":
         return f"checkpoint of step {d['step']} staged (training blocked {d['blocked_s']:.3f} s)"
     if kind == "restored":
@@ -380,15 +402,20 @@ def cmd_list(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _all_events(client: Any, run: str) -> list[dict]:
+    events: list[dict] = []
+    after = -1
+    while True:
+        page = client.call("GET", f"/v1/runs/{run}/events", params={"after": after})
+        events.extend(page)
+        if len(page) < 1000:
+            return events
+        after = page[-1]["seq"]
+
+
 def cmd_events(opts: argparse.Namespace) -> int:
-    events, after = [], -1
     with _api() as client:
-        while True:
-            page = client.call("GET", f"/v1/runs/{opts.run}/events", params={"after": after})
-            events.extend(page)
-            if len(page) < 1000:
-                break
-            after = page[-1]["seq"]
+        events = _all_events(client, opts.run)
     if opts.json:
         _emit_json(events)
         return 0
@@ -448,6 +475,29 @@ def _table(header: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
+def cmd_report(opts: argparse.Namespace) -> int:
+    from controller.cli import report
+
+    with _api() as client:
+        run = client.call("GET", f"/v1/runs/{opts.run}")
+        events = _all_events(client, opts.run)
+        history: list[dict] = []
+        while True:
+            page = client.call("GET", f"/v1/runs/{opts.run}/history",
+                               params={"after": history[-1]["step"] if history else -1})
+            history.extend(page)
+            if len(page) < 10000:
+                break
+    data = report.build(run, events, history)
+    path = report.plot(data, Path(opts.out or f"{opts.run}-timeline.png"))
+    if opts.json:
+        _emit_json({**{k: v for k, v in data.items() if k not in ("events", "history")}, "png": str(path)})
+    else:
+        print(report.table(data))
+        print(f"\ntimeline: {path}")
+    return 0
+
+
 def cmd_dashboards_push(opts: argparse.Namespace) -> int:
     from controller.cli.dashboards import DEFAULT_DIR, PushError, push
 
@@ -476,6 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--api", metavar="HOST:PORT",
                      help=f"serve the REST API here while the run lasts, for goodput drill/status (default "
                           f"{DEFAULT_API}, or a free port if that one is taken); off: none")
+    run.add_argument("--out-dir", help="the run's logs and report (default goodput-out/NAME)")
+    run.add_argument("--report", metavar="PNG", help="write the timeline plot here at the end (default "
+                                                    "OUT_DIR/timeline.png); off: none")
     run.set_defaults(func=cmd_run)
     plan = sub.add_parser("plan", help="show mesh, rank -> node map and memory per GPU without running")
     plan.add_argument("spec")
@@ -541,6 +594,11 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--steps", type=int, help="train to this many steps in all")
     resume.add_argument("--json", action="store_true")
     resume.set_defaults(func=cmd_resume)
+    rep = sub.add_parser("report", help="goodput/badput breakdown of a run and its timeline plot (PNG)")
+    rep.add_argument("run")
+    rep.add_argument("--out", help="where the PNG goes (default RUN-timeline.png)")
+    rep.add_argument("--json", action="store_true")
+    rep.set_defaults(func=cmd_report)
     boards = sub.add_parser("dashboards", help="Grafana dashboards (dashboards/grafana)")
     boards_sub = boards.add_subparsers(dest="action", required=True)
     push = boards_sub.add_parser("push", help="upload the dashboards into Grafana's goodput folder")

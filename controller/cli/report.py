@@ -67,7 +67,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     for attempt in sorted({h["attempt"] for h in steps}):
         own = [h for h in steps if h["attempt"] == attempt]
         top.plot([h["end"] - t0 for h in own], [h["loss"] for h in own], marker=".", markersize=3, linewidth=1.2,
-                 label=f"loss, attempt {attempt}")
+                 label=f"loss (kept steps), attempt {attempt}")
     for f in report["failures"]:
         top.axvspan(f["onset"] - t0, f["detected_at"] - t0, color=COLORS["failure_detection"], alpha=0.25, lw=0)
         if f["recovered_at"] is not None:
@@ -97,7 +97,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     top.set_xlabel("seconds since submission")
     top.set_ylabel("training loss")
     top.grid(alpha=0.3)
-    top.legend(loc="upper right", fontsize=8, ncol=2)
+    top.legend(loc="lower left", fontsize=8, ncol=2, framealpha=0.9)
 
     left = 0.0
     for row in report["breakdown"]:

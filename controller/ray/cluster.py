@@ -55,9 +55,12 @@ class _RayClusterBase:
 class LocalRayCluster(_RayClusterBase):
     """An embedded multi-raylet Ray cluster shaped like `cluster.local`."""
 
-    def __init__(self, local: LocalClusterSpec, *, fast_failure_detection: bool = True) -> None:
+    def __init__(self, local: LocalClusterSpec, *, fast_failure_detection: bool = True,
+                 log_dir: str | None = None) -> None:
         self.local = local
         self.fast_failure_detection = fast_failure_detection
+        self.log_dir = log_dir
+        """Where the raylets' and GCS's own output goes (ray-processes.log); default: the cluster's temp dir."""
         self._cluster: Any = None
         self._nodes: dict[str, Any] = {}
         self._tmp: str | None = None
@@ -110,7 +113,7 @@ class LocalRayCluster(_RayClusterBase):
         sys.stdout.flush()
         sys.stderr.flush()
         saved = os.dup(1), os.dup(2)
-        with open(os.path.join(self._tmp, "raylets.log"), "ab") as log:
+        with open(self.processes_log, "ab") as log:
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
         try:
@@ -122,6 +125,14 @@ class LocalRayCluster(_RayClusterBase):
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
+
+    @property
+    def processes_log(self) -> str:
+        assert self._tmp is not None or self.log_dir is not None
+        if self.log_dir is not None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            return os.path.join(self.log_dir, "ray-processes.log")
+        return os.path.join(self._tmp or "", "raylets.log")
 
     def kill_node(self, name: str) -> None:
         """SIGKILL the node's raylet (and with it its workers)."""

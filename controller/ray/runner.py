@@ -53,10 +53,10 @@ def spec_view(topology: Topology, spec: RunSpec) -> Topology:
     return Topology(tuple(replace(n, state=ours[n.name]) for n in topology.nodes if n.name in ours))
 
 
-def make_cluster(spec: RunSpec) -> LocalRayCluster | RemoteRayCluster:
+def make_cluster(spec: RunSpec, *, log_dir: str | None = None) -> LocalRayCluster | RemoteRayCluster:
     if spec.cluster.address:
         return RemoteRayCluster(spec.cluster.address)
-    return LocalRayCluster(spec.cluster.local or LocalClusterSpec())
+    return LocalRayCluster(spec.cluster.local or LocalClusterSpec(), log_dir=log_dir)
 
 
 def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick: Tick | None = None,
@@ -134,15 +134,16 @@ def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluste
 
 def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None, api: tuple[str, int] | None = None,
                    api_any_port: bool = False, on_api: Callable[[str], None] | None = None,
-                   token: str | None = None) -> dict[str, Any]:
+                   token: str | None = None, log_dir: str | None = None) -> dict[str, Any]:
     """Start the cluster, run, stop the cluster; the final Run object. The run is the one run of a
     service that takes no submissions; with `api` (host, port) its REST API serves the run while it
-    lasts (its URL goes to `on_api`); `api_any_port`: if that port is taken, a free one."""
+    lasts (its URL goes to `on_api`); `api_any_port`: if that port is taken, a free one; `log_dir`:
+    where an embedded cluster's processes write their own output."""
     from controller.service.app import create_app, serve
     from controller.service.registry import Registry
 
     preflight(spec)
-    cluster = make_cluster(spec)
+    cluster = make_cluster(spec, log_dir=log_dir)
     cluster.start()
     server = None
     registry = Registry("sqlite://")

@@ -62,7 +62,9 @@ def serve_forever(opts: ServeOptions) -> int:
     else:
         cluster = LocalRayCluster(LocalClusterSpec(nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node,
                                                    racks=opts.racks, spares=opts.spares,
-                                                   gpu_memory_gb=opts.gpu_memory_gb))
+                                                   gpu_memory_gb=opts.gpu_memory_gb),
+                                  log_dir=os.path.join(state, "logs"))
+        log(f"the embedded Ray cluster's own logs: {cluster.processes_log}")
     if not opts.address:
         reap_leftovers(state)
     stop = threading.Event()

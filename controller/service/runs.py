@@ -17,6 +17,7 @@ committed is lost: checkpoints are in the object store, the timeline in the data
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -314,7 +315,7 @@ class Service:
             try:
                 self.schedule()
             except Exception as e:  # noqa: BLE001 - a scheduling error must not stop the service
-                print(f"goodput serve: scheduler: {type(e).__name__}: {e}", flush=True)
+                print(f"goodput serve: scheduler: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             self._stop.wait(self.poll_s)
 
     def schedule(self) -> None:
@@ -404,7 +405,8 @@ class Service:
             try:
                 self._save(live)
             except Exception as e:  # noqa: BLE001 - the run goes on; its stored view is one step older
-                print(f"goodput: run {run_id}: saving its state failed: {type(e).__name__}: {e}", flush=True)
+                print(f"goodput: run {run_id}: saving its state failed: {type(e).__name__}: {e}", file=sys.stderr,
+                      flush=True)
         return state
 
     def _close(self, live: LiveRun) -> None:
@@ -530,7 +532,7 @@ class Service:
             if not attach(attempt):
                 return False
         except Exception as e:  # noqa: BLE001 - not attachable: the caller resumes from a checkpoint
-            print(f"goodput: run {c.run_id}: cannot re-attach ({type(e).__name__}: {e})", flush=True)
+            print(f"goodput: run {c.run_id}: cannot re-attach ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
             return False
         c.adopt(now, attempt)
         c.confine(set(placement.nodes_used()) | set(placement.spares))

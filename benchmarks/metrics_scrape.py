@@ -1,0 +1,164 @@
+"""What observability costs the controller.
+
+1. Scrape: a Service with 4 runs of 64 ranks each (dp8 x tp8 on 8-GPU nodes, fake worker groups that
+   report every rank's step, straggler scoring on), each `--steps` steps into its run, plus a failure
+   and checkpoint commits. Time of one `/metrics` exposition (the collector and prometheus-client's
+   text format, as Prometheus would fetch it), the first (folds the whole history) and the following
+   ones (only what is new); side by side, the same for an idle service with no run. Its share of a
+   15 s scrape interval is what a scrape costs the service.
+2. Controller CPU per 1,000 step reports: the same runs driven poll by poll (controller step plus the
+   registry save a driver does; a step per 0.2 s poll), CPU seconds per 1,000 rank reports, without
+   and with a scrape every 15 simulated seconds, measured in alternating blocks; their ratio is what
+   being scraped adds.
+
+    python benchmarks/metrics_scrape.py [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+
+from controller.service.metrics import ServiceCollector  # noqa: E402
+from controller.service.registry import Registry  # noqa: E402
+from controller.service.runs import Service  # noqa: E402
+from controller.spec import parse_spec  # noqa: E402
+from controller.state import RunState  # noqa: E402
+from tests.unit.fakes import FakeCluster, FakeWorkerGroup, ManualClock  # noqa: E402
+from trainer.report import StepReport  # noqa: E402
+
+RANKS, RUNS, NODES_PER_RUN = 64, 4, 8
+
+
+class Clock(ManualClock):
+    pass
+
+
+class MeshGroup(FakeWorkerGroup):
+    """Reports one step of every rank per poll (rank 63, a last-stage rank, carries the loss)."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.next_step = 1
+
+    def start(self, attempt):  # type: ignore[no-untyped-def]
+        super().start(attempt)
+        self.next_step = attempt.start_step + 1
+
+    def poll(self):  # type: ignore[no-untyped-def]
+        result = super().poll()
+        step = self.next_step
+        for rank in range(RANKS):
+            result.reports.append(StepReport(
+                rank=rank, attempt=self.started[-1].attempt, step=step, cursor=step * 64,
+                loss=5.0 / step if rank == RANKS - 1 else None, step_time_s=POLL_S, data_s=0.001,
+                compute_s=0.15 + 0.001 * (rank % 7), wait_s=0.04, tokens_per_s=5e5, end_time=self.clock()))
+        if step % 20 == 0:
+            result.events.append((0, "checkpoint_staged", {"step": step, "blocked_s": 0.3}))
+            result.events.append((0, "checkpoint_committed", {"step": step, "uri": "file:///x", "bytes": 10**9,
+                                                             "seconds": 4.0, "removed": []}))
+        self.next_step += 1
+        return result
+
+
+def make_service(runs: int) -> tuple[Service, Clock, dict[str, MeshGroup]]:
+    clock = Clock(1000.0)
+    groups: dict[str, MeshGroup] = {}
+    spares = max(runs, 1)
+    nodes = max(runs, 1) * NODES_PER_RUN + spares  # one spare each (an idle service: one run's worth)
+    raw = {"name": "bench", "model": {"n_layers": 4, "d_model": 256, "n_heads": 8, "vocab_size": 1024, "seq_len": 128},
+           "train": {"steps": 10**6, "global_batch": 64, "micro_batch": 8, "lr": 1e-3, "seed": 0},
+           "parallelism": {"dp": 8, "tp": 8, "pp": 1},
+           "cluster": {"local": {"nodes": nodes, "gpus_per_node": 8, "racks": 4, "spares": spares}},
+           "checkpoint": {"uri": "file:///tmp/goodput-bench-unused", "every_steps": 20}}
+    spec = parse_spec(raw)
+
+    def group(spec_, run_id):  # type: ignore[no-untyped-def]
+        groups[run_id] = MeshGroup(clock)
+        return groups[run_id]
+
+    service = Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=group, clock=clock,
+                      threads=False, store_factory=lambda _: None)
+    for i in range(runs):
+        service.add(parse_spec({**raw, "name": f"run-{i}"}))
+    service.schedule()
+    return service, clock, groups
+
+
+POLL_S = 0.2
+"""The service's driver poll interval; the fake mesh finishes a step per poll."""
+
+
+def drive(service: Service, clock: Clock, polls: int) -> None:
+    for _ in range(polls):
+        clock.t += POLL_S
+        for run_id, controller, _ in service.live_controllers():
+            while controller.state not in (RunState.RUNNING,) and not controller.state.terminal:
+                service.advance(run_id, clock.t)
+            service.advance(run_id, clock.t)
+
+
+def scrape_s(registry: CollectorRegistry, repeat: int) -> tuple[float, float, int]:
+    """(first, median of the rest) seconds, and the bytes of one exposition."""
+    t = time.perf_counter()
+    body = generate_latest(registry)
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        generate_latest(registry)
+        times.append(time.perf_counter() - t)
+    return first, statistics.median(times), len(body)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    opts = parser.parse_args()
+
+    service, clock, groups = make_service(RUNS)
+    drive(service, clock, opts.steps)
+    groups["run-1"].lose_node(service.controller("run-1").placement.node_of_rank[5])  # type: ignore[union-attr]
+    drive(service, clock, 20)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServiceCollector(service))
+    first, steady, size = scrape_s(registry, 30)
+    idle_service, *_ = make_service(0)
+    idle = CollectorRegistry(auto_describe=False)
+    idle.register(ServiceCollector(idle_service))
+    _, idle_s, idle_size = scrape_s(idle, 30)
+    series = sum(1 for line in generate_latest(registry).decode().splitlines() if line and not line.startswith("#"))
+    print(f"scrape, {RUNS} runs x {RANKS} ranks at ~step {opts.steps}: first {first * 1e3:.1f} ms, then "
+          f"{steady * 1e3:.2f} ms median ({size / 1024:.0f} KiB, {series} samples); idle service "
+          f"{idle_s * 1e3:.2f} ms ({idle_size / 1024:.1f} KiB)")
+    print(f"  ratio to the idle service {steady / idle_s:.1f}x; share of a 15 s scrape interval "
+          f"{steady / 15:.2e}")
+
+    # Controller CPU per 1,000 rank reports, alternating blocks without and with scrapes (every 15 s).
+    collector_registry = registry
+    without, with_scrape = [], []
+    block = 150
+    for i in range(8):
+        scraping = i % 2 == 1
+        cpu = time.process_time()
+        for poll in range(block):
+            drive(service, clock, 1)
+            if scraping and poll % int(15 / POLL_S) == int(15 / POLL_S) - 1:
+                generate_latest(collector_registry)
+        spent = time.process_time() - cpu
+        (with_scrape if scraping else without).append(spent / (block * RUNS * RANKS) * 1000)
+    a, b = statistics.median(without), statistics.median(with_scrape)
+    print(f"controller CPU per 1,000 step reports (controller step + registry save): {a * 1e3:.1f} ms; with a "
+          f"scrape every 15 s: {b * 1e3:.1f} ms; ratio {b / a:.3f}")
+
+
+if __name__ == "__main__":
+    main()
