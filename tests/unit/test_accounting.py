@@ -86,3 +86,14 @@ def test_a_live_run_is_accounted_up_to_now_and_a_timeline_needs_its_start() -> N
     assert unrecovered.failures[0].recovered_at is None and unrecovered.failures[0].detection_s == 0.5
     with pytest.raises(ValueError, match="submitted"):
         account([ev(1.0, "attempt_started")], [], end=2.0)
+
+
+def test_a_restored_history_gives_the_accounting_its_kept_steps() -> None:
+    from controller.progress import RunProgress
+
+    progress = RunProgress()
+    progress.restore([{"step": 1, "loss": 2.0, "attempt": 0, "start": 1.0, "end": 2.0},
+                      {"step": 2, "loss": 1.5, "attempt": 0, "start": None, "end": None}])  # an old registry row
+    assert progress.spans == [StepSpan(1, 0, 1.0, 2.0)] and progress.step == 2
+    result = account([ev(0.0, "submitted"), ev(0.5, "attempt_started")], progress.spans, end=3.0)
+    check(result, wall=3.0, productive=1.0, queueing=0.5, startup=0.5, other=1.0)
