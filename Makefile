@@ -23,15 +23,19 @@ run: $(STAMP)
 	@if [ -d goodput-runs/tiny-gpt ]; then echo "make run: removing the last demo's checkpoints (goodput-runs/tiny-gpt)"; rm -rf goodput-runs/tiny-gpt; fi
 	$(VENV)/bin/goodput run examples/tiny-gpt.yaml
 
-# The observability tests run a real Prometheus and promtool: Debian's `prometheus` package. Without
-# root (or sudo) it cannot be installed, and those tests skip saying so.
+# System packages the tests use: a real Prometheus and promtool (Debian's `prometheus`) and kubectl
+# (renders deploy/ with its built-in kustomize). Without root (or sudo) they cannot be installed, and
+# the tests that need them skip saying so.
+DEB_TOOLS := prometheus:prometheus promtool:prometheus kubectl:kubectl
 test-deps:
-	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then exit 0; fi; \
+	@missing=""; for t in $(DEB_TOOLS); do command -v $${t%%:*} >/dev/null || missing="$$missing $${t##*:}"; done; \
+	missing=$$(echo $$missing | tr ' ' '\n' | sort -u | xargs); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO="sudo -n"; \
-	else echo "make: cannot install Debian's prometheus (not root, no sudo): its tests will skip"; exit 0; fi; \
-	echo "make: installing Debian's prometheus (server and promtool) for the tests"; \
+	else echo "make: cannot install$$missing (not root, no sudo): the tests that need them will skip"; exit 0; fi; \
+	echo "make: installing Debian's$$missing for the tests"; \
 	( $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
-	  --no-install-recommends prometheus >/dev/null ) || echo "make: installing prometheus failed: its tests will skip"
+	  --no-install-recommends $$missing >/dev/null ) || echo "make: installing$$missing failed: the tests that need them will skip"
 
 test: $(STAMP) test-deps
 	$(PY) -m mypy

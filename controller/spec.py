@@ -73,6 +73,8 @@ class LocalClusterSpec(_Strict):
 class ClusterSpec(_Strict):
     local: LocalClusterSpec | None = None
     address: str | None = None
+    # node -> rack, over what the cluster says (Ray's `rack` label, Kubernetes node labels)
+    racks: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("address")
     @classmethod

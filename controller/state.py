@@ -127,6 +127,7 @@ class RunError:
 
 def plan_run(spec: RunSpec, topology: Topology) -> tuple[MeshPlan, Placement]:
     """Plan and place a spec on a topology; SpecError says what does not fit, in numbers."""
+    topology = topology.with_racks(spec.cluster.racks)
     fixed = spec.fixed_mesh()
     if fixed is not None:
         spec.trainer_config(fixed)  # shape errors first: they say more than memory ones
@@ -153,7 +154,7 @@ class RunController:
                  topology_source: Callable[[], Topology] | None = None) -> None:
         self.spec = spec
         self.run_id = run_id or spec.name
-        self.topology = topology
+        self._topology = topology.with_racks(spec.cluster.racks)
         self.worker_group = worker_group
         self.checkpoint_store = checkpoint_store
         self.state = RunState.PENDING
@@ -197,6 +198,15 @@ class RunController:
             RunState.RUNNING: self._on_running,
             RunState.RECOVERING: self._on_recovering,
         }
+
+    @property
+    def topology(self) -> Topology:
+        """The nodes this run may use, with the spec's `cluster.racks` over the cluster's racks."""
+        return self._topology
+
+    @topology.setter
+    def topology(self, topology: Topology) -> None:
+        self._topology = topology.with_racks(self.spec.cluster.racks)
 
     # -- the machine -----------------------------------------------------------------------------
     def step(self, now: float) -> RunState:

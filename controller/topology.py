@@ -69,6 +69,12 @@ class Topology:
     def with_state(self, name: str, state: NodeState) -> "Topology":
         return Topology(tuple(replace(n, state=state) if n.name == name else n for n in self.nodes))
 
+    def with_racks(self, racks: "dict[str, str]") -> "Topology":
+        """These nodes' racks replaced (a run spec's `cluster.racks`); other nodes as they are."""
+        if not racks:
+            return self
+        return Topology(tuple(replace(n, rack=racks[n.name]) if n.name in racks else n for n in self.nodes))
+
     def node(self, name: str) -> Node:
         for n in self.nodes:
             if n.name == name:

@@ -113,7 +113,7 @@ def _api_token(host: str) -> tuple[str, Any]:
     return token, path
 
 
-QUIET_KINDS = frozenset({"checkpoint_staged"})
+QUIET_KINDS = frozenset({"checkpoint_staged", "restored"})
 """Events the live views leave out (`goodput events` shows every one)."""
 
 
@@ -340,6 +340,10 @@ def cmd_status(opts: argparse.Namespace) -> int:
           f"mesh dp{mesh.get('dp')} pp{mesh.get('pp')} tp{mesh.get('tp')}, ETTR {run['goodput']['ettr']:.2f}")
     if run.get("waiting_for"):
         print(f"  pending: {run['waiting_for']}")
+    goodput = run["goodput"]
+    lost = sorted(((k, v) for k, v in goodput["badput_seconds"].items() if v >= 0.05), key=lambda kv: -kv[1])
+    print(f"  goodput: {goodput['productive_seconds']:.1f} s productive of {goodput['wall_seconds']:.1f} s; badput: "
+          + (", ".join(f"{k} {v:.1f} s" for k, v in lost) or "none"))
     for d in run.get("drills", []):
         print(f"  {d['id']}: {d['kind']} {d['target']} at step {d['at_step']} -> {d['outcome']}")
     if run.get("error"):
@@ -455,7 +459,8 @@ def cmd_serve(opts: argparse.Namespace) -> int:
         return serve_forever(ServeOptions(
             host=opts.host, port=opts.port, state_dir=opts.state_dir or default_state_dir(), db=opts.db,
             address=opts.address, local_nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node, racks=opts.racks,
-            spares=opts.spares, gpu_memory_gb=opts.gpu_memory_gb))
+            spares=opts.spares, gpu_memory_gb=opts.gpu_memory_gb, kubernetes=opts.kubernetes,
+            rack_label=opts.rack_label, domain_label=opts.domain_label, advertise_host=opts.advertise_host))
     except AuthConfigError as e:
         raise CliError(str(e)) from None
     except OSError as e:
@@ -495,6 +500,47 @@ def cmd_report(opts: argparse.Namespace) -> int:
     else:
         print(report.table(data))
         print(f"\ntimeline: {path}")
+    return 0
+
+
+def cmd_nodes(opts: argparse.Namespace) -> int:
+    if opts.action == "release" and not opts.node:
+        raise CliError("give the node to release: goodput nodes release NODE")
+    with _api() as client:
+        if opts.action == "release":
+            released = client.call("POST", f"/v1/nodes/{opts.node}/release")
+            if opts.json:
+                _emit_json(released)
+            else:
+                print(f"{released['name']}: released (was {released['was']['state']}: {released['was']['reason']})")
+                if released.get("kubernetes"):
+                    print(f"  kubernetes: {released['kubernetes']}")
+            return 0
+        view = client.call("GET", "/v1/nodes")
+    if opts.json:
+        _emit_json(view)
+        return 0
+    _table(["node", "state", "rack", "gpus", "run", "reason"],
+           [[n["name"], n["state"], n["rack"] or "-", n["gpus"], n["run"] or "-", n["reason"] or ""]
+            for n in view["nodes"]])
+    print(f"{view['free_gpus']} of {view['gpus']} GPU(s) free")
+    return 0
+
+
+def cmd_k8s_node_labels(opts: argparse.Namespace) -> int:
+    from controller.k8s.labels import write_labels
+    from controller.k8s.nodes import KubeError
+
+    node = opts.node or os.environ.get("NODE_NAME")
+    if not node:
+        raise CliError("give --node (or NODE_NAME from the downward API's spec.nodeName)")
+    try:
+        labels = write_labels(node, Path(opts.out), rack_label=opts.rack_label, domain_label=opts.domain_label or None,
+                              spare=opts.spare or bool(opts.spare_group and os.environ.get("RAY_GROUP") == opts.spare_group),
+                              url=opts.api_url, token=os.environ.get("KUBE_TOKEN"))
+    except KubeError as e:
+        raise CliError(str(e)) from None
+    print(f"ray labels for {node}: {labels} -> {opts.out}")
     return 0
 
 
@@ -571,6 +617,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--racks", type=int, default=2, help="embedded cluster: racks")
     serve.add_argument("--spares", type=int, default=1, help="embedded cluster: hot-spare nodes")
     serve.add_argument("--gpu-memory-gb", type=float, default=80.0, help="embedded cluster: memory per GPU slot")
+    serve.add_argument("--advertise-host", default="127.0.0.1",
+                       help="this host's address as the training ranks reach it (their rendezvous store); on "
+                            "Kubernetes the controller pod's IP")
+    serve.add_argument("--kubernetes", choices=["auto", "on", "off"], default="auto",
+                       help="quarantine cordons and taints the Kubernetes node, racks come from node labels "
+                            "(auto: when running in a pod with a service account)")
+    serve.add_argument("--rack-label", default="topology.kubernetes.io/zone",
+                       help="Kubernetes node label that names a node's rack")
+    serve.add_argument("--domain-label", default="nvidia.com/gpu.clique",
+                       help="Kubernetes node label of a multi-node NVLink domain; it groups before the rack label "
+                            "('' : none)")
     serve.set_defaults(func=cmd_serve)
     submit = sub.add_parser("submit", help="submit SPEC.yaml to the service")
     submit.add_argument("spec")
@@ -594,6 +651,22 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--steps", type=int, help="train to this many steps in all")
     resume.add_argument("--json", action="store_true")
     resume.set_defaults(func=cmd_resume)
+    nodes = sub.add_parser("nodes", help="the service's nodes and their states; release a quarantined one")
+    nodes.add_argument("action", nargs="?", choices=["list", "release"], default="list")
+    nodes.add_argument("node", nargs="?", help="with release: the node to release")
+    nodes.add_argument("--json", action="store_true")
+    nodes.set_defaults(func=cmd_nodes)
+    k8s_labels = sub.add_parser("k8s-node-labels", help="(a Ray worker pod's init container) write the Ray node "
+                                                        "labels of this pod's Kubernetes node for ray start --labels-file")
+    k8s_labels.add_argument("--node", help="Kubernetes node name (default $NODE_NAME)")
+    k8s_labels.add_argument("--out", required=True, help="YAML file to write")
+    k8s_labels.add_argument("--rack-label", default="topology.kubernetes.io/zone")
+    k8s_labels.add_argument("--domain-label", default="nvidia.com/gpu.clique")
+    k8s_labels.add_argument("--spare", action="store_true", help="this worker group holds hot spares")
+    k8s_labels.add_argument("--spare-group", help="hot spares when the pod's KubeRay group ($RAY_GROUP, the "
+                                                  "ray.io/group label) is this one")
+    k8s_labels.add_argument("--api-url", help="API server URL (default: the pod's service account)")
+    k8s_labels.set_defaults(func=cmd_k8s_node_labels)
     rep = sub.add_parser("report", help="goodput/badput breakdown of a run and its timeline plot (PNG)")
     rep.add_argument("run")
     rep.add_argument("--out", help="where the PNG goes (default RUN-timeline.png)")

@@ -114,8 +114,10 @@ def preflight(spec: RunSpec) -> None:
 
 def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluster, *,
                 view: Callable[[Topology], Topology] | None = None, accept_submissions: bool = True,
-                poll_s: float = 0.2) -> "Service":
-    """A service whose runs train on `cluster` with Ray worker groups (goodput serve, goodput run)."""
+                poll_s: float = 0.2, node_actions: Any = None, store_host: str = "127.0.0.1") -> "Service":
+    """A service whose runs train on `cluster` with Ray worker groups (goodput serve, goodput run).
+    `store_host`: the address of this process the ranks reach for their rendezvous store (on
+    Kubernetes, the controller pod's IP)."""
     from controller.ray.drills import RayDrillInjector
     from controller.ray.workers import RayWorkerGroup
     from controller.service.runs import Service
@@ -123,13 +125,13 @@ def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluste
     def group(spec: RunSpec, run_id: str) -> RayWorkerGroup:
         # A long-lived service names its runs' actors so that they outlive it and it can re-attach.
         return RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s,
-                              name=run_id if accept_submissions else None)
+                              name=run_id if accept_submissions else None, store_host=store_host)
 
     def injector(g: Any) -> RayDrillInjector:
         return RayDrillInjector(cluster, g)
 
     return Service(registry, cluster, group_factory=group, injector_factory=injector, store_factory=checkpoint_store,
-                   view=view, accept_submissions=accept_submissions, poll_s=poll_s)
+                   view=view, accept_submissions=accept_submissions, poll_s=poll_s, node_actions=node_actions)
 
 
 def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None, api: tuple[str, int] | None = None,

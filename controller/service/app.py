@@ -29,6 +29,8 @@ from controller.spec import RunSpec
 
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 DRILL_ID = r"^drill-[0-9a-f]{8}$"
+NODE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
+"""A Kubernetes node name (DNS subdomain) or a Ray node's `node` label."""
 
 
 class ApiBindError(OSError):
@@ -171,6 +173,17 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     @app.get("/v1/drills/{drill_id}", dependencies=auth, responses=_errors(401, 404, 422))
     def get_drill(drill_id: str = Path(pattern=DRILL_ID, description="drill id")) -> dict[str, Any]:
         return service.drill(drill_id)
+
+    @app.get("/v1/nodes", dependencies=auth, responses=_errors(401))
+    def nodes() -> dict[str, Any]:
+        """Every node with its state for the service (healthy, spare, quarantined, lost) and the run on it."""
+        return service.nodes()
+
+    @app.post("/v1/nodes/{name}/release", dependencies=auth, responses=_errors(401, 404, 422))
+    def release_node(name: str = Path(pattern=NODE_NAME, description="node name")) -> dict[str, Any]:
+        """An operator's release of a quarantined node: new runs may use it again; on Kubernetes its
+        goodput taint goes, and its cordon if goodput made it."""
+        return service.release_node(name)
 
     @app.get("/v1/cluster", dependencies=auth, responses=_errors(401))
     def cluster() -> dict[str, Any]:

@@ -28,6 +28,12 @@ class ServeOptions:
     spares: int
     gpu_memory_gb: float
     poll_s: float = 0.2
+    kubernetes: str = "auto"
+    """auto: on when running in a pod with a service account; on; off."""
+    rack_label: str = "topology.kubernetes.io/zone"
+    domain_label: str = "nvidia.com/gpu.clique"
+    advertise_host: str = "127.0.0.1"
+    """This process's address as the ranks reach it (their rendezvous store)."""
 
 
 def log(message: str) -> None:
@@ -77,7 +83,19 @@ def serve_forever(opts: ServeOptions) -> int:
             record_processes(state)
         log(f"cluster {'at ' + opts.address if opts.address else 'embedded'}: "
             f"{sum(n.num_gpus for n in cluster.topology().nodes)} GPU slot(s)")
-        service = ray_service(registry, cluster, poll_s=opts.poll_s).start()
+        node_actions = None
+        if _kubernetes_enabled(opts.kubernetes):
+            from controller.k8s.cluster import KubeTopologyCluster
+            from controller.k8s.nodes import KubeNodes
+
+            kube = KubeNodes.from_service_account()
+            cluster = KubeTopologyCluster(cluster, kube, rack_label=opts.rack_label,  # type: ignore[assignment]
+                                          domain_label=opts.domain_label or None)
+            node_actions = kube
+            log(f"Kubernetes: a quarantine cordons and taints the node (goodput nodes release NODE undoes it); "
+                f"racks from node labels {opts.domain_label or '-'} / {opts.rack_label}")
+        service = ray_service(registry, cluster, poll_s=opts.poll_s, node_actions=node_actions,
+                              store_host=opts.advertise_host).start()
         carried = [r["id"] for r in service.runs() if r["state"] not in ("succeeded", "failed", "cancelled")]
         if carried:
             log(f"carrying on {len(carried)} unfinished run(s): {', '.join(carried)}")
@@ -94,6 +112,15 @@ def serve_forever(opts: ServeOptions) -> int:
         cluster.shutdown()
         (state / PIDS_FILE).unlink(missing_ok=True)
     return 0
+
+
+def _kubernetes_enabled(mode: str) -> bool:
+    from controller.k8s.nodes import in_cluster
+
+    if mode == "on" and not in_cluster():
+        raise SystemExit("goodput serve: --kubernetes on, but this is not a pod with a service account "
+                         "(no KUBERNETES_SERVICE_HOST or token); use --kubernetes off or auto")
+    return mode == "on" or (mode == "auto" and in_cluster())
 
 
 PIDS_FILE = "embedded-cluster.pids"

@@ -57,6 +57,14 @@ InjectorFactory = Callable[[WorkerGroup], DrillInjector | None]
 StoreFactory = Callable[[RunSpec], Any]
 
 
+class NodeActions(Protocol):
+    """What quarantine and release do outside goodput (Kubernetes: cordon and taint)."""
+
+    def quarantine(self, node: str, reason: str) -> Any: ...
+
+    def release(self, node: str) -> Any: ...
+
+
 @dataclass
 class LiveRun:
     controller: RunController
@@ -75,7 +83,8 @@ class Service:
     def __init__(self, registry: Registry, cluster: Cluster, *, group_factory: GroupFactory,
                  injector_factory: InjectorFactory | None = None, store_factory: StoreFactory | None = None,
                  clock: Callable[[], float] = time.time, poll_s: float = 0.2, accept_submissions: bool = True,
-                 view: Callable[[Topology], Topology] | None = None, threads: bool = True) -> None:
+                 view: Callable[[Topology], Topology] | None = None, threads: bool = True,
+                 node_actions: NodeActions | None = None) -> None:
         self.registry = registry
         self.cluster = cluster
         self.group_factory = group_factory
@@ -93,7 +102,12 @@ class Service:
         self._runs: dict[str, LiveRun] = {}
         self._stop = threading.Event()
         self._scheduler: threading.Thread | None = None
-        self._out_of_use: dict[str, dict[str, Any]] = {r["name"]: r for r in registry.node_rows()}
+        rows = registry.node_rows()
+        self._out_of_use: dict[str, dict[str, Any]] = {r["name"]: r for r in rows if r["state"] != "released"}
+        self._released: dict[str, float] = {r["name"]: r["time"] for r in rows if r["state"] == "released"}
+        """node -> when an operator released it (a quarantine from before then does not count again)."""
+        self.node_actions = node_actions
+        """Kubernetes' side of quarantine and release (controller.k8s.nodes), None outside a cluster."""
 
     # -- life -------------------------------------------------------------------------------------------
     def start(self) -> "Service":
@@ -445,15 +459,62 @@ class Service:
         return Topology(tuple(n for n in self.view(self.cluster.topology()).nodes if n.name in own))
 
     def _note_out_of_use(self, live: LiveRun) -> None:
-        """A node a run quarantined is out of use for every run, for good."""
+        """A node a run quarantined is out of use for every run until an operator releases it; on
+        Kubernetes it is also cordoned and tainted (not a lost node: its pod died, not the node)."""
         for q in live.controller.quarantined:
-            if q["node"] not in self._out_of_use:
+            if q["node"] not in self._out_of_use and q["time"] > self._released.get(q["node"], float("-inf")):
                 row = {"name": q["node"], "state": "quarantined", "reason": q["reason"],
                        "run_id": live.controller.run_id, "time": q["time"]}
                 with self.lock:
                     self._out_of_use[q["node"]] = row
                 self.registry.set_node(q["node"], state="quarantined", reason=q["reason"],
                                        run_id=live.controller.run_id, time=q["time"])
+                if self.node_actions is not None and q["reason"] != "lost":
+                    threading.Thread(target=self._cordon, args=(live, q["node"], str(q["reason"])),
+                                     name=f"goodput-cordon-{q['node']}", daemon=True).start()
+
+    def _cordon(self, live: LiveRun, node: str, reason: str) -> None:
+        """Cordon and taint the node through the node actions; the outcome joins the run's timeline."""
+        assert self.node_actions is not None
+        try:
+            outcome = self.node_actions.quarantine(node, reason)
+            kind, detail = "node_cordoned", {"node": node, "action": outcome.action, "detail": outcome.detail}
+        except Exception as e:  # noqa: BLE001 - the quarantine stands in goodput; say why Kubernetes did not follow
+            kind, detail = "node_cordon_failed", {"node": node, "error": f"{type(e).__name__}: {e}"}
+            print(f"goodput serve: could not cordon {node}: {e}", file=sys.stderr, flush=True)
+        with live.lock:
+            c = live.controller
+            c.events.add(self.clock(), max(c.attempt, 0), kind, **detail)
+        self._save(live)
+
+    def nodes(self) -> dict[str, Any]:
+        """The cluster view (every node, its state, the run on it); `goodput nodes`."""
+        return self.cluster_view()
+
+    def release_node(self, name: str) -> dict[str, Any]:
+        """An operator's explicit release of a quarantined node: usable by new runs again; on
+        Kubernetes its taint goes (and the cordon, if goodput made it). Runs that quarantined it keep
+        it out of their own topology."""
+        now = self.clock()
+        with self.lock:
+            row = self._out_of_use.pop(name, None)
+            if row is not None:  # every quarantine of it so far is answered by this release
+                self._released[name] = max([now] + [q["time"] for live in self._runs.values()
+                                                    for q in list(live.controller.quarantined) if q["node"] == name])
+                now = self._released[name]
+        if row is None:
+            raise ServiceError(404, "node_not_quarantined", f"node {name!r} is not quarantined on this service; "
+                                                            "`goodput nodes` lists the nodes and their states")
+        self.registry.set_node(name, state="released", reason=f"released by an operator (was: {row['reason']})",
+                               run_id=row.get("run_id"), time=now)
+        kubernetes = None
+        if self.node_actions is not None:
+            try:
+                kubernetes = self.node_actions.release(name).detail
+            except Exception as e:  # noqa: BLE001 - released in goodput; the operator must finish in Kubernetes
+                kubernetes = (f"not released in Kubernetes ({type(e).__name__}: {e}); remove the taint {name} "
+                              "goodput.dev/quarantined and uncordon it by hand")
+        return {"name": name, "state": "healthy", "was": row, "kubernetes": kubernetes}
 
     # -- persistence -----------------------------------------------------------------------------------
     def _save(self, live: LiveRun) -> None:
