@@ -7,7 +7,8 @@ category, so productive time plus the badput categories add up to wall time (to 
                         less their straggler excess
 - queueing              submitted -> first attempt started (pending, planning)
 - startup               first attempt started -> its first step began
-- checkpoint_stall      the training loop between a step and the next when a save began after it
+- checkpoint_stall      the training loop between a step and the next when a save began after it,
+                        and a succeeded run's wait for its final checkpoint
 - failure_detection     the failure (a drill's injection, else the attempt's last finished step) ->
                         `failure_detected`
 - restart_restore       `failure_detected` -> the next attempt's first step (new mesh, launch, load)
@@ -23,6 +24,7 @@ Events are dicts {time, attempt, kind, detail} (the REST form); spans come from 
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -117,6 +119,12 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         for before, after in zip(attempt_spans, attempt_spans[1:]):
             intervals.append((before.end, after.start, "checkpoint_stall" if before.step in saves else "other"))
 
+    succeeded = next((e["time"] for e in events if e["kind"] == "succeeded"), None)
+    if succeeded is not None and spans:
+        last = max(spans, key=lambda s: s.end)
+        if last.step in saves:  # the run's final save: it ends when the checkpoint is committed
+            intervals.append((last.end, succeeded, "checkpoint_stall"))
+
     started = {e["attempt"]: e["time"] for e in events if e["kind"] == "attempt_started"}
     first_attempt = min(started) if started else None
     if first_attempt is not None:
@@ -129,23 +137,35 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
 
     detected = [e for e in events if e["kind"] == "failure_detected"]
     failures: list[FailureTiming] = []
+    # Indexes so that each failure costs O(log n), not a scan (a 54-day run has ~400 of them).
+    ends_by_attempt = {a: [s.end for s in own] for a, own in by_attempt.items()}  # sorted by end above
+    starts = sorted(s.start for s in spans)
+    attempt_starts = sorted(started.values())
+    drills_by_attempt: dict[int, list[float]] = {}
+    for e in events:
+        if e["kind"] == "drill_injected":
+            drills_by_attempt.setdefault(e["attempt"], []).append(e["time"])
+    wait_times = sorted(e["time"] for e in events
+                        if e["kind"] == "decision" and e["detail"].get("action") == "wait")
     for failure in detected:
         attempt, t_detected = failure["attempt"], failure["time"]
-        own = by_attempt.get(attempt, [])
-        last_end = max((s.end for s in own if s.end <= t_detected), default=started.get(attempt, start))
-        drill = [e["time"] for e in events if e["kind"] == "drill_injected" and e["attempt"] == attempt
-                 and last_end <= e["time"] <= t_detected]
+        ends = ends_by_attempt.get(attempt, [])
+        i = bisect.bisect_right(ends, t_detected)
+        last_end = ends[i - 1] if i else started.get(attempt, start)
+        drill = [t for t in drills_by_attempt.get(attempt, []) if last_end <= t <= t_detected]
         onset = max(drill) if drill else last_end
         intervals.append((last_end, onset, "recomputation"))  # the step in flight, lost
         intervals.append((onset, t_detected, "failure_detection"))
-        later = sorted(t for a, t in started.items() if t >= t_detected)
-        next_start = later[0] if later else end
-        next_first_step = min((s.start for s in spans if s.start >= next_start), default=next_start)
-        recovered = next_first_step if later and any(s.start >= next_start for s in spans) else None
+        j = bisect.bisect_left(attempt_starts, t_detected)
+        later = j < len(attempt_starts)
+        next_start = attempt_starts[j] if later else end
+        k = bisect.bisect_left(starts, next_start)
+        next_first_step = starts[k] if k < len(starts) else next_start
+        recovered = next_first_step if later and k < len(starts) else None
         failures.append(FailureTiming(attempt, str(failure["detail"].get("cause", "unknown")), onset, t_detected,
                                       recovered))
-        waits = [e["time"] for e in events if e["kind"] == "decision" and e["detail"].get("action") == "wait"
-                 and t_detected <= e["time"] <= next_start]
+        w = bisect.bisect_left(wait_times, t_detected)
+        waits = wait_times[w:w + 1] if w < len(wait_times) and wait_times[w] <= next_start else []
         if waits:
             intervals.append((t_detected, waits[0], "restart_restore"))
             intervals.append((waits[0], next_start, "waiting_for_capacity"))
@@ -158,11 +178,18 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
     whole = _total(segments, start, end, sum(excess.values()))
     whole.failures = failures
     bounds = sorted((t, a) for a, t in started.items())
+    seg_ends = [y for _, y, _ in segments]  # segments are in time order and do not overlap
     for i, (t, attempt) in enumerate(bounds):
         a = start if i == 0 else max(t, start)
         b = bounds[i + 1][0] if i + 1 < len(bounds) else end
-        part = _total([(max(x, a), min(y, b), c) for x, y, c in segments if min(y, b) > max(x, a)], a, max(a, b),
-                      excess.get(attempt, 0.0))
+        first = bisect.bisect_right(seg_ends, a)
+        window = []
+        for x, y, c in segments[first:]:
+            if x >= b:
+                break
+            if min(y, b) > max(x, a):
+                window.append((max(x, a), min(y, b), c))
+        part = _total(window, a, max(a, b), excess.get(attempt, 0.0))
         part.attempt = attempt
         whole.attempts.append(part)
     return whole

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -20,7 +20,10 @@ class Event:
     """Kind-specific facts."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The REST form. The detail is shared, not copied (an attempt's placement lists every rank):
+        events are facts, never edited."""
+        return {"time": self.time, "run_id": self.run_id, "attempt": self.attempt, "kind": self.kind,
+                "detail": self.detail}
 
 
 class EventLog:

@@ -36,9 +36,12 @@ class Placement:
 
     def rows(self) -> Iterator[dict]:
         """{rank, dp, pp, tp, node, rack, gpu} per rank (the REST/CLI form)."""
+        inner, tp = self.mesh.pp * self.mesh.tp, self.mesh.tp
+        racks = self.rack_of_node
         for rank, (node, gpu) in enumerate(zip(self.node_of_rank, self.gpu_of_rank)):
-            yield {"rank": rank, **self.mesh.rank_coords(rank), "node": node,
-                   "rack": self.rack_of_node[node], "gpu": gpu}
+            rest = rank % inner  # as MeshShape.rank_coords, inline: an attempt of 16k ranks lists them all
+            yield {"rank": rank, "dp": rank // inner, "pp": rest // tp, "tp": rest % tp, "node": node,
+                   "rack": racks[node], "gpu": gpu}
 
     def nodes_used(self) -> list[str]:
         return sorted(set(self.node_of_rank))

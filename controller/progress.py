@@ -41,7 +41,8 @@ class RunProgress:
             # A second last-stage rank (another dp/tp coordinate) or a step redone after recovery.
             if self.history[-1]["step"] == report.step and self.history[-1]["attempt"] == report.attempt:
                 return False
-            self.history = [h for h in self.history if h["step"] < report.step]
+            while self.history and self.history[-1]["step"] >= report.step:  # kept steps are in order
+                self.history.pop()
         entry: dict = {"step": report.step, "loss": report.loss, "attempt": report.attempt}
         end = report.end_time or heard_at
         if end is not None:

@@ -70,9 +70,19 @@ class LocalClusterSpec(_Strict):
     gpu_memory_gb: float = Field(default=80.0, gt=0)
 
 
+class SimulatedClusterSpec(_Strict):
+    """`goodput simulate`: a cluster that exists only on a virtual clock."""
+    nodes: int = Field(gt=0, le=100_000)
+    gpus_per_node: int = Field(default=8, gt=0)
+    racks: int = Field(default=1, gt=0)
+    spares: int = Field(default=0, ge=0)
+    gpu_memory_gb: float = Field(default=80.0, gt=0)
+
+
 class ClusterSpec(_Strict):
     local: LocalClusterSpec | None = None
     address: str | None = None
+    simulated: SimulatedClusterSpec | None = None
     # node -> rack, over what the cluster says (Ray's `rack` label, Kubernetes node labels)
     racks: dict[str, str] = Field(default_factory=dict)
 
@@ -142,6 +152,39 @@ class DrillSpec(_Strict):
         return self
 
 
+class ComponentRates(_Strict):
+    """Unexpected interruptions per component, per 1,000 node-days, and hours to repair a node."""
+    gpu: float = Field(default=0.0, ge=0)
+    host: float = Field(default=0.0, ge=0)
+    network: float = Field(default=0.0, ge=0)
+    storage: float = Field(default=0.0, ge=0)
+    software: float = Field(default=0.0, ge=0)
+
+
+class FailureModelSpec(_Strict):
+    """`goodput simulate`'s failure model. Default: the Llama 3 405B report (controller.sim.model)."""
+    rates: ComponentRates | None = None
+    """Per 1,000 node-days; None: the Llama-3-like default."""
+    sdc_share: float = Field(default=6 / 252, ge=0, le=1)
+    """Of GPU interruptions, the share that is silent data corruption (caught by the probes)."""
+    straggler_share: float = Field(default=0.0, ge=0, le=1)
+    """Of GPU interruptions, the share that slows the node down instead of stopping it."""
+    straggler_factor: float = Field(default=1.5, gt=1)
+    repair_hours: ComponentRates = ComponentRates(gpu=24.0, host=8.0, network=0.0, storage=0.0, software=0.0)
+    """Hours until a failed node is back (0: it is not taken out)."""
+
+
+class CostModelSpec(_Strict):
+    """`goodput simulate`'s cost model: None takes the default (controller.sim.model.CostModel)."""
+    step_s: float | None = Field(default=None, gt=0)
+    checkpoint_stall_s: float | None = Field(default=None, ge=0)
+    checkpoint_save_s: float | None = Field(default=None, ge=0)
+    restore_s: float | None = Field(default=None, ge=0)
+    restart_s: float | None = Field(default=None, ge=0)
+    node_loss_detection_s: float | None = Field(default=None, ge=0)
+    gpu_tflops: float | None = Field(default=None, gt=0)
+
+
 class RunSpec(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     model: ModelSpec
@@ -153,6 +196,10 @@ class RunSpec(_Strict):
     health: HealthSpec = HealthSpec()
     elastic: ElasticSpec = ElasticSpec()
     drills: list[DrillSpec] = []
+    failures: FailureModelSpec | None = None
+    """`goodput simulate` only."""
+    cost: CostModelSpec = CostModelSpec()
+    """`goodput simulate` only."""
 
     def to_model_config(self) -> ModelConfig:
         return ModelConfig(**self.model.model_dump())

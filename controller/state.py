@@ -280,8 +280,9 @@ class RunController:
         self._attempt_started_at = now
         self._reset_attempt_tracking()
         mesh = self.config.mesh
+        inner, tp = mesh.pp * mesh.tp, mesh.tp  # a rank's pp coordinate (MeshShape.rank_coords), for every rank
         self.stragglers = StragglerTracker(
-            {r: mesh.rank_coords(r)["pp"] for r in range(mesh.world_size)},
+            {r: (r % inner) // tp for r in range(mesh.world_size)},
             StragglerConfig(ratio=self.spec.health.straggler_ratio))
         self._replace_stragglers = set()
 
@@ -331,7 +332,8 @@ class RunController:
             run_id=self.run_id, attempt=self.attempt, config=self.config, placement=self.placement,
             start_step=start_step, cursor=cursor, resume_step=resume_step,
             checkpoint_uri=self.checkpoint_store.uri if self.checkpoint_store else None,
-            checkpoint_every=every if isinstance(every, int) else 0, checkpoint_auto=every == "auto",
+            checkpoint_every=every if isinstance(every, int) else self._last_auto_interval(),
+            checkpoint_auto=every == "auto",
             checkpoint_keep=self.spec.checkpoint.keep, store_retry_budget_s=self.spec.checkpoint.retry_budget_s,
             mtbf_s=observed_mtbf_s(now - self.created_at, len(self.failures), mtbf_h * 3600 if mtbf_h else None),
         )
@@ -353,6 +355,12 @@ class RunController:
             self._finish(now, RunState.SUCCEEDED, "succeeded", step=start_step)
             return
         self.state = RunState.RUNNING
+
+    def _last_auto_interval(self) -> int:
+        """`auto`: the interval the last attempt chose, for the next one to start with (it measures the
+        save cost again at its first save); 0 before any was chosen."""
+        chosen = self.events.of_kind("checkpoint_interval")
+        return int(chosen[-1].detail.get("steps", 0)) if chosen else 0
 
     def _discard_after(self, now: float, step: int, *, reason: str | None = None) -> None:
         """Committed steps newer than `step` may hold corrupted state: make them invisible (manifest

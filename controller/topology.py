@@ -7,6 +7,7 @@ An NVLink domain is a node. Built from the spec's `cluster.local` or from a live
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, replace
 
 
@@ -76,12 +77,15 @@ class Topology:
         return Topology(tuple(replace(n, rack=racks[n.name]) if n.name in racks else n for n in self.nodes))
 
     def node(self, name: str) -> Node:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(name)
+        return self._by_name[name]
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Node]:
+        """name -> node, built once per topology (a policy looks up every node of a 2,000-node cluster)."""
+        return {n.name: n for n in self.nodes}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _natural(name: str) -> tuple:
     """node-10 after node-9."""
     head = name.rstrip("0123456789")

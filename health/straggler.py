@@ -85,30 +85,36 @@ class StragglerTracker:
     """Folds (rank, step, compute_s) samples of one attempt into scores; `evaluate` returns the
     verdicts that became true at the newest step every rank has reported."""
 
+    MAX_PENDING_STEPS = 256
+    """Steps kept waiting for their last ranks' samples; older ones are dropped unevaluated."""
+
     def __init__(self, stage_of_rank: dict[int, int], config: StragglerConfig) -> None:
         if not stage_of_rank:
             raise ValueError("a straggler tracker needs at least one rank")
         self.stage_of_rank = dict(stage_of_rank)
         self.config = config
-        self._ranks = {r: _Rank() for r in stage_of_rank}
+        self._ranks: dict[int, _Rank] = {}
+        """Per-rank state, made when a rank's first step is evaluated (an attempt may have 16k ranks)."""
         self._by_step: dict[int, dict[int, float]] = {}
         self._evaluated = 0
         self._first_step: int | None = None
         self.scores: dict[int, RankScore] = {}
 
     def add(self, rank: int, step: int, compute_s: float) -> None:
-        if rank not in self._ranks or step <= self._evaluated:
+        if rank not in self.stage_of_rank or step <= self._evaluated:
             return
         if self._first_step is None or step < self._first_step:
             self._first_step = step
         self._by_step.setdefault(step, {})[rank] = compute_s
+        if len(self._by_step) > self.MAX_PENDING_STEPS:  # a rank that never reports: forget the oldest
+            del self._by_step[next(iter(self._by_step))]  # steps arrive in order: the first is the oldest
 
     def evaluate(self) -> list[StragglerVerdict]:
         """Consume every step all ranks have reported, in order; new verdicts."""
         verdicts: list[StragglerVerdict] = []
         for step in sorted(self._by_step):
             samples = self._by_step[step]
-            if len(samples) < len(self._ranks):
+            if len(samples) < len(self.stage_of_rank):
                 break
             del self._by_step[step]
             self._evaluated = step
@@ -121,11 +127,11 @@ class StragglerTracker:
         if step - self._first_step < c.warmup_steps:
             return []
         for rank, value in samples.items():
-            state = self._ranks[rank]
+            state = self._ranks.setdefault(rank, _Rank())
             state.samples.append(value)
             if len(state.samples) > c.window + c.baseline_steps:
                 state.samples.popleft()
-        if any(len(s.samples) < c.window for s in self._ranks.values()):
+        if len(self._ranks) < len(self.stage_of_rank) or any(len(s.samples) < c.window for s in self._ranks.values()):
             return []
         values = {r: statistics.median(list(s.samples)[-c.window:]) for r, s in self._ranks.items()}
         relative: dict[int, float] = {}

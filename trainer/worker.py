@@ -144,7 +144,10 @@ class _Interval:
     FIRST_AUTO_STEP = 10
 
     def __init__(self, args: WorkerArgs) -> None:
-        self.every = args.checkpoint_every if not args.checkpoint_auto else self.FIRST_AUTO_STEP
+        # auto: the interval an earlier attempt chose (the controller passes it), else a first save at
+        # step 10; either way the first save's cost sets it again (the MTBF may have changed)
+        self.every = args.checkpoint_every if not args.checkpoint_auto else (args.checkpoint_every or
+                                                                              self.FIRST_AUTO_STEP)
         self.auto = args.checkpoint_auto
         self.mtbf_s = args.mtbf_s or DEFAULT_MTBF_S
         self.chosen = False

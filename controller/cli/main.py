@@ -544,6 +544,80 @@ def cmd_k8s_node_labels(opts: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(opts: argparse.Namespace) -> int:
+    import time
+
+    import yaml as _yaml
+
+    from controller.sim.run import parse_sweep, simulate, sweep
+    from controller.spec import parse_spec
+
+    try:
+        raw = _yaml.safe_load(Path(opts.spec).read_text())
+    except (OSError, _yaml.YAMLError) as e:
+        raise CliError(f"cannot read {opts.spec}: {e}") from None
+    started = time.perf_counter()
+    if opts.sweep:
+        rows = sweep(raw, [parse_sweep(s) for s in opts.sweep], days=opts.days, seed=opts.seed)
+    else:
+        rows = [simulate(parse_spec(raw), days=opts.days, seed=opts.seed)]
+    wall = time.perf_counter() - started
+    if opts.out and not opts.sweep:
+        from controller.cli import report
+
+        c = rows[0]["_controller"]
+        view = c.to_dict(rows[0]["simulated_seconds"])
+        view["goodput"] = rows[0]["goodput"]
+        report.plot(report.build(view, view["events"], view["history"]), Path(opts.out))
+    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    if opts.json:
+        _emit_json(public if opts.sweep else public[0])
+        return 0
+    if not opts.sweep:
+        _print_simulation(public[0])
+    else:
+        keys = list(public[0]["setting"])
+        _table(keys + ["ETTR", "interruptions", "MTTR s", "ckpt every", "largest badput"],
+               [[str(r["setting"][k]) for k in keys]
+                + [f"{r['ettr']:.4f}", sum(r["failures_by_cause"].values()),
+                   "-" if r["mttr_s"] is None else f"{r['mttr_s']:.0f}", _every(r["checkpoint_every"]),
+                   _largest(r["goodput"]["badput_seconds"], r["goodput"]["wall_seconds"])] for r in public])
+    print(f"\n{len(rows)} simulation(s) in {wall:.1f} s" + (f"; timeline: {opts.out}" if opts.out and not opts.sweep
+                                                             else ""))
+    return 0
+
+
+def _every(value: Any) -> str:
+    if isinstance(value, dict):
+        return "auto " + ",".join(str(v) for v in value.get("auto", [])[:3])
+    return str(value)
+
+
+def _largest(badput: dict, wall: float) -> str:
+    name, seconds = max(badput.items(), key=lambda kv: kv[1])
+    return f"{name} {seconds / wall:.2%}" if wall else "-"
+
+
+def _print_simulation(r: dict) -> None:
+    g = r["goodput"]
+    print(f"{r['run']}: {r['state']} after {r['simulated_seconds'] / 86400:.2f} simulated days, step "
+          f"{r['steps']}/{r['total_steps']}, {r['gpus']} GPUs (mesh dp{r['mesh']['dp']} pp{r['mesh']['pp']} "
+          f"tp{r['mesh']['tp']}), {r['spares']} spare node(s), {r['attempts']} attempt(s)")
+    print(f"ETTR {r['ettr']:.4f}; model MTBF {r['mtbf_hours']:.2f} h; checkpoint every {_every(r['checkpoint_every'])}"
+          f" step(s); MTTR {'-' if r['mttr_s'] is None else format(r['mttr_s'], '.1f') + ' s'}")
+    print("cost model: " + ", ".join(f"{k} {v:.3g}" for k, v in r["cost_model"].items()))
+    print()
+    _table(["category", "seconds", "share"],
+           [["productive", f"{g['productive_seconds']:.0f}", f"{g['ettr']:.2%}"]]
+           + [[k, f"{v:.0f}", f"{v / g['wall_seconds']:.2%}" if g["wall_seconds"] else "-"]
+              for k, v in g["badput_seconds"].items()])
+    print()
+    print("incidents: " + (", ".join(f"{k} {v}" for k, v in sorted(r["incidents_by_component"].items())) or "none")
+          + f"; interrupting the run: {sum(r['interruptions_by_component'].values())}")
+    print("failures by cause: " + (", ".join(f"{k} {v}" for k, v in sorted(r["failures_by_cause"].items())) or "none"))
+    print("decisions: " + (", ".join(f"{k} {v}" for k, v in sorted(r["decisions"].items())) or "none"))
+
+
 def cmd_dashboards_push(opts: argparse.Namespace) -> int:
     from controller.cli.dashboards import DEFAULT_DIR, PushError, push
 
@@ -667,6 +741,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "ray.io/group label) is this one")
     k8s_labels.add_argument("--api-url", help="API server URL (default: the pod's service account)")
     k8s_labels.set_defaults(func=cmd_k8s_node_labels)
+    simulate = sub.add_parser("simulate", help="the real controller on a virtual clock: a long run at scale "
+                                               "through a failure model (cluster.simulated, failures:, cost:)")
+    simulate.add_argument("spec")
+    simulate.add_argument("--days", type=float, help="simulated days (default 54)")
+    simulate.add_argument("--seed", type=int, default=0)
+    simulate.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
+                          help="simulate each value of a spec key (dotted), e.g. checkpoint.every_steps=50,100,auto; "
+                               "several --sweep: every combination")
+    simulate.add_argument("--out", metavar="PNG", help="draw the run's timeline (not with --sweep)")
+    simulate.add_argument("--json", action="store_true")
+    simulate.set_defaults(func=cmd_simulate)
     rep = sub.add_parser("report", help="goodput/badput breakdown of a run and its timeline plot (PNG)")
     rep.add_argument("run")
     rep.add_argument("--out", help="where the PNG goes (default RUN-timeline.png)")

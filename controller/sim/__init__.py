@@ -1,0 +1,1 @@
+"""The simulated edge: the real controller on a virtual clock (`goodput simulate`)."""

@@ -1,0 +1,304 @@
+"""The simulated edge: a cluster, a worker group and an object store that exist on a virtual clock,
+for the real RunController to drive (controller.sim.run). Pure: no ray, torch or boto3.
+
+The worker group behaves as the Ray one does, seen from the controller: a launch costs the cost
+model's restart (plus its restore when resuming), then steps end every `step_s`; a save blocks the
+loop for the staging stall and commits a real manifest `checkpoint_save_s` later (retention as the
+trainer applies it); the interval is every N steps or, for `auto`, the Young/Daly interval from the
+first save's stall, with the MTBF the controller passes (checkpointing.policy, the trainer's rule).
+An incident stops the group at its time and shows up in a poll as what the Ray edge would report,
+after the latency it would take: a lost node (GPU or host) as a dead node after the detection
+latency; a network fault as collective errors after the collective timeout (unless the
+controller's hang verdict comes first); a software or storage fault as a worker error; silent data
+corruption as the probes' `sdc_suspect` at the next step; a straggler as slower steps (its
+detection needs every rank's samples, which the simulator does not produce: it is not detected).
+
+Reports come from one rank of the last pipeline stage (the one carrying the loss), one per step:
+the controller's progress and accounting need no more, and 16,384 ranks' reports per step would
+make a 54-day simulation take days.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from checkpointing.manifest import MANIFEST, apply_retention, step_prefix
+from checkpointing.policy import DEFAULT_MTBF_S, interval_steps
+from checkpointing.store import AlreadyExists, ObjectInfo
+from controller.sim.model import CostModel, Incident
+from controller.state import AttemptSpec, GroupStatus, PollResult
+from controller.topology import Topology
+from trainer.report import StepReport
+
+FIRST_AUTO_STEP = 10
+"""As the trainer: an `auto` interval saves at step 10 first, then follows Young/Daly."""
+CHUNK_STEPS = 2000
+HANG_POLL_S = 5.0
+"""How often a stopped group is polled (as the service polls a live one: its silence is evidence)."""
+"""At most this many steps per poll (the controller absorbs them as one batch of reports)."""
+
+
+class VirtualClock:
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class MemoryStore:
+    """An ObjectStore in memory, with the virtual clock's mtimes."""
+
+    def __init__(self, clock: Callable[[], float], uri: str = "sim://checkpoints") -> None:
+        self.uri = uri
+        self.clock = clock
+        self._objects: dict[str, tuple[bytes, float]] = {}
+
+    def put_file(self, key: str, path: Path) -> None:
+        self.put_bytes(key, path.read_bytes())
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if if_absent and key in self._objects:
+            raise AlreadyExists(key)
+        self._objects[key] = (bytes(data), self.clock())
+
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        data = self._objects[key][0]
+        return data[start or 0:end]
+
+    def download(self, key: str, path: Path) -> None:
+        path.write_bytes(self._objects[key][0])
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        return [ObjectInfo(key=k, size=len(v[0]), mtime=v[1]) for k, v in sorted(self._objects.items())
+                if k.startswith(prefix)]
+
+    def delete_prefix(self, prefix: str) -> None:
+        for key in [k for k in self._objects if k.startswith(prefix)]:
+            del self._objects[key]
+
+    def local_path(self, key: str) -> Path | None:
+        return None
+
+
+class SimCluster:
+    """The cluster's nodes (`cluster.simulated`); a node under repair is missing from its topology."""
+
+    def __init__(self, topology: Topology, clock: Callable[[], float]) -> None:
+        self.full = topology
+        self.clock = clock
+        self.down_until: dict[str, float] = {}
+
+    def topology(self) -> Topology:
+        now = self.clock()
+        return Topology(tuple(n for n in self.full.nodes if self.down_until.get(n.name, -math.inf) <= now))
+
+    def take_down(self, node: str, until: float) -> None:
+        self.down_until[node] = max(self.down_until.get(node, -math.inf), until)
+
+    def next_repair(self, after: float) -> float | None:
+        later = [t for t in self.down_until.values() if t > after]
+        return min(later) if later else None
+
+
+@dataclass
+class _Signal:
+    at: float
+    dead_nodes: set[str] = field(default_factory=set)
+    dead_ranks: set[int] = field(default_factory=set)
+    on_live_nodes: set[int] = field(default_factory=set)
+    errors: dict[int, str] = field(default_factory=dict)
+    events: list[tuple[int, str, dict]] = field(default_factory=list)
+
+
+class SimWorkerGroup:
+    def __init__(self, clock: Callable[[], float], cost: CostModel, store: MemoryStore, *, total_steps: int,
+                 slow_nodes: Callable[[float], dict[str, float]] | None = None) -> None:
+        self.clock = clock
+        self.cost = cost
+        self.store = store
+        self.total_steps = total_steps
+        self.slow_nodes = slow_nodes or (lambda t: {})
+        self.attempt: AttemptSpec | None = None
+        self.running = False
+        self.started = 0
+        self.wake_at_step: int | None = None
+        """Poll right after this step (the driver sets it to the next drill's step)."""
+        self.full_world: int | None = None
+        """World size of the first attempt: a smaller mesh keeps the global batch, so its steps are longer."""
+
+    # -- the WorkerGroup protocol ------------------------------------------------------------------------
+    def start(self, attempt: AttemptSpec) -> None:
+        now = self.clock()
+        self.attempt = attempt
+        self.running = True
+        self.started += 1
+        self.step = attempt.start_step
+        self.next_start = now + self.cost.restart_s + (self.cost.restore_s if attempt.resume_step is not None else 0.0)
+        self.stop_at: float | None = None
+        self.signals: list[_Signal] = []
+        self.commits: list[tuple[float, int]] = []
+        self.every = attempt.checkpoint_every if not attempt.checkpoint_auto else (attempt.checkpoint_every or
+                                                                                   FIRST_AUTO_STEP)
+        self.chosen = not attempt.checkpoint_auto
+        self.nodes = set(attempt.placement.node_of_rank)
+        self.loss_rank = attempt.config.mesh.world_size - 1
+        self.full_world = self.full_world or attempt.config.mesh.world_size
+        self.pending_events: list[tuple[int, str, dict]] = []
+        self._held: list[StepReport] = []
+        """Steps that ended before an incident struck, for the next poll."""
+
+    def poll(self) -> PollResult:
+        now = self.clock()
+        result = PollResult(GroupStatus.RUNNING)
+        if not self.running or self.attempt is None:
+            return result
+        self._steps(now, result)
+        for due, step in [c for c in self.commits if c[0] <= now]:
+            self.commits.remove((due, step))
+            if self.stop_at is None or due <= self.stop_at:
+                self._commit(due, step, result)
+        result.events.extend(self.pending_events)
+        self.pending_events = []
+        for signal in [s for s in self.signals if s.at <= now]:
+            self.signals.remove(signal)
+            result.status = GroupStatus.FAILED if (signal.dead_nodes or signal.dead_ranks or signal.errors) \
+                else result.status
+            result.dead_nodes |= signal.dead_nodes
+            result.dead_ranks |= signal.dead_ranks
+            result.on_live_nodes |= signal.on_live_nodes
+            result.errors.update(signal.errors)
+            result.events.extend(signal.events)
+        if self.step >= self.total_steps and not self.commits and self.stop_at is None:
+            result.status = GroupStatus.FINISHED
+        return result
+
+    def shutdown(self) -> None:
+        self.running = False
+
+    # -- what the simulation does to it --------------------------------------------------------------------
+    def strike(self, incident: Incident, *, rank: int | None = None) -> bool:
+        """An incident at its time (a drill names its rank); True when it interrupts this attempt."""
+        if not self.running or self.attempt is None or self.stop_at is not None:
+            return False
+        t = incident.time
+        kind = incident.component
+        ranks_on = [r for r, n in enumerate(self.attempt.placement.node_of_rank) if n == incident.node]
+        if rank is not None:
+            ranks_on = [rank]
+        if kind in ("gpu", "host", "sdc", "straggler", "rank", "hang") and not ranks_on:
+            return False
+        if kind in ("straggler", "storage-outage"):
+            return False  # slower steps from now on (slow_nodes); nothing stops
+        self._steps(t, None)  # the steps that finished before it
+        if kind == "rank":  # its actor sees it die at once; the node is alive
+            self.stop_at = t
+            self.signals.append(_Signal(at=t, dead_ranks={ranks_on[0]}, on_live_nodes={ranks_on[0]}))
+            return True
+        if kind == "hang":  # nothing is reported: the controller's hang verdict has to find it
+            self.stop_at = t
+            return True
+        if kind in ("gpu", "host"):
+            self.stop_at = t
+            self.signals.append(_Signal(at=t + self.cost.node_loss_detection_s, dead_nodes={incident.node}))
+        elif kind == "network":
+            self.stop_at = t
+            world = self.attempt.config.mesh.world_size
+            errors = {r: "NCCL watchdog: collective operation timed out (simulated network fault)"
+                      for r in range(min(world, 8))}
+            self.signals.append(_Signal(at=t + self.cost.collective_timeout_s, errors=errors))
+        elif kind in ("software", "storage"):
+            self.stop_at = t
+            rank = ranks_on[0] if ranks_on else 0
+            what = "OSError: [Errno 5] Input/output error" if kind == "storage" else "RuntimeError: simulated bug"
+            self.signals.append(_Signal(at=t, errors={rank: what}))
+        elif kind == "sdc":
+            # The probes compare before the next update: caught at the end of the step in flight.
+            clean = self.step
+            caught = max(t, self.next_start) + self.cost.step_s
+            self.stop_at = caught
+            self.signals.append(_Signal(at=caught, events=[(ranks_on[0], "sdc_suspect", {
+                "ranks": [ranks_on[0]], "step": clean + 1, "clean_through_step": clean, "check": "anomaly",
+                "evidence": {"simulated": True}})]))
+        return True
+
+    def next_wake(self, now: float) -> float:
+        """When a poll next has something to say."""
+        times = [s.at for s in self.signals] + [c[0] for c in self.commits]
+        if self.running and self.stop_at is None and self.step < self.total_steps:
+            chunk = min(CHUNK_STEPS, self.total_steps - self.step)
+            if self.wake_at_step is not None and self.wake_at_step > self.step:
+                chunk = min(chunk, self.wake_at_step - self.step)  # a drill waits for this step
+            times.append(self.next_start + chunk * self.cost.step_s)
+        if self.running and self.stop_at is not None:
+            times.append(now + HANG_POLL_S)  # stopped: the controller's own hang verdict may come first
+        return max(min(times), now + 1e-6) if times else math.inf
+
+    # -- internals --------------------------------------------------------------------------------------
+    def _steps(self, until: float, result: PollResult | None) -> None:
+        assert self.attempt is not None
+        a = self.attempt
+        limit = until if self.stop_at is None else min(until, self.stop_at)
+        slow = self.slow_nodes(self.next_start)
+        factor = max([slow[n] for n in self.nodes if n in slow], default=1.0)
+        step_s = self.cost.step_s * factor * (self.full_world or a.config.mesh.world_size) / a.config.mesh.world_size
+        tokens = a.config.train.global_batch * a.config.model.seq_len
+        while self.step < self.total_steps:
+            end = self.next_start + step_s
+            if end > limit:
+                break
+            self.step += 1
+            report = StepReport(rank=self.loss_rank, attempt=a.attempt, step=self.step,
+                                cursor=self.step * a.config.train.global_batch,
+                                loss=2.0 + 8.0 / math.sqrt(self.step), step_time_s=step_s, data_s=0.0,
+                                compute_s=step_s * 0.9, wait_s=step_s * 0.1, tokens_per_s=tokens / step_s,
+                                end_time=end)
+            if result is not None:
+                result.reports.append(report)
+            else:
+                self._held.append(report)
+            self.next_start = end
+            if a.checkpoint_uri is not None and (self.step == self.total_steps or self.step % self.every == 0):
+                self.next_start += self.cost.checkpoint_stall_s
+                self.commits.append((end + self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, self.step))
+                self.pending_events.append((0, "checkpoint_staged", {"step": self.step,
+                                                                     "blocked_s": self.cost.checkpoint_stall_s}))
+                if not self.chosen:
+                    self.chosen = True
+                    self.every = interval_steps(self.cost.checkpoint_stall_s, a.mtbf_s or DEFAULT_MTBF_S, step_s)
+                    self.pending_events.append((0, "checkpoint_interval", {
+                        "steps": self.every, "save_cost_s": self.cost.checkpoint_stall_s,
+                        "mtbf_s": a.mtbf_s or DEFAULT_MTBF_S, "step_time_s": step_s, "rule": "young_daly"}))
+        if result is not None and self._held:
+            result.reports[:0] = self._held
+            self._held = []
+
+    def _commit(self, at: float, step: int, result: PollResult) -> None:
+        assert self.attempt is not None
+        a = self.attempt
+        mesh = a.config.mesh
+        # The manifest as checkpointing.manifest.commit writes it (the simulated shards have no files),
+        # built directly: a 54-day run commits ~100,000 times.
+        manifest = {"run_id": a.run_id, "step": step, "attempt": a.attempt,
+                    "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, "world_size": mesh.world_size,
+                    "cursor": step * a.config.train.global_batch, "seeds": {}, "files": {}, "created_at": at}
+        try:
+            self.store.put_bytes(f"{step_prefix(a.run_id, step)}/{MANIFEST}", json.dumps(manifest).encode(),
+                                 if_absent=True)
+        except AlreadyExists:  # already committed by an earlier attempt: nothing new
+            return
+        removed = apply_retention(self.store, a.run_id, a.checkpoint_keep)
+        result.events.append((0, "checkpoint_committed", {
+            "step": step, "uri": f"{self.store.uri}/{step_prefix(a.run_id, step)}", "bytes": 0,
+            "seconds": self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, "removed": removed}))
+
+
+def spare_topology(sim: Any) -> Topology:
+    """`cluster.simulated` as a Topology (the last `spares` nodes are hot spares)."""
+    return Topology.from_local(nodes=sim.nodes, gpus_per_node=sim.gpus_per_node, racks=sim.racks, spares=sim.spares,
+                               gpu_memory_gb=sim.gpu_memory_gb)
+
