@@ -249,8 +249,12 @@ def _straggler_excess(events: Sequence[dict[str, Any]], kept: set[StepSpan],
     """In each attempt, kept steps after its first straggler verdict cost what they took above the
     attempt's median step before the verdict."""
     excess: dict[int, float] = {}
+    flagged_by_attempt: dict[int, list[int]] = {}
+    for e in events:
+        if e["kind"] == "straggler":
+            flagged_by_attempt.setdefault(e["attempt"], []).append(e["detail"].get("step", 0))
     for attempt, own in by_attempt.items():
-        flagged = [e["detail"].get("step", 0) for e in events if e["kind"] == "straggler" and e["attempt"] == attempt]
+        flagged = flagged_by_attempt.get(attempt)
         if not flagged:
             continue
         since = min(flagged)

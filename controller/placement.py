@@ -11,6 +11,8 @@ The result is columnar (one tuple per attribute, indexed by rank) so that 100k r
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -35,19 +37,29 @@ class Placement:
     """Nodes held back for replacement."""
 
     def rows(self) -> Iterator[dict]:
-        """{rank, dp, pp, tp, node, rack, gpu} per rank (the REST/CLI form)."""
-        inner, tp = self.mesh.pp * self.mesh.tp, self.mesh.tp
-        racks = self.rack_of_node
-        for rank, (node, gpu) in enumerate(zip(self.node_of_rank, self.gpu_of_rank)):
-            rest = rank % inner  # as MeshShape.rank_coords, inline: an attempt of 16k ranks lists them all
-            yield {"rank": rank, "dp": rank // inner, "pp": rest // tp, "tp": rest % tp, "node": node,
-                   "rack": racks[node], "gpu": gpu}
+        """{rank, dp, pp, tp, node, rack, gpu} per rank (the REST/CLI form). The same placement gives the
+        same (shared, not to be edited) rows: a 16k-rank run restarted on its nodes lists them once."""
+        return iter(_rows(self.mesh, self.node_of_rank, self.gpu_of_rank,
+                          tuple(sorted(self.rack_of_node.items()))))
 
     def nodes_used(self) -> list[str]:
         return sorted(set(self.node_of_rank))
 
     def ranks_on(self, node: str) -> list[int]:
         return [r for r, n in enumerate(self.node_of_rank) if n == node]
+
+
+@functools.lru_cache(maxsize=8)
+def _rows(mesh: MeshShape, node_of_rank: tuple[str, ...], gpu_of_rank: tuple[int, ...],
+          rack_items: tuple[tuple[str, str], ...]) -> tuple[dict, ...]:
+    inner, tp = mesh.pp * mesh.tp, mesh.tp
+    racks = dict(rack_items)
+    out = []
+    for rank, (node, gpu) in enumerate(zip(node_of_rank, gpu_of_rank)):
+        rest = rank % inner  # as MeshShape.rank_coords, inline
+        out.append({"rank": rank, "dp": rank // inner, "pp": rest // tp, "tp": rest % tp, "node": node,
+                    "rack": racks[node], "gpu": gpu})
+    return tuple(out)
 
 
 def _tp_slots(node: Node, tp: int) -> list[tuple[str, int]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 from checkpointing.manifest import MANIFEST, committed_steps, latest_verified, step_prefix
@@ -171,6 +171,11 @@ class RunController:
         self._cancel_requested = False
         self.injector = injector
         self._event_dicts: list[dict[str, Any]] = []
+        self._auto_interval = 0
+        """The checkpoint interval the last attempt chose under `every_steps: auto`."""
+        self._grow_checked: frozenset[str] | None = None
+        self._grow_inputs: tuple[Topology, Topology] | None = None
+        """The usable nodes the last grow check saw (the same nodes cannot hold a bigger mesh now)."""
         self._goodput_cache: tuple[float, int, dict[str, Any]] | None = None
         self.topology_source = topology_source
         self.drills = DrillSchedule([DrillRequest(id=spec_drill_id(self.run_id, i), kind=d.kind, at_step=d.at_step,
@@ -359,8 +364,7 @@ class RunController:
     def _last_auto_interval(self) -> int:
         """`auto`: the interval the last attempt chose, for the next one to start with (it measures the
         save cost again at its first save); 0 before any was chosen."""
-        chosen = self.events.of_kind("checkpoint_interval")
-        return int(chosen[-1].detail.get("steps", 0)) if chosen else 0
+        return self._auto_interval
 
     def _discard_after(self, now: float, step: int, *, reason: str | None = None) -> None:
         """Committed steps newer than `step` may hold corrupted state: make them invisible (manifest
@@ -412,6 +416,8 @@ class RunController:
         suspect = next((detail for _, kind, detail in result.events if kind == "sdc_suspect"), None)
         for rank, kind, detail in result.events:
             self.events.add(now, self.attempt, kind, rank=rank, **detail)
+            if kind == "checkpoint_interval":
+                self._auto_interval = int(detail.get("steps", 0))
             if (suspect is None and kind == "checkpoint_committed"
                     and (self._maybe_replace_stragglers(now) or self._maybe_grow(now))):
                 return
@@ -564,7 +570,16 @@ class RunController:
         spec_mesh = self.spec.fixed_mesh() or self.config.mesh
         if self.config.mesh.dp >= spec_mesh.dp:
             return False
-        merged = _merge_returned(self.topology, self.topology_source())
+        live = self.topology_source()
+        last = self._grow_inputs
+        if last is not None and last[0] is self.topology and last[1] is live:  # the same objects: same answer
+            return False
+        self._grow_inputs = (self.topology, live)
+        merged = _merge_returned(self.topology, live)
+        usable = merged.names_in(NodeState.HEALTHY) | merged.names_in(NodeState.SPARE)
+        if usable == self._grow_checked:  # no node came back since the last check: nothing to grow into
+            return False
+        self._grow_checked = usable
         target = grow_target(self.config.mesh, spec_mesh, merged, self.spec.train.global_batch,
                              self.spec.train.micro_batch)
         if target is None:
@@ -649,8 +664,9 @@ class RunController:
             self._event_dicts = []
         self._event_dicts.extend(e.to_dict() for e in self.events.since(len(self._event_dicts)))
         events = self._event_dicts
-        saves = [e["detail"]["step"] for e in events
-                 if e["kind"] in ("checkpoint_committed", "checkpoint_failed") and "step" in e["detail"]]
+        saves = [e["detail"]["step"] for e in events  # a save whose commit a failure cut off stalled too
+                 if e["kind"] in ("checkpoint_staged", "checkpoint_committed", "checkpoint_failed")
+                 and "step" in e["detail"]]
         result = account(events, self.progress.spans, end=end, save_steps=saves).to_dict()
         self._goodput_cache = (end, len(self.events), result)
         return result
@@ -698,9 +714,7 @@ def spec_drill_id(run_id: str, index: int) -> str:
 def _merge_returned(ours: Topology, live: Topology) -> Topology:
     """Nodes we marked lost that the cluster shows alive again become healthy; nodes unknown to us
     are ignored (a later issue may adopt them)."""
-    alive = {n.name for n in live.nodes}
-    merged = ours
-    for node in ours.nodes:
-        if node.state is NodeState.LOST and node.name in alive:
-            merged = merged.with_state(node.name, NodeState.HEALTHY)
-    return merged
+    back = ours.names_in(NodeState.LOST) & live.names
+    if not back:
+        return ours
+    return Topology(tuple(replace(n, state=NodeState.HEALTHY) if n.name in back else n for n in ours.nodes))

@@ -80,6 +80,21 @@ class Topology:
         return self._by_name[name]
 
     @functools.cached_property
+    def names(self) -> frozenset[str]:
+        return frozenset(n.name for n in self.nodes)
+
+    def names_in(self, state: NodeState) -> frozenset[str]:
+        """Names of the nodes in `state` (computed once per topology)."""
+        return self._by_state.get(state, frozenset())
+
+    @functools.cached_property
+    def _by_state(self) -> dict[NodeState, frozenset[str]]:
+        groups: dict[NodeState, set[str]] = {}
+        for n in self.nodes:
+            groups.setdefault(n.state, set()).add(n.name)
+        return {state: frozenset(names) for state, names in groups.items()}
+
+    @functools.cached_property
     def _by_name(self) -> dict[str, Node]:
         """name -> node, built once per topology (a policy looks up every node of a 2,000-node cluster)."""
         return {n.name: n for n in self.nodes}

@@ -14,6 +14,10 @@ COLORS = {"productive": "#2e7d32", "queueing": "#90a4ae", "startup": "#607d8b", 
           "straggler_slowdown": "#7b1fa2", "waiting_for_capacity": "#1565c0", "other": "#bdbdbd"}
 
 
+MAX_DETAILED = 8
+"""Above this many attempts (or failures) the plot stops labelling each one."""
+
+
 def build(run: dict[str, Any], events: list[dict[str, Any]], history: list[dict[str, Any]]) -> dict[str, Any]:
     """The report's data: the accounting of the Run object, plus the timeline a plot needs."""
     goodput = run["goodput"]
@@ -64,10 +68,16 @@ def plot(report: dict[str, Any], out: Path) -> Path:
                  f"{report['attempts']} attempt(s), ETTR {report['ettr']:.2f}", fontsize=13)
 
     steps = [h for h in report["history"] if h.get("end") is not None and h.get("loss") is not None]
-    for attempt in sorted({h["attempt"] for h in steps}):
-        own = [h for h in steps if h["attempt"] == attempt]
-        top.plot([h["end"] - t0 for h in own], [h["loss"] for h in own], marker=".", markersize=3, linewidth=1.2,
-                 label=f"loss (kept steps), attempt {attempt}")
+    attempts = sorted({h["attempt"] for h in steps})
+    if len(attempts) <= MAX_DETAILED:
+        for attempt in attempts:
+            own = [h for h in steps if h["attempt"] == attempt]
+            top.plot([h["end"] - t0 for h in own], [h["loss"] for h in own], marker=".", markersize=3,
+                     linewidth=1.2, label=f"loss (kept steps), attempt {attempt}")
+    else:  # a long run: one line, thinned to what the figure can show
+        stride = max(1, len(steps) // 4000)
+        top.plot([h["end"] - t0 for h in steps[::stride]], [h["loss"] for h in steps[::stride]], linewidth=1.0,
+                 label=f"loss (kept steps), {len(attempts)} attempts")
     for f in report["failures"]:
         top.axvspan(f["onset"] - t0, f["detected_at"] - t0, color=COLORS["failure_detection"], alpha=0.25, lw=0)
         if f["recovered_at"] is not None:
@@ -77,20 +87,21 @@ def plot(report: dict[str, Any], out: Path) -> Path:
              "first_step_after_recovery": ("#2e7d32", "-", "recovered (first step)"),
              "quarantined": ("#7b1fa2", ":", "node quarantined")}
     labelled: set[str] = set()
+    detailed = len(report["failures"]) <= MAX_DETAILED
     for e in report["events"]:
         if e["kind"] in marks:
             color, style, label = marks[e["kind"]]
             top.axvline(e["time"] - t0, color=color, linestyle=style, linewidth=1.4,
                         label=None if label in labelled else label)
             labelled.add(label)
-            if e["kind"] == "drill_injected":
+            if e["kind"] == "drill_injected" and detailed:
                 top.annotate(e["detail"].get("drill", "drill"), (e["time"] - t0, 1.0), xycoords=("data", "axes fraction"),
                              xytext=(3, -12), textcoords="offset points", fontsize=8, color=color)
-            if e["kind"] == "failure_detected":
+            if e["kind"] == "failure_detected" and detailed:
                 top.annotate(e["detail"].get("cause", ""), (e["time"] - t0, 1.0), xycoords=("data", "axes fraction"),
                              xytext=(3, -24), textcoords="offset points", fontsize=8, color=color)
     commits = [e["time"] - t0 for e in report["events"] if e["kind"] == "checkpoint_committed"]
-    if commits:
+    if commits and len(commits) <= 200:
         top.plot(commits, [0.0] * len(commits), linestyle="none", marker="^", color="#455a64", markersize=7,
                  transform=top.get_xaxis_transform(), clip_on=False, label="checkpoint committed")
     top.set_xlim(0, max(report["wall_seconds"], 1e-3))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from checkpointing.manifest import MANIFEST, apply_retention, step_prefix
+from checkpointing.manifest import MANIFEST, step_prefix
 from checkpointing.policy import DEFAULT_MTBF_S, interval_steps
 from checkpointing.store import AlreadyExists, ObjectInfo
 from controller.sim.model import CostModel, Incident
@@ -77,6 +77,9 @@ class MemoryStore:
         return [ObjectInfo(key=k, size=len(v[0]), mtime=v[1]) for k, v in sorted(self._objects.items())
                 if k.startswith(prefix)]
 
+    def has(self, key: str) -> bool:
+        return key in self._objects
+
     def delete_prefix(self, prefix: str) -> None:
         for key in [k for k in self._objects if k.startswith(prefix)]:
             del self._objects[key]
@@ -92,10 +95,16 @@ class SimCluster:
         self.full = topology
         self.clock = clock
         self.down_until: dict[str, float] = {}
+        self._down: frozenset[str] = frozenset()
+        self._topology = topology
 
     def topology(self) -> Topology:
         now = self.clock()
-        return Topology(tuple(n for n in self.full.nodes if self.down_until.get(n.name, -math.inf) <= now))
+        down = frozenset(n for n, t in self.down_until.items() if t > now)
+        if down != self._down:  # one Topology per set of nodes under repair (the controller asks often)
+            self._down = down
+            self._topology = Topology(tuple(n for n in self.full.nodes if n.name not in down))
+        return self._topology
 
     def take_down(self, node: str, until: float) -> None:
         self.down_until[node] = max(self.down_until.get(node, -math.inf), until)
@@ -126,6 +135,8 @@ class SimWorkerGroup:
         self.attempt: AttemptSpec | None = None
         self.running = False
         self.started = 0
+        self._kept: list[int] = []
+        """Committed steps still in the store, oldest first."""
         self.wake_at_step: int | None = None
         """Poll right after this step (the driver sets it to the next drill's step)."""
         self.full_world: int | None = None
@@ -233,19 +244,31 @@ class SimWorkerGroup:
             chunk = min(CHUNK_STEPS, self.total_steps - self.step)
             if self.wake_at_step is not None and self.wake_at_step > self.step:
                 chunk = min(chunk, self.wake_at_step - self.step)  # a drill waits for this step
-            times.append(self.next_start + chunk * self.cost.step_s)
+            if self.attempt is not None and self.attempt.checkpoint_uri is not None:
+                # the next save's commit: the controller acts on commits (growing back, replacing stragglers)
+                save = min((self.step // self.every + 1) * self.every, self.total_steps)
+                times.append(self.next_start + (save - self.step) * self._step_s(self.next_start)
+                             + self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s)
+            times.append(self.next_start + chunk * self._step_s(self.next_start))
         if self.running and self.stop_at is not None:
             times.append(now + HANG_POLL_S)  # stopped: the controller's own hang verdict may come first
         return max(min(times), now + 1e-6) if times else math.inf
 
     # -- internals --------------------------------------------------------------------------------------
+    def _step_s(self, at: float) -> float:
+        """A step's time now: the cost model's, longer on a shrunk mesh (same global batch on fewer GPUs)
+        and on a straggling node's mesh."""
+        assert self.attempt is not None
+        world = self.attempt.config.mesh.world_size
+        slow = self.slow_nodes(at)
+        factor = max([f for n, f in slow.items() if n in self.nodes], default=1.0)
+        return self.cost.step_s * factor * (self.full_world or world) / world
+
     def _steps(self, until: float, result: PollResult | None) -> None:
         assert self.attempt is not None
         a = self.attempt
         limit = until if self.stop_at is None else min(until, self.stop_at)
-        slow = self.slow_nodes(self.next_start)
-        factor = max([slow[n] for n in self.nodes if n in slow], default=1.0)
-        step_s = self.cost.step_s * factor * (self.full_world or a.config.mesh.world_size) / a.config.mesh.world_size
+        step_s = self._step_s(self.next_start)
         tokens = a.config.train.global_batch * a.config.model.seq_len
         while self.step < self.total_steps:
             end = self.next_start + step_s
@@ -291,7 +314,14 @@ class SimWorkerGroup:
                                  if_absent=True)
         except AlreadyExists:  # already committed by an earlier attempt: nothing new
             return
-        removed = apply_retention(self.store, a.run_id, a.checkpoint_keep)
+        # Retention as the trainer applies it (apply_retention), kept in a list: no partial step ever exists here.
+        self._kept = sorted({s for s in self._kept if self.store.has(f"{step_prefix(a.run_id, s)}/{MANIFEST}")}
+                            | {step})  # the controller may have discarded some (an SDC rollback)
+        removed = []
+        while len(self._kept) > a.checkpoint_keep:
+            old = self._kept.pop(0)
+            self.store.delete_prefix(step_prefix(a.run_id, old) + "/")
+            removed.append(old)
         result.events.append((0, "checkpoint_committed", {
             "step": step, "uri": f"{self.store.uri}/{step_prefix(a.run_id, step)}", "bytes": 0,
             "seconds": self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, "removed": removed}))

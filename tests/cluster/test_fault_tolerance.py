@@ -65,6 +65,44 @@ def check_cursor_accounting(root: Path, run_id: str) -> None:
         assert read_manifest(store, run_id, step).cursor == step * GLOBAL_BATCH
 
 
+def simulator_agrees(spec_: RunSpec, real: RunController) -> None:
+    """`goodput simulate` of the same spec and the same scripted failure, with the cost model set to
+    what this real run measured (step time, save stall, detection, restart), takes the same
+    decisions, loses the same steps and puts its badput in the same categories."""
+    import statistics
+
+    from controller.sim.run import simulate
+
+    g = real.goodput(real.finished_at or 0.0)
+    (failure,) = g["failures"]
+    events = [e.to_dict() for e in real.events]
+    stalls = [e["detail"]["blocked_s"] for e in events if e["kind"] == "checkpoint_staged"]
+    raw = spec_.model_dump(mode="json")
+    local = raw["cluster"].pop("local")
+    raw["cluster"] = {"simulated": local}
+    raw["failures"] = {"rates": {"gpu": 0, "host": 0, "network": 0, "storage": 0, "software": 0}}
+    raw["cost"] = {"step_s": statistics.median(real.progress.step_times), "restart_s": failure["recovery_seconds"],
+                   "restore_s": 0.0, "node_loss_detection_s": failure["detection_seconds"],
+                   "checkpoint_stall_s": statistics.mean(stalls), "checkpoint_save_s": 0.5}
+    sim = simulate(parse_spec(raw), days=1)
+    assert sim["state"] == "succeeded" and sim["steps"] == real.progress.step
+    real_decisions = [e["detail"]["action"] for e in events if e["kind"] == "decision"]
+    assert sim["decisions"] == {a: real_decisions.count(a) for a in real_decisions}
+    assert sim["failures_by_cause"] == {"node_lost": 1} and sim["attempts"] == max(real.attempt, 0) + 1
+    (real_drill,) = real.to_dict(0)["drills"]
+    (sim_drill,) = sim["_controller"].to_dict(0)["drills"]
+    assert sim_drill["steps_lost"] == real_drill["steps_lost"] and sim_drill["decision"] == real_drill["decision"]
+    categories = ("failure_detection", "restart_restore", "recomputation")
+    assert [g["badput_seconds"][k] > 0 for k in categories] == [sim["goodput"]["badput_seconds"][k] > 0
+                                                                 for k in categories]
+    # The simulator loses exactly the drill's steps since the commit; the real run also loses what its
+    # ranks computed between that step and the poll that injected the drill (0.2 s polls), so its
+    # recomputation is at least the simulator's.
+    assert sim["goodput"]["badput_seconds"]["recomputation"] == pytest.approx(
+        real_drill["steps_lost"] * raw["cost"]["step_s"])
+    assert g["badput_seconds"]["recomputation"] >= sim["goodput"]["badput_seconds"]["recomputation"] * 0.8
+
+
 def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
     faulty = spec("spare", tmp_path, nodes=5, spares=1, drills=[{"kind": "kill-node", "at_step": 6}])
     try:
@@ -82,6 +120,7 @@ def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayClust
     assert "node-4" in {r["node"] for r in attempts[1].detail["placement"]}
     assert attempts[1].detail["start_step"] == 4
     check_cursor_accounting(tmp_path, "spare")
+    simulator_agrees(faulty, c)
 
     straight = drive(spec("straight", tmp_path, nodes=5, spares=1, drills=[]), ray_cluster)
     assert straight.state is RunState.SUCCEEDED

@@ -113,3 +113,31 @@ def test_bad_sweeps_and_specs_say_what_to_fix() -> None:
     raw["cluster"] = {"local": {"nodes": 3}}
     with pytest.raises(SpecError, match="cluster.simulated"):
         simulate(parse_spec(raw))
+
+
+def test_the_cli_prints_the_breakdown_sweeps_and_draws(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import yaml
+
+    from controller.cli.main import main
+
+    path = tmp_path / "spec.yaml"
+    raw = copy.deepcopy(TINY)
+    raw["drills"] = [{"kind": "kill-node", "at_step": 25}]
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "timeline.png"
+    with pytest.raises(SystemExit) as done:
+        main(["simulate", str(path), "--days", "1", "--out", str(out)])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "sim: succeeded" in text and "recomputation" in text and "decisions: replace 1" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        main(["simulate", str(path), "--days", "1", "--json", "--sweep", "cluster.simulated.spares=0,1"])
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["setting"] for r in rows] == [{"cluster.simulated.spares": 0}, {"cluster.simulated.spares": 1}]
+    assert [r["decisions"] for r in rows] == [{"shrink": 1}, {"replace": 1}]
+    with pytest.raises(SystemExit) as bad:
+        main(["simulate", str(path), "--sweep", "nonsense"])
+    assert bad.value.code == 2 and "KEY=V1,V2" in capsys.readouterr().err
