@@ -248,6 +248,8 @@ class RunController:
         count against max_failures) and the drills it still has to inject."""
         self.events.restore(events)
         self.progress.restore(history)
+        intervals = [e["detail"].get("steps", 0) for e in events if e["kind"] == "checkpoint_interval"]
+        self._auto_interval = int(intervals[-1]) if intervals else 0
         self.attempt = max((e["attempt"] for e in events if e["kind"] == "attempt_started"), default=-1)
         self.quarantined = [{"node": e["detail"]["node"], "reason": e["detail"].get("reason"),
                              "evidence": e["detail"].get("evidence") or {}, "time": e["time"]}

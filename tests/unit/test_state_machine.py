@@ -270,3 +270,20 @@ def test_below_min_dp_waits_for_capacity_then_launches_or_fails() -> None:
             assert decision["action"] == "grow" and decision["mesh"] == {"dp": 2, "pp": 2, "tp": 2}
         else:
             assert c.error is not None and c.error.code == "no_capacity" and "after 60 s" in c.error.message
+
+
+def test_auto_checkpointing_starts_the_next_attempt_at_the_interval_the_last_one_chose() -> None:
+    raw = copy.deepcopy(BASE)
+    raw["checkpoint"] = {**raw["checkpoint"], "every_steps": "auto"}
+    c, g = controller(raw)
+    start_running(c)
+    assert (g.started[-1].checkpoint_auto, g.started[-1].checkpoint_every) == (True, 0), "first: step 10, then measure"
+    g.finish_steps(1, 10)
+    g.emit(0, "checkpoint_interval", steps=37, save_cost_s=0.2, mtbf_s=86400.0, step_time_s=0.5, rule="young_daly")
+    c.step(110.0)
+    g.error_worker(3, "ValueError: boom")
+    c.step(111.0)
+    c.step(111.0 + ATTRIBUTION_GRACE_S)
+    c.step(120.0)
+    assert g.started[-1].attempt == 1 and g.started[-1].checkpoint_auto
+    assert g.started[-1].checkpoint_every == 37, "not step 10 again: the save cost is measured at the first save"
