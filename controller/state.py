@@ -172,7 +172,8 @@ class RunController:
         self.injector = injector
         self._event_dicts: list[dict[str, Any]] = []
         self._auto_interval = 0
-        """The checkpoint interval the last attempt chose under `every_steps: auto`."""
+        """`auto`: the interval the last attempt chose, for the next one to start with (it measures the
+        save cost again at its first save); 0 before any was chosen."""
         self._grow_checked: frozenset[str] | None = None
         self._grow_inputs: tuple[Topology, Topology] | None = None
         """The usable nodes the last grow check saw (the same nodes cannot hold a bigger mesh now)."""
@@ -339,7 +340,7 @@ class RunController:
             run_id=self.run_id, attempt=self.attempt, config=self.config, placement=self.placement,
             start_step=start_step, cursor=cursor, resume_step=resume_step,
             checkpoint_uri=self.checkpoint_store.uri if self.checkpoint_store else None,
-            checkpoint_every=every if isinstance(every, int) else self._last_auto_interval(),
+            checkpoint_every=every if isinstance(every, int) else self._auto_interval,
             checkpoint_auto=every == "auto",
             checkpoint_keep=self.spec.checkpoint.keep, store_retry_budget_s=self.spec.checkpoint.retry_budget_s,
             mtbf_s=observed_mtbf_s(now - self.created_at, len(self.failures), mtbf_h * 3600 if mtbf_h else None),
@@ -362,11 +363,6 @@ class RunController:
             self._finish(now, RunState.SUCCEEDED, "succeeded", step=start_step)
             return
         self.state = RunState.RUNNING
-
-    def _last_auto_interval(self) -> int:
-        """`auto`: the interval the last attempt chose, for the next one to start with (it measures the
-        save cost again at its first save); 0 before any was chosen."""
-        return self._auto_interval
 
     def _discard_after(self, now: float, step: int, *, reason: str | None = None) -> None:
         """Committed steps newer than `step` may hold corrupted state: make them invisible (manifest

@@ -177,7 +177,7 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     @app.get("/v1/nodes", dependencies=auth, responses=_errors(401))
     def nodes() -> dict[str, Any]:
         """Every node with its state for the service (healthy, spare, quarantined, lost) and the run on it."""
-        return service.nodes()
+        return service.cluster_view()
 
     @app.post("/v1/nodes/{name}/release", dependencies=auth, responses=_errors(401, 404, 422))
     def release_node(name: str = Path(pattern=NODE_NAME, description="node name")) -> dict[str, Any]:

@@ -487,10 +487,6 @@ class Service:
             c.events.add(self.clock(), max(c.attempt, 0), kind, **detail)
         self._save(live)
 
-    def nodes(self) -> dict[str, Any]:
-        """The cluster view (every node, its state, the run on it); `goodput nodes`."""
-        return self.cluster_view()
-
     def release_node(self, name: str) -> dict[str, Any]:
         """An operator's explicit release of a quarantined node: usable by new runs again; on
         Kubernetes its taint goes (and the cordon, if goodput made it). Runs that quarantined it keep

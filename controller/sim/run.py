@@ -85,9 +85,8 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
     while not c.state.terminal and clock.t < horizon:
         while pending and pending[0].time <= clock.t:
             incident = pending.pop(0)
-            if incident.repair_s > 0 and incident.component in ("gpu", "host", "sdc", "straggler"):
-                if incident.component != "straggler":
-                    cluster.take_down(incident.node, incident.time + incident.repair_s)
+            if incident.repair_s > 0 and incident.component in ("gpu", "host", "sdc"):
+                cluster.take_down(incident.node, incident.time + incident.repair_s)
             if group.strike(incident):
                 struck[incident.component] += 1
         due = [r.at_step for r in c.drills.pending() if r.at_step is not None]
