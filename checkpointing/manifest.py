@@ -3,8 +3,9 @@
 `{run_id}/step-{N:08d}/` holds the DCP files plus `manifest.json`, written last with an if-absent
 put: step, attempt, mesh, world size, data cursor, seeds, and size + sha256 of every file. A step
 without a valid manifest does not exist; "latest" is found by listing manifests, never from a
-mutable pointer. Each rank first leaves `_ranks/rank-R.json` (the digests of the files it wrote);
-the committer writes the manifest only when every rank has. Pure: no torch, no boto3.
+mutable pointer. Each rank first leaves `_ranks/attempt-A-world-W/rank-R.json` (the digests of the
+files it wrote); the committer writes the manifest only when every rank of its attempt has. A step
+that has a manifest is never written again. Pure: no torch, no boto3.
 """
 
 from __future__ import annotations
@@ -69,26 +70,56 @@ def describe(paths: dict[str, Path]) -> dict[str, dict]:
     return {rel: {"size": p.stat().st_size, "sha256": sha256_file(p)} for rel, p in sorted(paths.items())}
 
 
-def write_rank_marker(store: ObjectStore, prefix: str, rank: int, files: dict[str, dict]) -> None:
-    store.put_bytes(f"{prefix}/{RANKS}/rank-{rank}.json", json.dumps(files).encode())
+def marker_folder(prefix: str, attempt: int, world_size: int) -> str:
+    """Where the ranks of one attempt leave their markers for a step. A crashed save of another
+    attempt (or another world size) leaves its markers elsewhere, so a commit never mixes them."""
+    return f"{prefix}/{RANKS}/attempt-{attempt}-world-{world_size}"
 
 
-def wait_for_ranks(store: ObjectStore, prefix: str, world_size: int, *, timeout_s: float,
+def write_rank_marker(store: ObjectStore, prefix: str, rank: int, files: dict[str, dict], *, attempt: int,
+                      world_size: int) -> None:
+    body = {"rank": rank, "attempt": attempt, "world_size": world_size, "files": files}
+    store.put_bytes(f"{marker_folder(prefix, attempt, world_size)}/rank-{rank}.json", json.dumps(body).encode())
+
+
+def wait_for_ranks(store: ObjectStore, prefix: str, world_size: int, *, attempt: int, timeout_s: float,
                    poll_s: float = 0.2) -> dict[str, dict]:
-    """Every rank's file digests, once all `world_size` markers exist; CheckpointError on timeout
-    (a rank died mid-save: the step stays uncommitted)."""
+    """The file digests of ranks 0..world_size-1 of this attempt, once each has left its marker;
+    CheckpointError on timeout (a rank died mid-save: the step stays uncommitted) or when a marker
+    is not what this attempt wrote. Markers of other attempts are never read."""
+    folder = marker_folder(prefix, attempt, world_size)
+    want = {f"{folder}/rank-{rank}.json": rank for rank in range(world_size)}
     deadline = time.monotonic() + timeout_s
     while True:
-        markers = [o.key for o in store.list(f"{prefix}/{RANKS}/") if o.key.endswith(".json")]
-        if len(markers) >= world_size:
-            files: dict[str, dict] = {}
-            for key in markers:
-                files.update(json.loads(store.get_bytes(key)))
-            return files
+        present = {o.key for o in store.list(folder + "/")} & want.keys()
+        if len(present) == world_size:
+            break
         if time.monotonic() > deadline:
-            raise CheckpointError(f"{prefix}: only {len(markers)} of {world_size} ranks finished writing "
-                                  f"within {timeout_s:.0f} s; the step stays uncommitted")
+            raise CheckpointError(f"{prefix}: only {len(present)} of {world_size} ranks of attempt {attempt} "
+                                  f"finished writing within {timeout_s:.0f} s; the step stays uncommitted")
         time.sleep(poll_s)
+    files: dict[str, dict] = {}
+    for key, rank in sorted(want.items(), key=lambda kv: kv[1]):
+        try:
+            body = json.loads(store.get_bytes(key))
+            claimed = (int(body["rank"]), int(body["attempt"]), int(body["world_size"]))
+            own = dict(body["files"])
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(f"{key}: not a rank marker ({e}); the step stays uncommitted") from None
+        if claimed != (rank, attempt, world_size):
+            raise CheckpointError(f"{key} says rank {claimed[0]} of attempt {claimed[1]} (world {claimed[2]}); "
+                                  f"expected rank {rank} of attempt {attempt} (world {world_size})")
+        twice = sorted(files.keys() & own.keys())
+        if twice:
+            raise CheckpointError(f"{prefix}: rank {rank} and an earlier rank both list {twice}")
+        files.update(own)
+    return files
+
+
+def is_committed(store: ObjectStore, run_id: str, step: int) -> bool:
+    """Whether the step has a manifest object (valid or not): such a step is never written again."""
+    key = f"{step_prefix(run_id, step)}/{MANIFEST}"
+    return any(o.key == key for o in store.list(key))
 
 
 def commit(store: ObjectStore, manifest: Manifest) -> Manifest:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from checkpointing.manifest import (
-    CheckpointError, Manifest, apply_retention, commit, describe, sha256_file, step_prefix,
+    CheckpointError, Manifest, apply_retention, commit, describe, is_committed, sha256_file, step_prefix,
     wait_for_ranks, write_rank_marker,
 )
 from checkpointing.store import ObjectStore, StoreError, retry_unavailable
@@ -67,6 +67,8 @@ class SaveTiming:
     """Step saved."""
     blocked_s: float
     """Time the training loop was blocked (staging, or the whole save when synchronous)."""
+    skipped: str | None = None
+    """Why nothing was written (the step is already committed, or the store cannot say it is not)."""
 
 
 class Checkpointer:
@@ -95,17 +97,25 @@ class Checkpointer:
 
     def save(self, trainer: Any) -> SaveTiming:
         self.wait()  # a save still in flight is waited for, not duplicated
+        t0 = time.perf_counter()
         prefix = step_prefix(self.run_id, trainer.step)
+        refusal = self._refusal(trainer.step)
+        if refusal is not None:
+            if self.rank == 0:
+                self.sink.event("checkpoint_skipped", {"step": trainer.step, "reason": refusal})
+            return SaveTiming(step=trainer.step, blocked_s=time.perf_counter() - t0, skipped=refusal)
         in_place = self.store.local_path(prefix)
         local = in_place or self.staging_dir / f"rank-{self.rank}" / prefix
         local.mkdir(parents=True, exist_ok=True)
+        if in_place is not None:  # an uncommitted save of this step by another attempt left files here
+            for stale in self._own_files(local).values():
+                stale.unlink(missing_ok=True)
         mesh = trainer.config.mesh
         manifest = Manifest(
             run_id=self.run_id, step=trainer.step, attempt=self.attempt,
             mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, world_size=mesh.world_size,
             cursor=trainer.cursor, seeds={"data": trainer.config.data.seed, "init": trainer.config.train.seed},
         )
-        t0 = time.perf_counter()
         state = trainer_state(trainer)
         future = None
         if self.use_async:
@@ -122,6 +132,26 @@ class Checkpointer:
             blocked = time.perf_counter() - t0
         return SaveTiming(step=trainer.step, blocked_s=blocked)
 
+    def _refusal(self, step: int) -> str | None:
+        """Collective: why no rank may write this step (None: every rank goes ahead). A committed step
+        is never written again, not even its shards: rank 0 asks the store once and tells the others."""
+        reason: list[str | None] = [None]
+        if self.rank == 0:
+            try:
+                if self._retry(f"check of step {step}", lambda: is_committed(self.store, self.run_id, step)):
+                    reason[0] = f"step {step} is already committed; a committed step is never written again"
+            except StoreError as e:
+                reason[0] = f"cannot tell whether step {step} is already committed, so it is not written: {e}"
+        dist.broadcast_object_list(reason, src=0, group=self._pg)
+        return reason[0]
+
+    def _own_files(self, local: Path) -> dict[str, Path]:
+        """This rank's files of a save in `local`: its DCP shards, and the metadata on rank 0."""
+        own = {p.name: p for p in local.iterdir() if re.fullmatch(rf"__{self.rank}_\d+\.distcp", p.name)}
+        if self.rank == 0 and (local / ".metadata").exists():
+            own[".metadata"] = local / ".metadata"
+        return own
+
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
@@ -135,13 +165,14 @@ class Checkpointer:
         try:
             if future is not None:
                 future.result()
-            own = {p.name: p for p in local.iterdir() if re.fullmatch(rf"__{self.rank}_\d+\.distcp", p.name)}
-            if self.rank == 0:
-                own[".metadata"] = local / ".metadata"
+            own = self._own_files(local)
+            if self.rank == 0 and ".metadata" not in own:
+                raise CheckpointError(f"{prefix}: DCP wrote no .metadata")
             digests = describe(own)
             for rel, path in own.items():
                 self._retry(f"upload of {prefix}/{rel}", lambda: self.store.put_file(f"{prefix}/{rel}", path))
-            self._retry(f"marker of rank {self.rank}", lambda: write_rank_marker(self.store, prefix, self.rank, digests))
+            self._retry(f"marker of rank {self.rank}", lambda: write_rank_marker(
+                self.store, prefix, self.rank, digests, attempt=self.attempt, world_size=self.world_size))
         except Exception as e:  # noqa: BLE001 - a failed save is an event; training goes on
             error = f"{type(e).__name__}: {e}"
         try:
@@ -156,7 +187,8 @@ class Checkpointer:
             failed = {rank: e for rank, e in enumerate(errors) if e is not None}
             if failed:
                 raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
-            files = wait_for_ranks(self.store, prefix, self.world_size, timeout_s=self.commit_timeout_s)
+            files = wait_for_ranks(self.store, prefix, self.world_size, attempt=self.attempt,
+                                   timeout_s=self.commit_timeout_s)
             final = self._retry(f"commit of {prefix}",
                                 lambda: commit(self.store, Manifest(**{**manifest.__dict__, "files": files})))
             try:

@@ -127,9 +127,10 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                 on_step(trainer, last)
             if checkpointer is not None and interval.due(trainer.step, args.config.train.steps):
                 timing = checkpointer.save(trainer)
-                if args.rank == 0:
-                    sink.event("checkpoint_staged", {"step": timing.step, "blocked_s": timing.blocked_s})
-                interval.measured(timing.blocked_s, last.step_time_s, sink)
+                if timing.skipped is None:
+                    if args.rank == 0:
+                        sink.event("checkpoint_staged", {"step": timing.step, "blocked_s": timing.blocked_s})
+                    interval.measured(timing.blocked_s, last.step_time_s, sink)
         return WorkerSummary(rank=args.rank, step=trainer.step, cursor=trainer.cursor,
                              last_loss=last.loss if last else None)
     finally:

@@ -150,6 +150,8 @@ def _describe(event: dict) -> str:
         return f"node {d['node']} quarantined ({d['reason']})"
     if kind == "checkpoint_failed":
         return f"checkpoint at step {d['step']} failed: {d['error']}"
+    if kind == "checkpoint_skipped":
+        return f"checkpoint of step {d['step']} not written: {d['reason']}"
     return f"{kind} {d}"
 
 

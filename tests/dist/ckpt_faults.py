@@ -51,3 +51,32 @@ def die_mid_save(*, rank: int, world_size: int, store_port: int, config: dict, r
     checkpointer.save(trainer)
     checkpointer.wait()
     return {"events": sink.events}
+
+
+def resave_committed_step(*, rank: int, world_size: int, store_port: int, config: dict, root: str) -> dict:
+    """Commit step 2; train on, then come back to step 2 (as an attempt does that skipped a newer step
+    as unreadable and trained through it again) and save it again: nothing may be written."""
+    import trainer.checkpoint as ckpt
+    from checkpointing.store import LocalStore
+    from trainer.config import config_from_dict
+    from trainer.parallel import build_mesh, choose_device, init_process_group
+    from trainer.report import ListSink
+    from trainer.train import Trainer
+
+    cfg = config_from_dict(config)
+    store = dist.PrefixStore("resave", dist.TCPStore("127.0.0.1", store_port, is_master=False))
+    init_process_group(rank=rank, world_size=world_size, store=store, backend="gloo", timeout_s=60)
+    sink = ListSink()
+    trainer = Trainer(cfg, build_mesh(cfg.mesh, "cpu"), choose_device("float32"))
+    checkpointer = ckpt.Checkpointer(LocalStore(Path(root)), run_id="resave", attempt=0, keep=5, sink=sink,
+                                     staging_dir=Path(root) / "staging", commit_timeout_s=10.0)
+    for _ in range(2):
+        trainer.train_step()
+    checkpointer.save(trainer)
+    checkpointer.wait()
+    for _ in range(2):
+        trainer.train_step()  # other parameters now
+    trainer.step = 2
+    timing = checkpointer.save(trainer)
+    checkpointer.close()
+    return {"events": sink.events, "skipped": timing.skipped}

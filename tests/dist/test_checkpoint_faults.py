@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpointing.manifest import committed_steps, latest_verified, step_prefix
+from checkpointing.manifest import committed_steps, latest_verified, read_manifest, step_prefix, verify
 from checkpointing.store import LocalStore
-from tests.dist.ckpt_faults import die_mid_save
+from tests.dist.ckpt_faults import die_mid_save, resave_committed_step
 from tests.dist.harness import run_ranks
 from trainer.config import DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig, config_to_dict
 
@@ -37,3 +37,17 @@ def test_rank_killed_mid_save_leaves_no_manifest(tmp_path: Path) -> None:
     kinds = [k for k, _ in results[0]["events"]]
     assert kinds == ["checkpoint_committed", "checkpoint_failed"]
     assert "could not confirm that all 2 ranks wrote their shards" in results[0]["events"][1][1]["error"]
+
+
+def test_a_committed_step_is_never_written_again(tmp_path: Path) -> None:
+    """The second save of step 2 is refused on every rank before a shard is written: the committed
+    files keep their bytes and the step still verifies byte for byte."""
+    results = run_ranks(resave_committed_step, 2, config=config_to_dict(small()), root=str(tmp_path))
+    store = LocalStore(tmp_path)
+    manifest = read_manifest(store, "resave", 2)
+    verify(store, manifest)  # raises if a shard was overwritten
+    for result in results:
+        assert result["skipped"] is not None and "already committed" in result["skipped"]
+    kinds = [k for k, _ in results[0]["events"]]
+    assert kinds == ["checkpoint_committed", "checkpoint_skipped"]
+    assert [k for k, _ in results[1]["events"]] == []

@@ -79,11 +79,38 @@ def test_a_step_commits_once(tmp_path: Path) -> None:
 def test_commit_waits_for_every_rank(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     prefix = step_prefix("run", 5)
-    write_rank_marker(store, prefix, 0, {"a": {"size": 1, "sha256": "x"}})
-    with pytest.raises(CheckpointError, match="only 1 of 2 ranks finished writing"):
-        wait_for_ranks(store, prefix, 2, timeout_s=0.3, poll_s=0.05)
-    write_rank_marker(store, prefix, 1, {"b": {"size": 2, "sha256": "y"}})
-    assert set(wait_for_ranks(store, prefix, 2, timeout_s=1)) == {"a", "b"}
+    write_rank_marker(store, prefix, 0, {"a": {"size": 1, "sha256": "x"}}, attempt=0, world_size=2)
+    with pytest.raises(CheckpointError, match="only 1 of 2 ranks of attempt 0 finished writing"):
+        wait_for_ranks(store, prefix, 2, attempt=0, timeout_s=0.3, poll_s=0.05)
+    write_rank_marker(store, prefix, 1, {"b": {"size": 2, "sha256": "y"}}, attempt=0, world_size=2)
+    assert set(wait_for_ranks(store, prefix, 2, attempt=0, timeout_s=1)) == {"a", "b"}
+
+
+def test_a_commit_never_mixes_attempts(tmp_path: Path) -> None:
+    """A crashed save of attempt 0 on 4 ranks left markers of ranks 0-3 at step 10; attempt 1 on 2
+    ranks saves step 10 again: its commit lists its own two ranks' files and nothing of attempt 0's."""
+    store = LocalStore(tmp_path)
+    prefix = step_prefix("run", 10)
+    for rank in range(4):
+        write_rank_marker(store, prefix, rank, {f"__{rank}_0.distcp": {"size": 9, "sha256": f"old{rank}"}},
+                          attempt=0, world_size=4)
+    with pytest.raises(CheckpointError, match="only 0 of 2 ranks of attempt 1"):
+        wait_for_ranks(store, prefix, 2, attempt=1, timeout_s=0.2, poll_s=0.05)
+    for rank in range(2):
+        write_rank_marker(store, prefix, rank, {f"__{rank}_0.distcp": {"size": 5, "sha256": f"new{rank}"}},
+                          attempt=1, world_size=2)
+    files = wait_for_ranks(store, prefix, 2, attempt=1, timeout_s=1)
+    assert files == {"__0_0.distcp": {"size": 5, "sha256": "new0"}, "__1_0.distcp": {"size": 5, "sha256": "new1"}}
+
+
+def test_a_marker_that_claims_another_attempt_is_refused(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    prefix = step_prefix("run", 10)
+    write_rank_marker(store, prefix, 0, {"a": {"size": 1, "sha256": "x"}}, attempt=2, world_size=1)
+    key = f"{prefix}/_ranks/attempt-2-world-1/rank-0.json"
+    store.put_bytes(key, store.get_bytes(key).replace(b'"attempt": 2', b'"attempt": 1'))
+    with pytest.raises(CheckpointError, match="says rank 0 of attempt 1"):
+        wait_for_ranks(store, prefix, 1, attempt=2, timeout_s=1)
 
 
 def test_retention_keeps_newest(tmp_path: Path) -> None:
