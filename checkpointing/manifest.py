@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from checkpointing.store import AlreadyExists, ObjectStore, StoreError
+from checkpointing.store import AlreadyExists, NotFound, ObjectStore
 
 MANIFEST = "manifest.json"
 RANKS = "_ranks"
@@ -25,7 +25,9 @@ _STEP = re.compile(r"^(?P<run>.+)/step-(?P<step>\d{8})/manifest\.json$")
 
 
 class CheckpointError(Exception):
-    """A checkpoint cannot be used or written; the message says which and why."""
+    """A checkpoint cannot be used or written; the message says which and why. Only a definite
+    answer (a missing or malformed manifest, a missing file, a size or sha256 mismatch) is one: a
+    store that cannot be reached raises StoreError, and the step may be good."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,15 +137,20 @@ def commit(store: ObjectStore, manifest: Manifest) -> Manifest:
 
 
 def read_manifest(store: ObjectStore, run_id: str, step: int) -> Manifest:
+    """The step's manifest; CheckpointError when it is missing or malformed, StoreError (untouched)
+    when the store cannot be reached: an outage does not make a good step unusable."""
     key = f"{step_prefix(run_id, step)}/{MANIFEST}"
     try:
         return Manifest(**json.loads(store.get_bytes(key)))
-    except (StoreError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{key}: no valid manifest ({e})") from None
+    except NotFound:
+        raise CheckpointError(f"{key}: no manifest") from None
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{key}: not a valid manifest ({e})") from None
 
 
 def verify(store: ObjectStore, manifest: Manifest, *, checksums: bool = True) -> None:
-    """Raise CheckpointError when a file is missing, has another size or (checksums) another sha256."""
+    """Raise CheckpointError when a file is missing, has another size or (checksums) another sha256;
+    StoreError when the store cannot say."""
     prefix = step_prefix(manifest.run_id, manifest.step)
     present = {o.key[len(prefix) + 1:]: o.size for o in store.list(prefix + "/")}
     for rel, want in manifest.files.items():
@@ -154,8 +161,11 @@ def verify(store: ObjectStore, manifest: Manifest, *, checksums: bool = True) ->
         if checksums:
             h = hashlib.sha256()
             chunk = 8 << 20
-            for start in range(0, want["size"], chunk):
-                h.update(store.get_bytes(f"{prefix}/{rel}", start, min(start + chunk, want["size"])))
+            try:
+                for start in range(0, want["size"], chunk):
+                    h.update(store.get_bytes(f"{prefix}/{rel}", start, min(start + chunk, want["size"])))
+            except NotFound:
+                raise CheckpointError(f"{prefix}: {rel} is missing") from None
             if h.hexdigest() != want["sha256"]:
                 raise CheckpointError(f"{prefix}: {rel} fails its sha256 check")
 
@@ -173,7 +183,8 @@ def committed_steps(store: ObjectStore, run_id: str) -> list[int]:
 def latest_verified(store: ObjectStore, run_id: str, *, below: int | None = None
                     ) -> tuple[Manifest, list[str]] | None:
     """The newest step (optionally below a step) whose manifest and files verify, plus why newer
-    steps were skipped."""
+    steps were skipped. Only a verified mismatch skips a step; a StoreError (the store cannot be
+    reached) propagates, so the caller waits for the store instead of rolling back past a good step."""
     skipped: list[str] = []
     for step in reversed(committed_steps(store, run_id)):
         if below is not None and step >= below:

@@ -30,6 +30,10 @@ class StoreUnavailable(StoreError):
     """The store refuses requests for now (an outage); the same request may succeed later."""
 
 
+class NotFound(StoreError):
+    """The key does not exist (a definite answer, unlike an outage)."""
+
+
 class AlreadyExists(StoreError):
     """An if-absent put found the key already there (another writer committed first)."""
 
@@ -101,7 +105,7 @@ class LocalStore:
                     return f.read((end - start) if end is not None else -1)
                 return f.read()
         except FileNotFoundError:
-            raise StoreError(f"{self.uri}/{key} does not exist") from None
+            raise NotFound(f"{self.uri}/{key} does not exist") from None
 
     def download(self, key: str, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -183,8 +187,11 @@ class S3Store:
             raise StoreError(f"{what} on {self.uri} failed for {time.monotonic() - started:.1f} s "
                              f"(retried within a {self.retry_budget_s:.0f} s budget): {cause}") from None
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") == "PreconditionFailed":
+            code = e.response.get("Error", {}).get("Code")
+            if code == "PreconditionFailed":
                 raise AlreadyExists(f"{what}: {self.uri} already has it") from None
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise NotFound(f"{what}: {self.uri} has no such key") from None
             raise StoreError(f"{what} on {self.uri} failed: {e}") from None
         except (S3UploadFailedError, BotoConnectionError) as e:
             raise StoreError(f"{what} on {self.uri} failed: {e}") from None

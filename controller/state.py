@@ -11,14 +11,15 @@ in. The controller decides; the worker group only does what it is told.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 from checkpointing.manifest import MANIFEST, committed_steps, latest_verified, step_prefix
 from checkpointing.policy import observed_mtbf_s
-from checkpointing.store import ObjectStore
+from checkpointing.store import ObjectStore, StoreError
 from controller.accounting import account
 from controller.events import EventLog
 from controller.placement import Placement, PlacementError, place
@@ -117,6 +118,7 @@ class WorkerGroup(Protocol):
     def start(self, attempt: AttemptSpec) -> None: ...
     def poll(self) -> PollResult: ...
     def shutdown(self) -> None: ...
+    # Optional: `abort()`, callable from any thread, makes a `start` in progress give up soon (cancel).
 
 
 @dataclass
@@ -193,8 +195,20 @@ class RunController:
         self._last_failure: FailureEvent | None = None
         self._resume_at: int | None = None
         """A resume request's step: the next launch loads it (newer commits are discarded first)."""
+        self._pending_discard: int | None = None
+        """An SDC rollback's discard the store could not take yet: done before the next launch reads."""
+        self._discarded: list[tuple[int, str]] = []
+        """Steps discarded before the store went away mid-search (their events are still owed)."""
+        self._store_down_since: float | None = None
+        self._store_backoff_s = 0.0
+        self._store_retry_at = float("-inf")
+        self._store_announced = False
         self.waiting_for: str | None = None
         """Why a submitted run has not started (set by the service that queues it)."""
+        self.outside_lock: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+        """Entered around every slow call: store I/O, launch, shutdown, drill injection. A service that
+        drives this controller under a lock releases it here, so its requests never wait behind I/O
+        (only the driving thread changes the run's state; requests only set flags and queue drills)."""
         self._reset_attempt_tracking()
         self.events.add(now, 0, "submitted", name=spec.name)
         self._handlers: dict[RunState, Callable[[float], None]] = {
@@ -220,14 +234,22 @@ class RunController:
         if self.state.terminal:
             return self.state
         if self._cancel_requested:
-            self.worker_group.shutdown()
+            self._shutdown()
             self._finish(now, RunState.CANCELLED, "cancelled")
             return self.state
         self._handlers[self.state](now)
         return self.state
 
     def cancel(self) -> None:
+        """Safe from any thread: the next step cancels; a launch in progress gives up first."""
         self._cancel_requested = True
+        abort = getattr(self.worker_group, "abort", None)
+        if abort is not None and self.state is RunState.LAUNCHING:
+            abort()
+
+    def _shutdown(self) -> None:
+        with self.outside_lock():
+            self.worker_group.shutdown()
 
     @property
     def cancel_requested(self) -> bool:
@@ -236,7 +258,7 @@ class RunController:
     def fail(self, now: float, code: str, message: str) -> None:
         """End a run that has not ended from outside the machine (a service that cannot place it)."""
         if not self.state.terminal:
-            self.worker_group.shutdown()
+            self._shutdown()
             self._fail(now, code, message)
 
     def confine(self, nodes: set[str]) -> None:
@@ -322,18 +344,22 @@ class RunController:
 
     def _on_launching(self, now: float) -> None:
         assert self.config is not None and self.placement is not None
+        if now < self._store_retry_at:
+            return
+        try:
+            with self.outside_lock():
+                start_step, cursor, resume_step, unusable, discarded = self._checkpoint_to_load()
+        except StoreError as e:
+            self._store_unreachable(now, e)
+            return
+        for step, reason in discarded:
+            self.events.add(now, self.attempt, "checkpoint_discarded", step=step, reason=reason)
+        self._store_reachable(now)
+        if self._cancel_requested:
+            return  # the next step cancels
         self.attempt += 1
-        start_step, cursor, resume_step = 0, 0, None
-        if self.checkpoint_store is not None and self._resume_at is not None:
-            self._discard_after(now, self._resume_at, reason=f"the run was resumed from step {self._resume_at}")
-            self._resume_at = None
-        if self.checkpoint_store is not None:
-            found = latest_verified(self.checkpoint_store, self.run_id)
-            if found is not None:
-                manifest, skipped = found
-                for reason in skipped:
-                    self.events.add(now, self.attempt, "checkpoint_unusable", reason=reason)
-                start_step, cursor, resume_step = manifest.step, manifest.cursor, manifest.step
+        for reason in unusable:
+            self.events.add(now, self.attempt, "checkpoint_unusable", reason=reason)
         every = self.spec.checkpoint.every_steps
         mtbf_h = self.spec.checkpoint.mtbf_hours
         attempt = AttemptSpec(
@@ -347,9 +373,12 @@ class RunController:
         )
         self._track_attempt(now)
         try:
-            self.worker_group.start(attempt)
+            with self.outside_lock():
+                self.worker_group.start(attempt)
         except Exception as e:  # noqa: BLE001 - any launch failure ends the attempt with its reason
-            self.worker_group.shutdown()
+            self._shutdown()
+            if self._cancel_requested:
+                return  # the launch gave up because of the cancel: the next step cancels
             self._launch_failed(now, f"{type(e).__name__}: {e}")
             return
         mesh = self.config.mesh
@@ -359,22 +388,66 @@ class RunController:
                         start_step=start_step, resume_step=resume_step, cursor=cursor)
         self.progress.committed = start_step
         if start_step >= self.spec.train.steps:
-            self.worker_group.shutdown()
+            self._shutdown()
             self._finish(now, RunState.SUCCEEDED, "succeeded", step=start_step)
             return
         self.state = RunState.RUNNING
 
-    def _discard_after(self, now: float, step: int, *, reason: str | None = None) -> None:
+    def _checkpoint_to_load(self) -> tuple[int, int, int | None, list[str], list[tuple[int, str]]]:
+        """(start step, cursor, step to load, why newer steps are unusable, steps discarded and why) for
+        the next attempt, after the discards still owed (a resume to an older step, an SDC rollback).
+        Store I/O only, outside the lock; StoreError when the store cannot be reached: nothing is
+        decided from an outage."""
+        if self.checkpoint_store is None:
+            return 0, 0, None, [], []
+        discarded = self._discarded  # kept across tries: an outage after a discard loses no event
+        if self._resume_at is not None:
+            reason = f"the run was resumed from step {self._resume_at}"
+            discarded += [(s, reason) for s in self._discard_after(self._resume_at)]
+            self._resume_at = None
+        if self._pending_discard is not None:
+            discarded += [(s, _SDC_DISCARD.format(step=self._pending_discard))
+                          for s in self._discard_after(self._pending_discard)]
+            self._pending_discard = None
+        found = latest_verified(self.checkpoint_store, self.run_id)
+        self._discarded = []
+        if found is None:
+            return 0, 0, None, [], discarded
+        manifest, skipped = found
+        return manifest.step, manifest.cursor, manifest.step, skipped, discarded
+
+    STORE_BACKOFF_MAX_S = 30.0
+
+    def _store_unreachable(self, now: float, error: StoreError) -> None:
+        """The checkpoint store did not answer: try again after a backoff (doubling up to 30 s); once
+        it has been down longer than `checkpoint.retry_budget_s`, say so in the timeline (once)."""
+        if self._store_down_since is None:
+            self._store_down_since, self._store_backoff_s = now, 0.5
+        else:
+            self._store_backoff_s = min(2 * self._store_backoff_s, self.STORE_BACKOFF_MAX_S)
+        self._store_retry_at = now + self._store_backoff_s
+        if not self._store_announced and now - self._store_down_since >= self.spec.checkpoint.retry_budget_s:
+            self._store_announced = True
+            self.events.add(now, max(self.attempt, 0), "store_unavailable", error=str(error),
+                            since=self._store_down_since, retry_in_s=self._store_backoff_s,
+                            uri=self.checkpoint_store.uri if self.checkpoint_store else None)
+
+    def _store_reachable(self, now: float) -> None:
+        if self._store_announced and self._store_down_since is not None:
+            self.events.add(now, max(self.attempt, 0), "store_available", down_s=now - self._store_down_since)
+        self._store_down_since, self._store_announced, self._store_retry_at = None, False, float("-inf")
+
+    def _discard_after(self, step: int) -> list[int]:
         """Committed steps newer than `step` may hold corrupted state: make them invisible (manifest
-        first, so a step is never half-visible), then delete them. Called with every rank stopped."""
+        first, so a step is never half-visible), then delete them; the steps discarded. Called with
+        every rank stopped. StoreError when the store cannot be reached (the discard stays owed)."""
         assert self.checkpoint_store is not None
-        for newer in [s for s in committed_steps(self.checkpoint_store, self.run_id) if s > step]:
-            prefix = step_prefix(self.run_id, newer)
+        newer = [s for s in committed_steps(self.checkpoint_store, self.run_id) if s > step]
+        for s in newer:
+            prefix = step_prefix(self.run_id, s)
             self.checkpoint_store.delete_prefix(f"{prefix}/{MANIFEST}")
             self.checkpoint_store.delete_prefix(prefix + "/")
-            self.events.add(now, self.attempt, "checkpoint_discarded", step=newer,
-                            reason=reason or f"committed after step {step}, when silent data corruption may already "
-                                             "have begun")
+        return newer
 
     def _reset_attempt_tracking(self) -> None:
         self._errors: dict[int, str] = {}
@@ -398,7 +471,8 @@ class RunController:
         self._recover(now, FailureEvent(time=now, cause=cause, nodes=missing, message=f"relaunch failed: {message}"))
 
     def _on_running(self, now: float) -> None:
-        result = self.worker_group.poll()
+        with self.outside_lock():
+            result = self.worker_group.poll()
         for report in result.reports:
             first = not self.progress.history or self.progress.history[-1]["attempt"] != self.attempt
             self._last_step[report.rank] = report.step
@@ -426,7 +500,7 @@ class RunController:
         if failure is not None:
             self._recover(now, failure)
         elif result.status is GroupStatus.FINISHED and self._signal_since is None:
-            self.worker_group.shutdown()
+            self._shutdown()
             self._finish(now, RunState.SUCCEEDED, "succeeded", step=self.progress.step)
         else:
             self._run_due_drills(now)
@@ -499,10 +573,21 @@ class RunController:
         self.events.add(now, self.attempt, "failure_detected", cause=failure.cause.value, nodes=list(failure.nodes),
                         ranks=list(failure.ranks), message=failure.message, step=self.progress.step)
         self._last_failure = failure
-        self.worker_group.shutdown()
+        self._shutdown()
         if self._rollback_through is not None and self.checkpoint_store is not None:
-            # Whatever is decided next (even to fail), a later resume must not load suspect state.
-            self._discard_after(now, self._rollback_through)
+            # Whatever is decided next (even to fail), a later resume must not load suspect state;
+            # a store that does not answer now gets the discard before the next launch reads it.
+            through = min(self._rollback_through, self._pending_discard or self._rollback_through)
+            self._pending_discard = through
+            try:
+                with self.outside_lock():
+                    discarded = self._discard_after(through)
+                for step in discarded:
+                    self.events.add(now, self.attempt, "checkpoint_discarded", step=step,
+                                    reason=_SDC_DISCARD.format(step=through))
+                self._pending_discard = None
+            except StoreError:
+                pass
         self._rollback_through = None
         decision = decide(
             now, event=failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
@@ -582,7 +667,7 @@ class RunController:
                              self.spec.train.micro_batch)
         if target is None:
             return False
-        self.worker_group.shutdown()
+        self._shutdown()
         self._apply(now, Decision(action=Action.GROW, mesh=target, topology=merged,
                                   reason=f"capacity returned: dp {self.config.mesh.dp} -> {target.dp} at the "
                                          f"step-{self.progress.step} checkpoint"))
@@ -624,7 +709,8 @@ class RunController:
         try:
             if problem is not None:
                 raise DrillError(problem)
-            detail = self.injector.inject(drill.kind, target, factor=drill.factor, seconds=drill.seconds)
+            with self.outside_lock():
+                detail = self.injector.inject(drill.kind, target, factor=drill.factor, seconds=drill.seconds)
         except Exception as e:  # noqa: BLE001 - a drill that cannot be injected is reported, not fatal
             self.events.add(now, self.attempt, "drill_failed", **facts, error=str(e))
             return
@@ -702,6 +788,9 @@ class RunController:
             out["history"] = self.progress.history
             out["events"] = [e.to_dict() for e in self.events]
         return out
+
+
+_SDC_DISCARD = "committed after step {step}, when silent data corruption may already have begun"
 
 
 def spec_drill_id(run_id: str, index: int) -> str:

@@ -1,7 +1,13 @@
-"""A fake worker group for driving the run controller without Ray or torch."""
+"""Fakes for driving the run controller without Ray or torch: a worker group, a cluster, a clock, a
+drill injector, and a store that fails or is slow on purpose."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Any
+
+from checkpointing.store import StoreError
 from controller.state import AttemptSpec, GroupStatus, PollResult
 from controller.topology import Topology
 from trainer.report import StepReport
@@ -94,3 +100,50 @@ class FakeInjector:
         elif kind == "kill-rank":
             self.group.kill_rank(int(target))
         return {"pid": 1234}
+
+
+class FlakyStore:
+    """An ObjectStore over another that fails every call while `down` (as an unreachable S3 does after
+    its retries: StoreError) and can take `delay_s` per call (a slow store)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.uri = inner.uri
+        self.down = False
+        self.delay_s = 0.0
+        self.calls = 0
+
+    def _call(self, what: str) -> None:
+        self.calls += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.down:
+            raise StoreError(f"{what} on {self.uri} failed for 30.0 s (retried within a 30 s budget): "
+                             "Could not connect to the endpoint URL")
+
+    def put_file(self, key: str, path: Path) -> None:
+        self._call(f"upload of {key}")
+        self.inner.put_file(key, path)
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self._call(f"put of {key}")
+        self.inner.put_bytes(key, data, if_absent=if_absent)
+
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        self._call(f"get of {key}")
+        return self.inner.get_bytes(key, start, end)
+
+    def download(self, key: str, path: Path) -> None:
+        self._call(f"download of {key}")
+        self.inner.download(key, path)
+
+    def list(self, prefix: str) -> list:
+        self._call(f"list of {prefix}")
+        return self.inner.list(prefix)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._call(f"delete under {prefix}")
+        self.inner.delete_prefix(prefix)
+
+    def local_path(self, key: str) -> Path | None:
+        return None

@@ -111,6 +111,33 @@ def test_sdc_suspect_quarantines_the_node_and_rolls_back_before_the_corruption(t
     assert [q["node"] for q in run["quarantined"]] == [node]
 
 
+def test_an_sdc_rollback_the_store_cannot_take_now_is_done_before_the_next_launch(tmp_path: Path) -> None:
+    """The store is down when the SDC verdict arrives: the run neither fails nor launches; once the
+    store answers, the suspect steps are discarded first and the attempt loads the clean one."""
+    from tests.unit.fakes import FlakyStore
+
+    c, g = make(tmp_path)
+    store = FlakyStore(c.checkpoint_store)
+    c.checkpoint_store = store  # type: ignore[assignment]
+    for step in (10, 15, 20):
+        commit_step(store.inner, "tiny-gpt", step)
+    report_steps(g, 1, 22)
+    g.emit(0, "sdc_suspect", step=23, check="periodic", ranks=[5], clean_through_step=14, evidence={})
+    store.down = True
+    started = len(g.started)
+    for t in range(120, 200):
+        c.step(float(t))
+    assert c.state is RunState.LAUNCHING and len(g.started) == started and c.error is None
+    assert not c.events.of_kind("checkpoint_discarded")
+    store.down = False
+    t = 240.0
+    while c.state is not RunState.RUNNING:
+        c.step(t)
+        t += 1
+    assert g.started[-1].resume_step == 10
+    assert [e.detail["step"] for e in c.events.of_kind("checkpoint_discarded")] == [15, 20]
+
+
 def test_quarantined_node_never_comes_back() -> None:
     c, g = make(nodes=4, spares=0)
     node = c.placement.node_of_rank[0]  # type: ignore[union-attr]

@@ -156,3 +156,61 @@ def test_checkpoints_command_lists_and_verifies(tmp_path: Path) -> None:
     assert rows[0]["verification"] == "verified" and rows[0]["mesh"] == {"dp": 2, "pp": 1, "tp": 1}
     assert rows[0]["bytes"] == sum(len(bytes(range(256))) * (10 + r + 1) for r in range(2)) + 4
     assert rows[1]["verification"].startswith("unusable:") and "sha256" in rows[1]["verification"]
+
+
+def test_an_unreachable_store_is_not_a_corrupt_step(tmp_path: Path) -> None:
+    """A store that does not answer raises StoreError from every read; it never turns a good step
+    into a skipped one (the old code skipped step 20 and would roll back to 10)."""
+    from checkpointing.manifest import read_manifest
+    from checkpointing.store import StoreError
+    from tests.unit.fakes import FlakyStore
+
+    store = FlakyStore(LocalStore(tmp_path))
+    write_step(store.inner, 10)
+    write_step(store.inner, 20)
+    store.down = True
+    with pytest.raises(StoreError):
+        read_manifest(store, "run", 20)
+    with pytest.raises(StoreError):
+        latest_verified(store, "run")
+    store.down = False
+    found = latest_verified(store, "run")
+    assert found is not None and found[0].step == 20 and found[1] == []
+    with pytest.raises(CheckpointError, match="no manifest"):
+        read_manifest(store, "run", 30)
+
+
+def test_controller_waits_for_an_unreachable_store(tmp_path: Path) -> None:
+    """At launch the store is down: no attempt starts, the run does not fail; past the retry budget
+    one store_unavailable event, retries back off; once the store answers the attempt loads step 20."""
+    from tests.unit.fakes import FlakyStore
+
+    store = FlakyStore(LocalStore(tmp_path))
+    write_step(store.inner, 10)
+    write_step(store.inner, 20)
+    spec = parse_spec({**yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()), "name": "run",
+                       "checkpoint": {"uri": f"file://{tmp_path}", "every_steps": 10, "retry_budget_s": 5}})
+    group = FakeWorkerGroup()
+    c = RunController(spec, spec.topology(), group, now=0.0, checkpoint_store=store)
+    store.down = True
+    t = 0.0
+    calls_at: list[float] = []
+    while t < 100:
+        before = store.calls
+        c.step(t)
+        if store.calls > before:
+            calls_at.append(t)
+        t += 0.1
+    assert c.state is RunState.LAUNCHING and not group.started and c.error is None
+    unavailable = c.events.of_kind("store_unavailable")
+    assert len(unavailable) == 1 and unavailable[0].time >= 5.0
+    assert "Could not connect" in unavailable[0].detail["error"]
+    gaps = [b - a for a, b in zip(calls_at, calls_at[1:])]
+    assert gaps[-1] >= 29 and len(calls_at) < 15, calls_at  # backed off to 30 s, not polled every step
+    store.down = False
+    t = calls_at[-1] + 31
+    while c.state is not RunState.RUNNING:
+        c.step(t)
+    assert group.started[0].resume_step == 20 and c.attempt == 0
+    assert not c.events.of_kind("checkpoint_unusable")
+    assert len(c.events.of_kind("store_available")) == 1
