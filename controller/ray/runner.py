@@ -7,6 +7,7 @@ Ctrl-C included.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
@@ -26,20 +27,29 @@ if TYPE_CHECKING:
 Tick = Callable[[RunController], None]
 
 
-def checkpoint_store(spec: RunSpec) -> ObjectStore:
-    """The spec's checkpoint store (a local path made absolute: actors do not share our cwd),
-    proven writable by a probe object."""
+def checkpoint_store(spec: RunSpec, *, probe: bool = True) -> ObjectStore:
+    """The spec's checkpoint store (a local path made absolute: actors do not share our cwd), proven
+    writable by a probe object unless told not to (the service probes on its own, with a deadline)."""
     uri = spec.checkpoint.uri
     try:
         store = open_store(uri)
-        probe = f".goodput-write-test-{time.time_ns()}"
-        store.put_bytes(probe, b"ok")
-        store.delete_prefix(probe)
+    except StoreError as e:
+        raise SpecError(f"checkpoint.uri {uri!r}: {e}") from None
+    if probe:
+        probe_store(store, uri)
+    return store
+
+
+def probe_store(store: ObjectStore, uri: str) -> None:
+    """Write and delete a probe object; SpecError says why the store cannot be written."""
+    try:
+        key = f".goodput-write-test-{time.time_ns()}"
+        store.put_bytes(key, b"ok")
+        store.delete_prefix(key)
     except StoreError as e:
         raise SpecError(f"checkpoint.uri {uri!r} cannot be written: {e}") from None
     except OSError as e:
         raise SpecError(f"checkpoint.uri {uri!r} cannot be written: {e.strerror}") from None
-    return store
 
 
 def spec_view(topology: Topology, spec: RunSpec) -> Topology:
@@ -82,12 +92,13 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
 
     try:
         while True:
+            before = controller.state
             ended = advance().terminal
             if on_tick is not None:
                 on_tick(controller)  # the last step's events too
             if ended:
                 break
-            if controller.state is RunState.RUNNING:
+            if controller.state is RunState.RUNNING or controller.state is before:  # nothing spins
                 time.sleep(poll_s)
     except BaseException:
         controller.cancel()
@@ -130,8 +141,8 @@ def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluste
     def injector(g: Any) -> RayDrillInjector:
         return RayDrillInjector(cluster, g)
 
-    return Service(registry, cluster, group_factory=group, injector_factory=injector, store_factory=checkpoint_store,
-                   view=view, accept_submissions=accept_submissions, poll_s=poll_s, node_actions=node_actions)
+    return Service(registry, cluster, group_factory=group, injector_factory=injector,
+                   store_factory=functools.partial(checkpoint_store, probe=False), store_probe=probe_store, view=view, accept_submissions=accept_submissions, poll_s=poll_s, node_actions=node_actions)
 
 
 def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None, api: tuple[str, int] | None = None,

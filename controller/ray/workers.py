@@ -247,6 +247,10 @@ def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, swit
         send.close()
 
 
+class LaunchAborted(Exception):
+    """A start given up because the run was cancelled."""
+
+
 NAMESPACE = "goodput"
 """Ray namespace of the named (detached) actors of a service's runs."""
 
@@ -273,6 +277,12 @@ class RayWorkerGroup:
         self._failed: set[int] = set()
         self._drains: dict[int, tuple[Any, float]] = {}
         self._nodes: set[str] = set()
+        self._abort = threading.Event()
+
+    def abort(self) -> None:
+        """From any thread: a `start` waiting for its workers gives up within half a second, and so does
+        every later one (a cancelled run's group is not used again)."""
+        self._abort.set()
 
     def start(self, attempt: AttemptSpec) -> None:
         import ray
@@ -287,12 +297,18 @@ class RayWorkerGroup:
             wanted |= {spare: max(wanted.values()) for spare in placement.spares}
         new = self._grow_pool(wanted)
         if new:
-            ready, _ = ray.wait([warm for _, warm in new], num_returns=len(new), timeout=self.launch_timeout_s)
+            refs = [warm for _, warm in new]
+            deadline = time.monotonic() + self.launch_timeout_s
+            ready: list[Any] = []
+            while len(ready) < len(new) and not self._abort.is_set() and time.monotonic() < deadline:
+                ready, _ = ray.wait(refs, num_returns=len(new), timeout=min(0.5, max(0.0, deadline - time.monotonic())))
             if len(ready) < len(new):
                 late = sorted({node for node, warm in new if warm not in ready})
                 for node in late:  # actors that never started must not be handed out later
                     for actor in self._pool.pop(node, []):
                         ray.kill(actor, no_restart=True)
+                if self._abort.is_set():
+                    raise LaunchAborted(f"the launch was cancelled while workers on {late} were starting")
                 raise TimeoutError(f"workers on nodes {late} did not start in {self.launch_timeout_s:.0f} s: "
                                    "those nodes lack free GPU slots or are gone")
             ray.get(ready)  # an actor that died while importing raises here

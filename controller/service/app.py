@@ -72,6 +72,37 @@ class ResumeBody(BaseModel):
     steps: int | None = Field(None, gt=0, le=10**9, description="train to this many steps (default: the spec's)")
 
 
+class _BoundedBody:
+    """Request bodies of at most `limit` bytes, however they are sent: a Content-Length over it is
+    refused before reading, and a chunked body (no Content-Length) is counted as it arrives and
+    refused once it passes the limit (413 either way)."""
+
+    def __init__(self, app: Any, *, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = f"request bodies are at most {self.limit} bytes"
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            await _envelope(413, "body_too_large", too_large)(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise StarletteHTTPException(413, too_large)
+            return message
+
+        await self.app(scope, counted, send)
+
+
 def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     """The `/v1` app. With a token, every call but /healthz needs `Authorization: Bearer <token>`."""
     app = FastAPI(title="goodput", version="1",
@@ -83,12 +114,7 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
             raise ServiceError(401, "unauthorized", f"send 'Authorization: Bearer <token>' (the {TOKEN_ENV} or "
                                                     "token file the service was started with)")
 
-    @app.middleware("http")
-    async def bounded_body(request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_SPEC_BYTES):
-            return _envelope(413, "body_too_large", f"request bodies are at most {MAX_SPEC_BYTES} bytes")
-        return await call_next(request)
+    app.add_middleware(_BoundedBody, limit=MAX_SPEC_BYTES)
 
     @app.exception_handler(ServiceError)
     def _service_error(_: Request, e: ServiceError) -> JSONResponse:
@@ -102,7 +128,7 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _envelope(e.status_code, "http_error", str(e.detail))
+        return _envelope(e.status_code, "body_too_large" if e.status_code == 413 else "http_error", str(e.detail))
 
     auth = [Depends(authorized)]
     run_id_param = Path(pattern=RUN_ID, description="run id")

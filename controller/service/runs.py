@@ -16,10 +16,12 @@ committed is lost: checkpoints are in the object store, the timeline in the data
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -65,18 +67,70 @@ class NodeActions(Protocol):
     def release(self, node: str) -> Any: ...
 
 
+class RunLock:
+    """A run's lock: re-entrant, and it steps aside while its holder does slow I/O. The controller
+    enters `released()` (its `outside_lock`) around store calls, launches, polls, shutdowns and drill
+    injections, so a cancel, a drill request or a scrape never waits behind them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def acquire(self, timeout: float = -1) -> bool:
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._owner, self._depth = threading.get_ident(), self._depth + 1
+        return True
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lock.release()
+
+    def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Let go entirely for the block (a no-op for a thread that does not hold it)."""
+        if self._owner != threading.get_ident():
+            yield
+            return
+        depth = self._depth
+        self._owner, self._depth = None, 0
+        for _ in range(depth):
+            self._lock.release()
+        try:
+            yield
+        finally:
+            for _ in range(depth):
+                self._lock.acquire()
+            self._owner, self._depth = threading.get_ident(), depth
+
+
 @dataclass
 class LiveRun:
     controller: RunController
     seq: int
     group: WorkerGroup
-    lock: threading.RLock = field(default_factory=threading.RLock)
+    lock: RunLock = field(default_factory=RunLock)
     saved: Saved = field(default_factory=Saved)
     thread: threading.Thread | None = None
     admitted: bool = False
     closed: bool = False
     view: dict[str, Any] | None = None
     """The Run object as of the last save (what reads return)."""
+    reconciling: threading.Thread | None = None
+    """The checkpoint index being reconciled with the store, if it is."""
+
+    def __post_init__(self) -> None:
+        self.controller.outside_lock = self.lock.released
 
 
 class Service:
@@ -84,12 +138,16 @@ class Service:
                  injector_factory: InjectorFactory | None = None, store_factory: StoreFactory | None = None,
                  clock: Callable[[], float] = time.time, poll_s: float = 0.2, accept_submissions: bool = True,
                  view: Callable[[Topology], Topology] | None = None, threads: bool = True,
-                 node_actions: NodeActions | None = None) -> None:
+                 node_actions: NodeActions | None = None,
+                 store_probe: Callable[[Any, str], None] | None = None) -> None:
         self.registry = registry
         self.cluster = cluster
         self.group_factory = group_factory
         self.injector_factory = injector_factory
         self.store_factory = store_factory
+        self.store_probe = store_probe
+        """(store, uri) -> None, or SpecError saying why it cannot be written: asked at submission, for at
+        most STORE_PROBE_WAIT_S (a store that answers later is the run's to wait for at launch)."""
         self.clock = clock
         self.poll_s = poll_s
         self.accept_submissions = accept_submissions
@@ -149,6 +207,7 @@ class Service:
 
     def add(self, spec: RunSpec) -> dict[str, Any]:
         """Queue a validated spec; the Run object (pending)."""
+        store = self._store(spec)  # may ask the store: never under the service lock
         with self.lock:
             if len(self._runs) >= MAX_RUNS:
                 raise ServiceError(429, "too_many_runs", f"the service holds {MAX_RUNS} runs")
@@ -156,7 +215,6 @@ class Service:
                 plan_run(spec, self._total_view())
             except SpecError as e:
                 raise ServiceError(422, "does_not_fit", f"this service's cluster cannot hold the run: {e}") from None
-            store = self._store(spec)
             run_id = self._new_id(spec.name)
             now = self.clock()
             group = self.group_factory(spec, run_id)
@@ -194,40 +252,57 @@ class Service:
         self._live(run_id)
         return self.registry.attempts(run_id)
 
+    RECONCILE_WAIT_S = 0.5
+    """How long a checkpoints request waits for the store before answering from the index."""
+
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
         """The committed checkpoints. The index follows the events, and the store is the truth: a commit
-        whose event died with its node is added, a step no longer in the store is marked retired."""
+        whose event died with its node is added, a step no longer in the store is marked retired. The
+        reconciliation runs in the background (one at a time per run); a slow store gets the index as
+        it stands after RECONCILE_WAIT_S, and the next request sees what the store said."""
         live = self._live(run_id)
-        store = live.controller.checkpoint_store
-        if store is not None:
-            from checkpointing.manifest import CheckpointError, committed_steps, read_manifest, step_prefix
-            from checkpointing.store import StoreError
-
-            try:
-                in_store = set(committed_steps(store, run_id))
-                indexed = {r["step"] for r in self.registry.checkpoints(run_id)}
-                for step in sorted(in_store - indexed):
-                    try:
-                        m = read_manifest(store, run_id, step)
-                    except CheckpointError:
-                        continue
-                    self.registry.index_checkpoint(run_id, step=step, attempt=m.attempt, committed_at=m.created_at,
-                                                   uri=f"{store.uri}/{step_prefix(run_id, step)}", size=m.total_bytes())
-                for step in sorted(indexed - in_store):
-                    self.registry.set_checkpoint_state(run_id, step, "retired")
-            except StoreError:
-                pass  # the index as it stands; the store answers again later
+        if live.controller.checkpoint_store is not None:
+            with live.lock:
+                thread = live.reconciling
+                if thread is None or not thread.is_alive():
+                    thread = live.reconciling = threading.Thread(
+                        target=self._reconcile_checkpoints, args=(live,), name=f"goodput-index-{run_id}", daemon=True)
+                    thread.start()
+            thread.join(self.RECONCILE_WAIT_S)
         return self.registry.checkpoints(run_id)
 
+    def _reconcile_checkpoints(self, live: LiveRun) -> None:
+        from checkpointing.manifest import CheckpointError, committed_steps, read_manifest, step_prefix
+        from checkpointing.store import StoreError
+
+        run_id, store = live.controller.run_id, live.controller.checkpoint_store
+        assert store is not None
+        try:
+            in_store = set(committed_steps(store, run_id))
+            indexed = {r["step"] for r in self.registry.checkpoints(run_id)}
+            for step in sorted(in_store - indexed):
+                try:
+                    m = read_manifest(store, run_id, step)
+                except CheckpointError:
+                    continue
+                self.registry.index_checkpoint(run_id, step=step, attempt=m.attempt, committed_at=m.created_at,
+                                               uri=f"{store.uri}/{step_prefix(run_id, step)}", size=m.total_bytes())
+            for step in sorted(indexed - in_store):
+                self.registry.set_checkpoint_state(run_id, step, "retired")
+        except StoreError:
+            pass  # the index as it stands; the store answers again later
+
     def cancel(self, run_id: str) -> dict[str, Any]:
+        """Ask a run to stop: a flag its driver acts on at its next step (a launch in progress gives up
+        first), so this never waits for the run, whatever it is doing. The Run object as last saved."""
         live = self._live(run_id)
-        with live.lock:
-            if not live.controller.state.terminal:
-                live.controller.cancel()
-        return self._view(live)
+        if not live.controller.state.terminal:
+            live.controller.cancel()
+        return self._last_view(live)
 
     def resume(self, run_id: str, *, step: int | None, steps: int | None) -> dict[str, Any]:
         live = self._live(run_id)
+        committed = {r["step"] for r in self.checkpoints(run_id)} if step is not None else set()  # no lock held
         with self.lock, live.lock:
             c = live.controller
             if not c.state.terminal or (live.thread is not None and live.thread.is_alive()):
@@ -240,7 +315,6 @@ class Service:
                                                                f"{c.progress.step}")
                 spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": steps})})
             if step is not None:
-                committed = {r["step"] for r in self.checkpoints(run_id)}  # reconciled with the store
                 if step not in committed:
                     known = sorted(committed)
                     raise ServiceError(422, "no_such_checkpoint", f"run {run_id!r} has no committed step {step}; "
@@ -272,7 +346,7 @@ class Service:
 
     def drill(self, drill_id: str) -> dict[str, Any]:
         for live in list(self._runs.values()):
-            with live.lock:
+            with live.lock:  # never held across slow calls (RunLock.released)
                 report = live.controller.drill(drill_id)
             if report is not None:
                 return {**report, "run_id": live.controller.run_id}
@@ -316,7 +390,7 @@ class Service:
     def controller(self, run_id: str) -> RunController:
         return self._live(run_id).controller
 
-    def live_controllers(self) -> list[tuple[str, RunController, threading.RLock]]:
+    def live_controllers(self) -> list[tuple[str, RunController, RunLock]]:
         """(run id, its controller, the lock to hold while reading it) for every run of this service,
         in submission order (what /metrics exports)."""
         with self.lock:
@@ -392,12 +466,15 @@ class Service:
         live.thread.start()
 
     def _drive(self, live: LiveRun) -> None:
+        """Step the run until it ends: at once after a transition, else every poll_s (running, waiting
+        for capacity or for the store: nothing spins)."""
         while not self._stop.is_set():
+            before = live.controller.state
             state = self.advance(live.controller.run_id)
             if state.terminal:
                 return
-            if state is RunState.RUNNING:
-                time.sleep(self.poll_s)
+            if state is RunState.RUNNING or state is before:
+                self._stop.wait(self.poll_s)
 
     def advance(self, run_id: str, now: float | None = None) -> RunState:
         """One step of a run's controller, then persist it (what its driver thread repeats; tests call
@@ -535,7 +612,7 @@ class Service:
             spec = parse_spec(row["spec"])
             group = self.group_factory(spec, run_id)
             try:
-                store = self._store(spec)
+                store = self._store(spec, probe=False)
             except ServiceError:
                 store = None
             c = RunController(spec, self._total_view(), group, now=row["created_at"], checkpoint_store=store,
@@ -624,13 +701,34 @@ class Service:
             raise ServiceError(422, "invalid_spec", f"{len(spec.drills)} drills; at most {MAX_DRILLS_PER_RUN} per run")
         return spec
 
-    def _store(self, spec: RunSpec) -> Any:
+    STORE_PROBE_WAIT_S = 0.5
+
+    def _store(self, spec: RunSpec, *, probe: bool = True) -> Any:
+        """The run's checkpoint store. A store that refuses a probe write within STORE_PROBE_WAIT_S
+        refuses the run (422, saying why); one that does not answer in time is accepted: the run waits
+        for it at launch (store_unavailable) instead of the request waiting here."""
         if self.store_factory is None:
             return None
         try:
-            return self.store_factory(spec)
+            store = self.store_factory(spec)
         except SpecError as e:
             raise ServiceError(422, "invalid_spec", str(e)) from None
+        if probe and self.store_probe is not None:
+            outcome: list[BaseException | None] = []
+
+            def run_probe() -> None:
+                try:
+                    self.store_probe(store, spec.checkpoint.uri)  # type: ignore[misc]
+                    outcome.append(None)
+                except BaseException as e:  # noqa: BLE001 - handed to the request thread
+                    outcome.append(e)
+
+            thread = threading.Thread(target=run_probe, name="goodput-store-probe", daemon=True)
+            thread.start()
+            thread.join(self.STORE_PROBE_WAIT_S)
+            if outcome and isinstance(outcome[0], SpecError):
+                raise ServiceError(422, "invalid_spec", str(outcome[0])) from None
+        return store
 
     def _injector(self, group: WorkerGroup) -> DrillInjector | None:
         return self.injector_factory(group) if self.injector_factory is not None else None

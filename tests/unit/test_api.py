@@ -197,3 +197,23 @@ def test_client_reaches_a_real_server_and_explains_failures() -> None:
         free = s.getsockname()[1]
     with pytest.raises(ApiClientError, match="no goodput API answers at .* set GOODPUT_URL"):
         Client(f"http://127.0.0.1:{free}").call("GET", "/v1/runs")
+
+
+def test_a_chunked_body_cannot_pass_the_size_limit() -> None:
+    """No Content-Length (chunked transfer): the body is counted as it arrives and refused past the limit."""
+    from controller.service.runs import MAX_SPEC_BYTES
+
+    _, _, _, service, _ = live_run()
+    api = TestClient(create_app(service))
+
+    def chunks():  # a generator body goes out chunked, without Content-Length
+        yield b'{"name": "big", "model": "'
+        for _ in range(MAX_SPEC_BYTES // 1000 + 2):
+            yield b"x" * 1000
+        yield b'"}'
+
+    response = api.post("/v1/runs", content=chunks(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "body_too_large"
+    small = api.post("/v1/runs", content=iter([b'{"name": 1}']), headers={"Content-Type": "application/json"})
+    assert small.status_code == 422, "a small chunked body still reaches validation"
