@@ -14,7 +14,8 @@ The controller acts on the decision; nothing here touches Ray or torch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from controller.placement import PlacementError, place
 from controller.topology import NodeState, Topology
@@ -72,6 +73,13 @@ class Decision:
     """The cluster as the next attempt sees it (lost nodes marked, spares promoted)."""
     reason: str
     """Why, with the numbers."""
+    code: str
+    """Machine-readable outcome: replaced, restarted, shrunk, grown, waiting_for_capacity, and for FAIL
+    the run's error code (failure_budget, no_capacity)."""
+
+
+Fits = Callable[[MeshShape], "str | None"]
+"""A mesh -> None when its per-GPU memory fits the GPUs, else why not (the planner's memory model)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,70 +92,115 @@ class ElasticLimits:
     """How long to wait below min_dp before failing."""
 
 
-def largest_dp(mesh: MeshShape, topology: Topology, global_batch: int, micro_batch: int) -> int:
-    """Largest dp <= mesh.dp with the batch divisible and a feasible placement on healthy nodes."""
+def largest_dp(mesh: MeshShape, topology: Topology, global_batch: int, micro_batch: int,
+               fits: Fits | None = None) -> int:
+    """Largest dp <= mesh.dp that keeps the layout (a multiple of HSDP's dp_replicas), divides the
+    batch, fits each GPU's memory and has a feasible placement on healthy nodes; 0 if none."""
     for dp in range(mesh.dp, 0, -1):
-        if global_batch % (dp * micro_batch):
+        if dp % mesh.dp_replicas or global_batch % (dp * micro_batch):
+            continue
+        candidate = replace(mesh, dp=dp)
+        if fits is not None and fits(candidate) is not None:
             continue
         try:
-            place(MeshShape(dp=dp, pp=mesh.pp, tp=mesh.tp), topology)
+            place(candidate, topology)
         except PlacementError:
             continue
         return dp
     return 0
 
 
+def _layout_note(mesh: MeshShape, dp: int, topology: Topology, global_batch: int, micro_batch: int,
+                 fits: Fits | None) -> str:
+    """Why a smaller dp than the GPUs would allow was taken (HSDP's replicas, memory per GPU), or ''."""
+    notes = []
+    if mesh.dp_replicas > 1:
+        plain = largest_dp(replace(mesh, dp_replicas=1), topology, global_batch, micro_batch, fits)
+        notes.append(f"HSDP dp_replicas {mesh.dp_replicas} kept, so dp stays a multiple of it"
+                     + (f" (dp {plain} would fit without it)" if plain > dp else ""))
+    if fits is not None:
+        for bigger in range(mesh.dp, dp, -1):
+            if bigger % mesh.dp_replicas == 0 and not global_batch % (bigger * micro_batch):
+                why = fits(replace(mesh, dp=bigger))
+                if why is not None:
+                    notes.append(f"dp {bigger} does not fit: {why}")
+                    break
+    return "; ".join(notes)
+
+
 def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshShape, spec_mesh: MeshShape,
            topology: Topology, limits: ElasticLimits, global_batch: int, micro_batch: int,
-           waiting_since: float | None = None) -> Decision:
+           waiting_since: float | None = None, fits: Fits | None = None) -> Decision:
     """`failures_so_far` counts earlier failures of the run (this one excluded)."""
     failures = failures_so_far + 1
     for node in event.nodes:
         topology = topology.with_state(node, NodeState.QUARANTINED if event.cause.quarantines else NodeState.LOST)
     if failures > limits.max_failures:
-        return Decision(action=Action.FAIL, mesh=None, topology=topology,
+        return Decision(action=Action.FAIL, mesh=None, topology=topology, code="failure_budget",
                         reason=f"{failures} failures exceed elastic.max_failures = {limits.max_failures}")
     if not event.nodes:
         # A rank died or hung on a node that is still alive: the same mesh on the same nodes.
-        return Decision(action=Action.RESTART, mesh=mesh, topology=topology,
+        return Decision(action=Action.RESTART, mesh=mesh, topology=topology, code="restarted",
                         reason=f"{event.cause.value} on ranks {list(event.ranks)}; nodes still healthy")
     spares = topology.spares()
     lost_in_use = list(event.nodes)
     lost = "quarantined" if event.cause.quarantines else "lost"
     if len(spares) >= len(lost_in_use):
         promoted = []
+        with_spares = topology
         for spare in spares[: len(lost_in_use)]:
-            topology = topology.with_state(spare.name, NodeState.HEALTHY)
+            with_spares = with_spares.with_state(spare.name, NodeState.HEALTHY)
             promoted.append(spare.name)
         try:
-            place(mesh, topology)
-            return Decision(action=Action.REPLACE, mesh=mesh, topology=topology,
+            place(mesh, with_spares)
+            return Decision(action=Action.REPLACE, mesh=mesh, topology=with_spares, code="replaced",
                             reason=f"{lost} {lost_in_use}; spare {promoted} takes over, mesh unchanged")
         except PlacementError:
-            pass  # spares too small for the mesh: fall through to shrinking
-    dp = largest_dp(mesh, topology, global_batch, micro_batch)
+            topology = with_spares  # spares too small for the mesh: shrink onto them and the rest
+    return capacity_decision(now, mesh=mesh, topology=topology, limits=limits, global_batch=global_batch,
+                             micro_batch=micro_batch, waiting_since=waiting_since, fits=fits,
+                             cause=f"{lost} {lost_in_use}, no spare")
+
+
+def capacity_decision(now: float, *, mesh: MeshShape, topology: Topology, limits: ElasticLimits,
+                      global_batch: int, micro_batch: int, waiting_since: float | None, fits: Fits | None = None,
+                      cause: str, target: MeshShape | None = None) -> Decision:
+    """The mesh the healthy nodes hold now: shrink (or grow back, up to `target`) keeping pp, tp, the
+    layout and the global batch; below min_dp wait for capacity, then fail once the wait is over."""
+    start = target or mesh
+    dp = largest_dp(start, topology, global_batch, micro_batch, fits)
+    note = _layout_note(start, dp, topology, global_batch, micro_batch, fits)
+    note = f"; {note}" if note else ""
     if dp >= limits.min_dp:
-        new = MeshShape(dp=dp, pp=mesh.pp, tp=mesh.tp)
-        return Decision(action=Action.SHRINK, mesh=new, topology=topology,
-                        reason=f"{lost} {lost_in_use}, no spare: dp {mesh.dp} -> {dp} (pp{mesh.pp} tp{mesh.tp} kept, "
+        new = replace(mesh, dp=dp)
+        grow = target is not None and dp >= mesh.dp
+        return Decision(action=Action.GROW if grow else Action.SHRINK, mesh=new, topology=topology,
+                        code="grown" if grow else "shrunk",
+                        reason=f"{cause}: dp {mesh.dp} -> {dp} (pp{mesh.pp} tp{mesh.tp} kept, "
                                f"{global_batch // (dp * micro_batch)} micro-batches per step keep global batch "
-                               f"{global_batch})")
+                               f"{global_batch}){note}")
     started = waiting_since if waiting_since is not None else now
     if now - started < limits.wait_for_capacity_s:
-        return Decision(action=Action.WAIT, mesh=None, topology=topology,
-                        reason=f"healthy GPUs allow dp {dp} < elastic.min_dp = {limits.min_dp}; waiting up to "
-                               f"{limits.wait_for_capacity_s:.0f} s for capacity")
-    return Decision(action=Action.FAIL, mesh=None, topology=topology,
-                    reason=f"healthy GPUs allow dp {dp} < elastic.min_dp = {limits.min_dp} after waiting "
-                           f"{now - started:.0f} s for capacity")
+        return Decision(action=Action.WAIT, mesh=None, topology=topology, code="waiting_for_capacity",
+                        reason=f"{cause}: healthy GPUs allow dp {dp} < elastic.min_dp = {limits.min_dp}; waiting "
+                               f"up to {limits.wait_for_capacity_s:.0f} s for capacity{note}")
+    return Decision(action=Action.FAIL, mesh=None, topology=topology, code="no_capacity",
+                    reason=f"no capacity for dp >= {limits.min_dp} after {limits.wait_for_capacity_s:.0f} s ({cause}): "
+                           f"healthy GPUs allow dp {dp} after waiting {now - started:.0f} s for capacity{note}")
 
 
 def grow_target(mesh: MeshShape, spec_mesh: MeshShape, topology: Topology, global_batch: int,
-                micro_batch: int) -> MeshShape | None:
+                micro_batch: int, fits: Fits | None = None) -> MeshShape | None:
     """The larger mesh the healthy nodes allow now, up to the spec's; None when nothing to grow."""
     if mesh.dp >= spec_mesh.dp:
         return None
-    dp = largest_dp(spec_mesh, topology, global_batch, micro_batch)
+    dp = largest_dp(spec_mesh, topology, global_batch, micro_batch, fits)
     if dp > mesh.dp:
-        return MeshShape(dp=dp, pp=mesh.pp, tp=mesh.tp)
+        return replace(mesh, dp=dp)
     return None
+
+
+def grow_decision(mesh: MeshShape, target: MeshShape, topology: Topology, *, step: int) -> Decision:
+    """Grow back at a checkpoint boundary: nodes returned, the run takes them (no step is lost)."""
+    return Decision(action=Action.GROW, mesh=target, topology=topology, code="grown",
+                    reason=f"capacity returned: dp {mesh.dp} -> {target.dp} at the step-{step} checkpoint")

@@ -52,7 +52,8 @@ def activation_bytes(model: ModelConfig, micro_batch: int, tp: int) -> int:
 
 
 def memory_per_gpu(model: ModelConfig, train: TrainConfig, mesh: MeshShape) -> tuple[int, int]:
-    static = static_state_bytes(model.num_params()) // (mesh.dp * mesh.tp * mesh.pp)
+    # FSDP shards the static state over dp; HSDP only over dp / dp_replicas (replicas hold copies)
+    static = static_state_bytes(model.num_params()) // (mesh.dp // mesh.dp_replicas * mesh.tp * mesh.pp)
     return static, activation_bytes(model, train.micro_batch, mesh.tp)
 
 

@@ -23,7 +23,7 @@ from checkpointing.store import ObjectStore, StoreError
 from controller.accounting import account
 from controller.events import EventLog
 from controller.placement import Placement, PlacementError, place
-from controller.planner import MeshPlan, PlanError, plan_mesh
+from controller.planner import MeshPlan, PlanError, memory_per_gpu, plan_mesh
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
 from controller.attribution import attribute
@@ -32,7 +32,8 @@ from controller.drills import (
     target_problem,
 )
 from controller.failure_policy import (
-    Action, Decision, ElasticLimits, FailureCause, FailureEvent, decide, grow_target, largest_dp,
+    Action, Decision, ElasticLimits, FailureCause, FailureEvent, capacity_decision, decide, grow_decision,
+    grow_target,
 )
 from controller.topology import NodeState, Topology
 from health.hang import hang_verdict
@@ -486,13 +487,14 @@ class RunController:
                         self.events.add(now, self.attempt, "first_step_after_recovery", step=report.step)
         self._judge_stragglers(now)
         suspect = next((detail for _, kind, detail in result.events if kind == "sdc_suspect"), None)
-        for rank, kind, detail in result.events:
+        committed = False
+        for rank, kind, detail in result.events:  # every event of the poll joins the timeline first
             self.events.add(now, self.attempt, kind, rank=rank, **detail)
             if kind == "checkpoint_interval":
                 self._auto_interval = int(detail.get("steps", 0))
-            if (suspect is None and kind == "checkpoint_committed"
-                    and (self._maybe_replace_stragglers(now) or self._maybe_grow(now))):
-                return
+            committed = committed or kind == "checkpoint_committed"
+        if suspect is None and committed and (self._maybe_replace_stragglers(now) or self._maybe_grow(now)):
+            return
         if suspect is not None:  # the probes' evidence is the cause; the ranks' errors that follow are not
             self._recover(now, self._sdc_failure(now, suspect))
             return
@@ -593,15 +595,16 @@ class RunController:
             now, event=failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
             spec_mesh=self.spec.fixed_mesh() or self.config.mesh, topology=self.topology, limits=self._limits(),
             global_batch=self.spec.train.global_batch, micro_batch=self.spec.train.micro_batch,
-            waiting_since=self._waiting_since)
+            waiting_since=self._waiting_since, fits=self._fits)
         self.failures.append(failure)
         self._apply(now, decision)
 
     def _apply(self, now: float, decision: Decision) -> None:
         mesh = decision.mesh
         self.stragglers = None  # its scores were of the attempt that just ended
-        self.events.add(now, self.attempt, "decision", action=decision.action.value, reason=decision.reason,
-                        mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp} if mesh else None)
+        self.events.add(now, self.attempt, "decision", action=decision.action.value, code=decision.code,
+                        reason=decision.reason, mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp} if mesh else None,
+                        dp_replicas=mesh.dp_replicas if mesh else None)
         failure = self._last_failure
         for node in self.topology.nodes:
             new_state = decision.topology.node(node.name).state
@@ -616,8 +619,7 @@ class RunController:
                 self.quarantined.append({"node": node.name, "reason": reason, "evidence": evidence, "time": now})
         self.topology = decision.topology
         if decision.action is Action.FAIL:
-            self._fail(now, "failure_budget" if "max_failures" in decision.reason else "no_capacity",
-                       decision.reason)
+            self._fail(now, decision.code, decision.reason)
             return
         if decision.action is Action.WAIT:
             self._waiting_since = self._waiting_since or now
@@ -635,16 +637,24 @@ class RunController:
         if self.topology_source is not None:
             self.topology = _merge_returned(self.topology, self.topology_source())
         assert self.config is not None
-        mesh = self.config.mesh
-        dp = largest_dp(self.spec.fixed_mesh() or mesh, self.topology, self.spec.train.global_batch,
-                        self.spec.train.micro_batch)
-        if dp >= self.spec.elastic.min_dp:
-            self._apply(now, Decision(action=Action.SHRINK if dp < mesh.dp else Action.GROW,
-                                      mesh=MeshShape(dp=dp, pp=mesh.pp, tp=mesh.tp), topology=self.topology,
-                                      reason=f"capacity for dp {dp} after waiting {now - (self._waiting_since or now):.0f} s"))
-        elif now - (self._waiting_since or now) >= self.spec.elastic.wait_for_capacity_s:
-            self._fail(now, "no_capacity", f"no capacity for dp >= {self.spec.elastic.min_dp} after "
-                                           f"{self.spec.elastic.wait_for_capacity_s:.0f} s")
+        decision = capacity_decision(
+            now, mesh=self.config.mesh, topology=self.topology, limits=self._limits(),
+            global_batch=self.spec.train.global_batch, micro_batch=self.spec.train.micro_batch,
+            waiting_since=self._waiting_since, fits=self._fits, target=self.spec.fixed_mesh() or self.config.mesh,
+            cause=f"after waiting {now - (self._waiting_since or now):.0f} s")
+        if decision.action is not Action.WAIT:
+            self._apply(now, decision)
+
+    def _fits(self, mesh: MeshShape) -> str | None:
+        """None when the mesh's memory per GPU (the planner's model) fits the smallest healthy GPU."""
+        gpus = [n.gpu_memory_bytes for n in self.topology.nodes if n.state in (NodeState.HEALTHY, NodeState.SPARE)]
+        if not gpus:
+            return None
+        static, act = memory_per_gpu(self.spec.to_model_config(), self.spec.to_train_config(), mesh)
+        need = static + act
+        if need > min(gpus):
+            return f"{need / 2**30:.1f} GiB per GPU > {min(gpus) / 2**30:.1f} GiB"
+        return None
 
     def _maybe_grow(self, now: float) -> bool:
         """At a checkpoint boundary, grow back towards the spec's mesh if lost nodes returned."""
@@ -664,13 +674,11 @@ class RunController:
             return False
         self._grow_checked = usable
         target = grow_target(self.config.mesh, spec_mesh, merged, self.spec.train.global_batch,
-                             self.spec.train.micro_batch)
+                             self.spec.train.micro_batch, self._fits)
         if target is None:
             return False
         self._shutdown()
-        self._apply(now, Decision(action=Action.GROW, mesh=target, topology=merged,
-                                  reason=f"capacity returned: dp {self.config.mesh.dp} -> {target.dp} at the "
-                                         f"step-{self.progress.step} checkpoint"))
+        self._apply(now, grow_decision(self.config.mesh, target, merged, step=self.progress.step))
         return True
 
     def request_drill(self, now: float, kind: str, *, target: str | None = None, at_step: int | None = None,

@@ -7,6 +7,7 @@ import pytest
 from controller.failure_policy import (
     Action, ElasticLimits, FailureCause, FailureEvent, decide, grow_target,
 )
+from controller.topology import Topology as Topology  # noqa: F811 - named in parametrize
 from controller.topology import NodeState, Topology
 from trainer.config import MeshShape
 
@@ -86,3 +87,41 @@ def test_grow_back_when_capacity_returns() -> None:
     t = t.with_state("node-1", NodeState.HEALTHY)
     assert grow_target(shrunk, MESH, t, 16, 2) == MESH
     assert grow_target(MESH, MESH, t, 16, 2) is None
+
+
+@pytest.mark.parametrize("failures, topology, code", [
+    (3, topo(5, 1), "failure_budget"),
+    (0, topo(5, 1), "replaced"),
+    (0, topo(4, 0), "shrunk"),
+])
+def test_every_decision_carries_its_code(failures: int, topology: Topology, code: str) -> None:
+    assert run(lost("node-1"), topology, failures=failures).code == code
+    assert run(FailureEvent(time=0.0, cause=FailureCause.RANK_DIED, ranks=(3,)), topo(5, 1)).code == "restarted"
+
+
+def test_waiting_and_no_capacity_have_codes_and_the_controller_uses_them() -> None:
+    limits = ElasticLimits(min_dp=2, max_failures=3, wait_for_capacity_s=60)
+    assert run(lost("node-1"), topo(4, 0), limits=limits).code == "waiting_for_capacity"
+    late = run(lost("node-1"), topo(4, 0), limits=limits, now=70.0, waiting_since=0.0)
+    assert late.action is Action.FAIL and late.code == "no_capacity"
+
+
+def test_an_hsdp_shrink_keeps_the_layout_and_says_why_dp_is_lower() -> None:
+    """dp 4 as 2 replicas x 2 shards on 8 two-GPU nodes (tp 2, pp 1); one node lost, no spare: 7 nodes
+    would hold dp 3, but HSDP needs a multiple of dp_replicas: dp 2 with the replicas kept."""
+    mesh = MeshShape(dp=4, pp=1, tp=2, dp_replicas=2)
+    d = run(lost("node-1"), topo(4, 0), mesh=mesh, global_batch=24, micro_batch=2)
+    assert d.action is Action.SHRINK and d.mesh == MeshShape(dp=2, pp=1, tp=2, dp_replicas=2)
+    assert "dp_replicas 2 kept" in d.reason and "dp 3 would fit without it" in d.reason
+
+
+def test_a_shrink_that_does_not_fit_memory_waits_and_says_so() -> None:
+    limits = ElasticLimits(min_dp=1, max_failures=3, wait_for_capacity_s=60)
+
+    def fits(mesh: MeshShape) -> str | None:
+        return None if mesh.dp >= 2 else "90.0 GiB per GPU > 80.0 GiB"
+
+    d = decide(0.0, event=lost("node-1"), failures_so_far=0, mesh=MESH, spec_mesh=MESH, topology=topo(4, 0),
+               limits=limits, global_batch=16, micro_batch=2, fits=fits)
+    assert d.action is Action.WAIT and d.code == "waiting_for_capacity"
+    assert "dp 1 does not fit: 90.0 GiB per GPU > 80.0 GiB" in d.reason, d.reason

@@ -287,3 +287,30 @@ def test_auto_checkpointing_starts_the_next_attempt_at_the_interval_the_last_one
     c.step(120.0)
     assert g.started[-1].attempt == 1 and g.started[-1].checkpoint_auto
     assert g.started[-1].checkpoint_every == 37, "not step 10 again: the save cost is measured at the first save"
+
+
+def test_a_commit_that_grows_the_run_drops_no_event_of_its_poll() -> None:
+    """A shrunk run's node comes back; the poll that brings the commit (where it grows back) also
+    brings events after it: every one joins the timeline (the loop used to return at the commit)."""
+    raw = copy.deepcopy(BASE)
+    raw["cluster"]["local"].update(nodes=4, spares=0)
+    spec = parse_spec(raw)
+    full = spec.topology()
+    live = {"topology": Topology(tuple(n for n in full.nodes if n.name != "node-2"))}
+    g = FakeWorkerGroup()
+    c = RunController(spec, full, g, now=100.0, topology_source=lambda: live["topology"])
+    start_running(c)
+    g.lose_node("node-2")
+    c.step(110.0)
+    start_running(c)
+    assert c.config is not None and c.config.mesh.dp == 1
+    live["topology"] = full
+    g.finish_steps(1, 20)
+    g.emit(0, "checkpoint_committed", step=20, seconds=0.1)
+    g.emit(0, "checkpoint_interval", steps=25)
+    g.emit(3, "loss_anomaly", step=20, loss=9.0)
+    c.step(150.0)
+    kinds = c.events.kinds()
+    assert kinds.index("checkpoint_committed") < kinds.index("checkpoint_interval") < kinds.index("loss_anomaly")
+    assert c.events.of_kind("decision")[-1].detail["code"] == "grown"
+    assert c.state is RunState.LAUNCHING
