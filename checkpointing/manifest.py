@@ -50,9 +50,34 @@ class Manifest:
     """Path relative to the step -> {size, sha256} of every file of the step except the manifest."""
     created_at: float = 0.0
     """Unix seconds of the commit."""
+    identity: str = ""
+    """Fingerprint of what shapes the state (model, optimizer, layout rules); '' in manifests written
+    before it was recorded. A checkpoint of another identity is never loaded."""
+    identity_detail: dict = field(default_factory=dict)
+    """What the fingerprint was taken of (to say what differs when a load is refused)."""
 
     def total_bytes(self) -> int:
         return sum(f["size"] for f in self.files.values())
+
+
+class IdentityMismatch(CheckpointError):
+    """The checkpoint is whole, but of another model: it is never loaded."""
+
+
+def check_identity(manifest: Manifest, identity: str, detail: dict, uri: str) -> None:
+    """IdentityMismatch, saying what differs, when the manifest records another identity."""
+    if not manifest.identity or manifest.identity == identity:
+        return
+    theirs = manifest.identity_detail.get("model", {}) if manifest.identity_detail else {}
+    ours = detail.get("model", {})
+    diff = [f"{k} {theirs.get(k)} there, {ours.get(k)} here" for k in sorted(set(theirs) | set(ours))
+            if theirs.get(k) != ours.get(k)]
+    if manifest.identity_detail and manifest.identity_detail.get("layout") != detail.get("layout"):
+        diff.append(f"state layout {manifest.identity_detail.get('layout')} there, {detail.get('layout')} here")
+    raise IdentityMismatch(
+        f"{uri}/{step_prefix(manifest.run_id, manifest.step)} holds another model's state "
+        f"({'; '.join(diff) or manifest.identity + ' vs ' + identity}): it is never loaded into this run. Give "
+        "the run another name or checkpoint.uri, or remove those checkpoints if they are no longer wanted")
 
 
 def step_prefix(run_id: str, step: int) -> str:

@@ -17,7 +17,9 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Protocol
 
-from checkpointing.manifest import MANIFEST, committed_steps, latest_verified, step_prefix
+from checkpointing.manifest import (
+    MANIFEST, IdentityMismatch, check_identity, committed_steps, latest_verified, step_prefix,
+)
 from checkpointing.policy import observed_mtbf_s
 from checkpointing.store import ObjectStore, StoreError
 from controller.accounting import account
@@ -38,7 +40,7 @@ from controller.failure_policy import (
 from controller.topology import NodeState, Topology
 from health.hang import hang_verdict
 from health.straggler import StragglerConfig, StragglerTracker
-from trainer.config import MeshShape, TrainerConfig
+from trainer.config import MeshShape, TrainerConfig, state_fingerprint, state_identity
 from trainer.report import StepReport
 
 
@@ -353,6 +355,9 @@ class RunController:
         except StoreError as e:
             self._store_unreachable(now, e)
             return
+        except IdentityMismatch as e:
+            self._fail(now, "checkpoint_mismatch", str(e))
+            return
         for step, reason in discarded:
             self.events.add(now, self.attempt, "checkpoint_discarded", step=step, reason=reason)
         self._store_reachable(now)
@@ -415,6 +420,8 @@ class RunController:
         if found is None:
             return 0, 0, None, [], discarded
         manifest, skipped = found
+        model = self.spec.to_model_config()
+        check_identity(manifest, state_fingerprint(model), state_identity(model), self.checkpoint_store.uri)
         return manifest.step, manifest.cursor, manifest.step, skipped, discarded
 
     STORE_BACKOFF_MAX_S = 30.0

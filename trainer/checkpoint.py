@@ -28,10 +28,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from checkpointing.manifest import (
-    CheckpointError, Manifest, apply_retention, commit, describe, is_committed, sha256_file, step_prefix,
+    CheckpointError, Manifest, apply_retention, check_identity, commit, describe, is_committed, sha256_file, step_prefix,
     wait_for_ranks, write_rank_marker,
 )
 from checkpointing.store import ObjectStore, StoreError, retry_unavailable
+from trainer.config import state_fingerprint, state_identity
 from trainer.report import ReportSink
 
 T = TypeVar("T")
@@ -115,6 +116,7 @@ class Checkpointer:
             run_id=self.run_id, step=trainer.step, attempt=self.attempt,
             mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, world_size=mesh.world_size,
             cursor=trainer.cursor, seeds={"data": trainer.config.data.seed, "init": trainer.config.train.seed},
+            identity=state_fingerprint(trainer.config.model), identity_detail=state_identity(trainer.config.model),
         )
         state = trainer_state(trainer)
         future = None
@@ -219,6 +221,7 @@ class Checkpointer:
 def load(trainer: Any, store: ObjectStore, manifest: Manifest, cache_dir: Path) -> None:
     """Collective: fill the trainer's model and optimizer from a committed step saved on any mesh.
     From a remote store, every file is downloaded and checked against the manifest first."""
+    check_identity(manifest, state_fingerprint(trainer.config.model), state_identity(trainer.config.model), store.uri)
     prefix = step_prefix(manifest.run_id, manifest.step)
     local = store.local_path(prefix)
     cleanup = None

@@ -7,7 +7,9 @@ process starts. `validate()` raises `ValueError` naming the numbers that do not 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
 
 
 class MeshAxis(str, enum.Enum):
@@ -231,3 +233,20 @@ def config_from_dict(raw: dict) -> TrainerConfig:
         mesh=MeshShape(**raw.get("mesh", {})),
         probes=ProbeConfig(**raw.get("probes", {})),
     )
+
+
+STATE_LAYOUT = 1
+"""How the trainer names and lays out its state (global FQNs per stage, AdamW's flattened optimizer
+state). Raise it when a change makes older checkpoints unloadable."""
+
+
+def state_identity(model: ModelConfig) -> dict:
+    """What shapes a run's saved state: the model, the optimizer and the layout rules (not the mesh,
+    which a load reshards, nor the schedule of steps, batch or learning rate, which a resume may change)."""
+    return {"model": asdict(model), "optimizer": "adamw", "layout": STATE_LAYOUT}
+
+
+def state_fingerprint(model: ModelConfig) -> str:
+    """A short digest of `state_identity`: the manifest records it, and a load refuses another one."""
+    canonical = json.dumps(state_identity(model), sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -208,6 +208,10 @@ class Service:
     def add(self, spec: RunSpec) -> dict[str, Any]:
         """Queue a validated spec; the Run object (pending)."""
         store = self._store(spec)  # may ask the store: never under the service lock
+        if store is not None:
+            with self.lock:
+                tentative = self._new_id(spec.name)
+            self._identity_conflict(store, tentative, spec)
         with self.lock:
             if len(self._runs) >= MAX_RUNS:
                 raise ServiceError(429, "too_many_runs", f"the service holds {MAX_RUNS} runs")
@@ -714,21 +718,28 @@ class Service:
         except SpecError as e:
             raise ServiceError(422, "invalid_spec", str(e)) from None
         if probe and self.store_probe is not None:
-            outcome: list[BaseException | None] = []
-
-            def run_probe() -> None:
-                try:
-                    self.store_probe(store, spec.checkpoint.uri)  # type: ignore[misc]
-                    outcome.append(None)
-                except BaseException as e:  # noqa: BLE001 - handed to the request thread
-                    outcome.append(e)
-
-            thread = threading.Thread(target=run_probe, name="goodput-store-probe", daemon=True)
-            thread.start()
-            thread.join(self.STORE_PROBE_WAIT_S)
-            if outcome and isinstance(outcome[0], SpecError):
-                raise ServiceError(422, "invalid_spec", str(outcome[0])) from None
+            probe_store = self.store_probe
+            error = _within(self.STORE_PROBE_WAIT_S, lambda: probe_store(store, spec.checkpoint.uri))
+            if isinstance(error, SpecError):
+                raise ServiceError(422, "invalid_spec", str(error)) from None
         return store
+
+    def _identity_conflict(self, store: Any, run_id: str, spec: RunSpec) -> None:
+        """409 when the store already holds checkpoints of another model under this run id (a fresh
+        state dir over an old bucket): asked for at most STORE_PROBE_WAIT_S (the launch asks again)."""
+        from checkpointing.manifest import IdentityMismatch, check_identity, committed_steps, read_manifest
+        from trainer.config import state_fingerprint, state_identity
+
+        def check() -> None:
+            steps = committed_steps(store, run_id)
+            if steps:
+                model = spec.to_model_config()
+                check_identity(read_manifest(store, run_id, steps[-1]), state_fingerprint(model),
+                               state_identity(model), store.uri)
+
+        error = _within(self.STORE_PROBE_WAIT_S, check)
+        if isinstance(error, IdentityMismatch):
+            raise ServiceError(409, "checkpoint_mismatch", str(error)) from None
 
     def _injector(self, group: WorkerGroup) -> DrillInjector | None:
         return self.injector_factory(group) if self.injector_factory is not None else None
@@ -754,3 +765,21 @@ def placement_from_rows(rows: list[dict[str, Any]], mesh: dict[str, int], spares
 
 def free_gpus(topology: Topology) -> int:
     return sum(n.num_gpus for n in topology.nodes if n.state is NodeState.HEALTHY)
+
+
+def _within(seconds: float, fn: Callable[[], None]) -> BaseException | None:
+    """Run fn in a thread for at most `seconds`: the exception it raised in time, else None (it
+    succeeded, or is still waiting on something slow and is left to finish on its own)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, name="goodput-bounded-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return outcome[0] if outcome else None

@@ -214,3 +214,59 @@ def test_controller_waits_for_an_unreachable_store(tmp_path: Path) -> None:
     assert group.started[0].resume_step == 20 and c.attempt == 0
     assert not c.events.of_kind("checkpoint_unusable")
     assert len(c.events.of_kind("store_available")) == 1
+
+
+def _commit_of_model(store: LocalStore, run_id: str, step: int, d_model: int) -> None:
+    from trainer.config import ModelConfig, state_fingerprint, state_identity
+
+    model = ModelConfig(n_layers=4, d_model=d_model, n_heads=4, vocab_size=256, seq_len=128)
+    commit(store, Manifest(run_id=run_id, step=step, attempt=0, mesh={"dp": 2, "pp": 2, "tp": 2}, world_size=8,
+                           cursor=step * 16, seeds={"data": 0, "init": 0}, identity=state_fingerprint(model),
+                           identity_detail=state_identity(model)))
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_what_differs(tmp_path: Path) -> None:
+    """The example's model (d_model 128) over an old run's checkpoints of d_model 64 under the same
+    name: the run fails with checkpoint_mismatch, naming d_model, and nothing is launched (before, the
+    ranks would have died on a tensor-shape error)."""
+    store = LocalStore(tmp_path)
+    _commit_of_model(store, "run", 20, d_model=64)
+    spec = parse_spec({**yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()), "name": "run"})
+    group = FakeWorkerGroup()
+    c = RunController(spec, spec.topology(), group, now=0.0, checkpoint_store=store)
+    for t in range(5):
+        c.step(float(t))
+    assert c.state is RunState.FAILED and not group.started
+    assert c.error is not None and c.error.code == "checkpoint_mismatch"
+    assert "d_model 64 there, 128 here" in c.error.message and "another name or checkpoint.uri" in c.error.message
+
+
+def test_a_checkpoint_of_the_same_model_resumes_whatever_the_mesh_or_the_steps(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    _commit_of_model(store, "run", 20, d_model=128)
+    raw = {**yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()), "name": "run",
+           "parallelism": {"dp": 4, "tp": 2, "pp": 1}}
+    raw["train"] = {**raw["train"], "steps": 500, "lr": 1e-3}
+    spec = parse_spec(raw)
+    group = FakeWorkerGroup()
+    c = RunController(spec, spec.topology(), group, now=0.0, checkpoint_store=store)
+    while c.state is not RunState.RUNNING:
+        c.step(1.0)
+    assert group.started[0].resume_step == 20
+
+
+def test_the_service_refuses_a_submission_over_another_models_checkpoints(tmp_path: Path) -> None:
+    from controller.service.registry import Registry
+    from controller.service.runs import Service, ServiceError
+    from tests.unit.fakes import FakeCluster
+
+    store = LocalStore(tmp_path)
+    _commit_of_model(store, "tiny-gpt", 20, d_model=64)
+    spec = parse_spec(yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()))
+    service = Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=lambda *_: FakeWorkerGroup(),
+                      store_factory=lambda _: store, threads=False)
+    with pytest.raises(ServiceError) as refused:
+        service.add(spec)
+    assert refused.value.status == 409 and refused.value.code == "checkpoint_mismatch"
+    assert "d_model 64 there, 128 here" in refused.value.message
+    assert service.runs() == []
