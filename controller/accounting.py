@@ -16,6 +16,12 @@ category, so productive time plus the badput categories add up to wall time (to 
                         flight when a failure struck
 - straggler_slowdown    in kept steps after a `straggler` verdict: the time above the attempt's
                         median step before it
+- degraded_capacity     kept steps on a mesh smaller than the planned one (shrunk for want of
+                        spares): the share of their time the planned mesh would not have needed.
+                        A shrunk attempt's throughput against the planned mesh is the planned
+                        mesh's median step time over its own (the global batch is the same), at
+                        most 1; with no step measured on the planned mesh, its share of the planned
+                        mesh's ranks (ideal scaling)
 - waiting_for_capacity  a `decision` to wait (below min_dp) -> the next attempt started
 - other                 everything else (gaps between steps, shutdown)
 
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 CATEGORIES = ("queueing", "startup", "checkpoint_stall", "failure_detection", "restart_restore", "recomputation",
-              "straggler_slowdown", "waiting_for_capacity", "other")
+              "straggler_slowdown", "degraded_capacity", "waiting_for_capacity", "other")
 
 # When labelled intervals overlap, the higher priority (lower index) takes the time.
 _PRIORITY = ("productive", "recomputation", "failure_detection", "waiting_for_capacity", "restart_restore",
@@ -175,7 +181,8 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
 
     segments = _partition(intervals, start, end)
     excess = _straggler_excess(events, kept, by_attempt)
-    whole = _total(segments, start, end, sum(excess.values()))
+    degraded = _degraded(events, kept, by_attempt, excess)
+    whole = _total(segments, start, end, sum(excess.values()), sum(degraded.values()))
     whole.failures = failures
     bounds = sorted((t, a) for a, t in started.items())
     seg_ends = [y for _, y, _ in segments]  # segments are in time order and do not overlap
@@ -189,21 +196,55 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
                 break
             if min(y, b) > max(x, a):
                 window.append((max(x, a), min(y, b), c))
-        part = _total(window, a, max(a, b), excess.get(attempt, 0.0))
+        part = _total(window, a, max(a, b), excess.get(attempt, 0.0), degraded.get(attempt, 0.0))
         part.attempt = attempt
         whole.attempts.append(part)
     return whole
 
 
-def _total(segments: list[tuple[float, float, str]], start: float, end: float, straggler: float) -> Accounting:
+def _total(segments: list[tuple[float, float, str]], start: float, end: float, straggler: float,
+           degraded: float = 0.0) -> Accounting:
     totals: dict[str, float] = {}
     for a, b, category in segments:
         totals[category] = totals.get(category, 0.0) + (b - a)
     productive = totals.pop("productive", 0.0)
     straggler = min(straggler, productive)
+    degraded = min(degraded, productive - straggler)
     badput = {c: totals.get(c, 0.0) for c in CATEGORIES}
     badput["straggler_slowdown"] = straggler
-    return Accounting(wall_s=end - start, productive_s=productive - straggler, badput_s=badput)
+    badput["degraded_capacity"] = degraded
+    return Accounting(wall_s=end - start, productive_s=productive - straggler - degraded, badput_s=badput)
+
+
+def _world(mesh: Any) -> int:
+    mesh = mesh or {}
+    return int(mesh.get("dp", 1)) * int(mesh.get("pp", 1)) * int(mesh.get("tp", 1))
+
+
+def _degraded(events: Sequence[dict[str, Any]], kept: set[StepSpan], by_attempt: dict[int, list[StepSpan]],
+              excess: dict[int, float]) -> dict[int, float]:
+    """attempt -> the time of its kept steps that a mesh smaller than the planned one cost (its
+    straggler excess aside)."""
+    planned = next((_world(e["detail"].get("mesh")) for e in events if e["kind"] == "planned"), 0)
+    worlds = {e["attempt"]: _world(e["detail"].get("mesh")) for e in events if e["kind"] == "attempt_started"}
+    if not planned and worlds:
+        planned = worlds[min(worlds)]
+    if not planned or all(w >= planned for w in worlds.values()):
+        return {}
+    full = [s.end - s.start for a, own in by_attempt.items() if worlds.get(a, 0) >= planned for s in own if s in kept]
+    reference = statistics.median(full) if full else None
+    out: dict[int, float] = {}
+    for attempt, world in worlds.items():
+        own = [s for s in by_attempt.get(attempt, []) if s in kept]
+        if world >= planned or not own:
+            continue
+        durations = [s.end - s.start for s in own]
+        if reference is not None:
+            throughput = min(1.0, reference / max(statistics.median(durations), 1e-12))
+        else:
+            throughput = world / planned
+        out[attempt] = max(0.0, (sum(durations) - excess.get(attempt, 0.0)) * (1.0 - throughput))
+    return out
 
 
 def _kept(spans: Sequence[StepSpan]) -> set[StepSpan]:

@@ -11,7 +11,7 @@ from controller.accounting import CATEGORIES
 
 COLORS = {"productive": "#2e7d32", "queueing": "#90a4ae", "startup": "#607d8b", "checkpoint_stall": "#8d6e63",
           "failure_detection": "#d32f2f", "restart_restore": "#f9a825", "recomputation": "#ef6c00",
-          "straggler_slowdown": "#7b1fa2", "waiting_for_capacity": "#1565c0", "other": "#bdbdbd"}
+          "straggler_slowdown": "#7b1fa2", "degraded_capacity": "#5d4037", "waiting_for_capacity": "#1565c0", "other": "#bdbdbd"}
 
 
 MAX_DETAILED = 8

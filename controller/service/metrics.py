@@ -91,7 +91,8 @@ WALL = _m("goodput_run_wall_seconds", "gauge", "Wall time since submission (to t
 PRODUCTIVE = _m("goodput_run_productive_seconds", "gauge", "Wall time that became kept training progress",
                 ("run",))
 BADPUT = _m("goodput_run_badput_seconds", "gauge", "Wall time lost, by category (queueing, startup, checkpoint_stall, "
-            "failure_detection, restart_restore, recomputation, straggler_slowdown, waiting_for_capacity, other); "
+            "failure_detection, restart_restore, recomputation, straggler_slowdown, degraded_capacity, waiting_for_capacity, "
+            "other); "
             "with goodput_run_productive_seconds it adds up to goodput_run_wall_seconds", ("run", "category"))
 FAILURES = _m("goodput_failures", "counter", "Failures detected, by cause", ("run", "cause"))
 DETECTION = _m("goodput_failure_detection_seconds", "histogram",

@@ -97,3 +97,30 @@ def test_a_restored_history_gives_the_accounting_its_kept_steps() -> None:
     assert progress.spans == [StepSpan(1, 0, 1.0, 2.0)] and progress.step == 2
     result = account([ev(0.0, "submitted"), ev(0.5, "attempt_started")], progress.spans, end=3.0)
     check(result, wall=3.0, productive=1.0, queueing=0.5, startup=0.5, other=1.0)
+
+
+DP2 = {"dp": 2, "pp": 2, "tp": 2}
+DP1 = {"dp": 1, "pp": 2, "tp": 2}
+
+
+def test_a_shrunk_mesh_is_productive_only_in_proportion_to_its_throughput() -> None:
+    """Planned dp2 (8 ranks) takes 1 s a step; no spare after a node loss, so dp1 (4 ranks) carries the
+    same global batch at 2 s a step: half its step time is degraded capacity, not goodput."""
+    spans = steps(1, 5, 1.0) + steps(6, 10, 10.0, seconds=2.0, attempt=1)
+    events = [ev(0.0, "submitted"), ev(0.0, "planned", mesh=DP2), ev(0.0, "attempt_started", mesh=DP2),
+              ev(7.0, "failure_detected", cause="node_lost"), ev(7.0, "decision", action="shrink"),
+              ev(8.0, "attempt_started", attempt=1, mesh=DP1), ev(20.0, "succeeded", attempt=1)]
+    result = account(events, spans, end=20.0)
+    check(result, wall=20.0, productive=5.0 + 5.0, startup=1.0, failure_detection=1.0, restart_restore=3.0,
+          degraded_capacity=5.0)
+    check(result.attempts[1], wall=12.0, productive=5.0, restart_restore=2.0, degraded_capacity=5.0)
+
+
+def test_with_no_step_on_the_planned_mesh_a_shrunk_one_counts_its_share_of_the_ranks() -> None:
+    """A run restored with none of its planned mesh's steps kept: dp1 of a planned dp2 holds half the
+    ranks, so half its kept step time is degraded capacity (ideal scaling)."""
+    spans = steps(1, 4, 2.0, attempt=1)
+    events = [ev(0.0, "submitted"), ev(0.0, "planned", mesh=DP2), ev(1.0, "attempt_started", attempt=1, mesh=DP1),
+              ev(6.0, "succeeded", attempt=1)]
+    check(account(events, spans, end=6.0), wall=6.0, productive=2.0, queueing=1.0, startup=1.0,
+          degraded_capacity=2.0)
