@@ -152,35 +152,65 @@ def drill_reports(events: list[Event]) -> list[dict[str, Any]]:
     """One report per injected (or refused) drill: injected_at, detected_at, recovered_at (first step
     finished on the new attempt; for storage-outage, the first commit after the outage), steps_lost
     (work redone since the last commit), decision, outcome."""
-    reports = []
-    for i, ev in enumerate(events):
-        if ev.kind == "drill_failed":
-            reports.append({"id": ev.detail.get("id"), "kind": ev.detail["drill"], "target": ev.detail.get("target"),
-                            "at_step": ev.detail.get("step"), "injected_at": None, "detected_at": None,
-                            "cause": None, "attributed_to": None, "decision": None, "recovered_at": None,
-                            "steps_lost": None, "outcome": "not_injected", "error": ev.detail.get("error")})
-            continue
-        if ev.kind != "drill_injected":
-            continue
-        later = events[i + 1:]
-        kind = ev.detail["drill"]
-        if kind == "slow-rank":
-            report = _slow_rank_report(ev, later)
-        elif kind == "storage-outage":
-            report = _outage_report(ev, later)
-        else:
-            report = _failure_report(ev, later)
-        report = {"id": ev.detail.get("id"), "kind": kind, "target": ev.detail.get("target"),
-                  "at_step": ev.detail.get("step"), "injected_at": ev.time, **report}
-        for name in ("factor", "seconds"):
-            if name in ev.detail:
-                report[name] = ev.detail[name]
-        if report.get("detected_at") is not None:
-            report["detection_s"] = report["detected_at"] - ev.time
-        if report.get("recovered_at") is not None:
-            report["recovery_s"] = report["recovered_at"] - ev.time
-        reports.append(report)
-    return reports
+    return [drill_report(events, i) for i, ev in enumerate(events) if ev.kind in DRILL_EVENTS]
+
+
+DRILL_EVENTS = ("drill_injected", "drill_failed")
+FINAL_OUTCOMES = frozenset({"recovered", "failed", "not_injected", "not_detected", "not_recovered"})
+"""Outcomes no later event changes (a report with one need not be computed again)."""
+
+
+def drill_report(events: list[Event], i: int) -> dict[str, Any]:
+    """The report of the drill whose `drill_injected` (or `drill_failed`) is events[i]."""
+    ev = events[i]
+    if ev.kind == "drill_failed":
+        return {"id": ev.detail.get("id"), "kind": ev.detail["drill"], "target": ev.detail.get("target"),
+                "at_step": ev.detail.get("step"), "injected_at": None, "detected_at": None,
+                "cause": None, "attributed_to": None, "decision": None, "recovered_at": None,
+                "steps_lost": None, "outcome": "not_injected", "error": ev.detail.get("error")}
+    later = events[i + 1:]
+    kind = ev.detail["drill"]
+    if kind == "slow-rank":
+        report = _slow_rank_report(ev, later)
+    elif kind == "storage-outage":
+        report = _outage_report(ev, later)
+    else:
+        report = _failure_report(ev, later)
+    report = {"id": ev.detail.get("id"), "kind": kind, "target": ev.detail.get("target"),
+              "at_step": ev.detail.get("step"), "injected_at": ev.time, **report}
+    for name in ("factor", "seconds"):
+        if name in ev.detail:
+            report[name] = ev.detail[name]
+    if report.get("detected_at") is not None:
+        report["detection_s"] = report["detected_at"] - ev.time
+    if report.get("recovered_at") is not None:
+        report["recovery_s"] = report["recovered_at"] - ev.time
+    return report
+
+
+class DrillReports:
+    """The drill reports of a growing timeline, kept up to date incrementally: new events are scanned
+    once, and only reports whose outcome may still change are computed again."""
+
+    def __init__(self) -> None:
+        self._scanned = 0
+        self._at: list[int] = []
+        self._reports: list[dict[str, Any]] = []
+
+    def of(self, events: list[Event]) -> list[dict[str, Any]]:
+        if len(events) < self._scanned:  # a restored timeline
+            self.__init__()  # type: ignore[misc]
+        if len(events) == self._scanned:
+            return list(self._reports)
+        for i in range(self._scanned, len(events)):
+            if events[i].kind in DRILL_EVENTS:
+                self._at.append(i)
+                self._reports.append({})
+        self._scanned = len(events)
+        for k, i in enumerate(self._at):
+            if self._reports[k].get("outcome") not in FINAL_OUTCOMES:
+                self._reports[k] = drill_report(events, i)
+        return list(self._reports)
 
 
 def _first(events: list[Event], kind: str, **match: Any) -> Event | None:

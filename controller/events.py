@@ -32,17 +32,30 @@ class EventLog:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self._events: list[Event] = []
+        self._counts: dict[str, int] = {}
 
     def add(self, now: float, attempt: int, kind: str, **detail: Any) -> Event:
         if self._events and now < self._events[-1].time:
             now = self._events[-1].time
         event = Event(now, self.run_id, attempt, kind, detail)
         self._events.append(event)
+        self._counts[kind] = self._counts.get(kind, 0) + 1
         return event
 
     def restore(self, rows: list[dict[str, Any]]) -> None:
         """Put back a timeline read from the registry (before anything else is added)."""
         self._events = [Event(r["time"], self.run_id, r["attempt"], r["kind"], dict(r["detail"])) for r in rows]
+        self._counts = {}
+        for e in self._events:
+            self._counts[e.kind] = self._counts.get(e.kind, 0) + 1
+
+    def count(self, kind: str) -> int:
+        """How many events of a kind (O(1): kept as they are added)."""
+        return self._counts.get(kind, 0)
+
+    def view(self) -> list[Event]:
+        """The timeline itself, not a copy: read it, never change it."""
+        return self._events
 
     def since(self, n: int) -> list[Event]:
         """Events after the first n (what a saver has not written yet)."""

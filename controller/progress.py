@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from controller.accounting import StepSpan
 from trainer.report import StepReport
+
+
+RECENT = 10_000
+"""Samples kept for the summary's medians."""
 
 
 @dataclass
@@ -15,10 +20,12 @@ class RunProgress:
 
     history: list[dict] = field(default_factory=list)
     """One entry per kept step: {step, loss, attempt, start, end} (start/end: Unix seconds, when known)."""
-    step_times: list[float] = field(default_factory=list)
-    tokens_per_s: list[float] = field(default_factory=list)
-    compute_s: list[float] = field(default_factory=list)
-    wait_s: list[float] = field(default_factory=list)
+    step_times: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    """The newest RECENT steps' times (the summary's medians are of recent steps: memory stays bounded)."""
+    tokens_per_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    compute_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    """The newest RECENT per-rank compute times (one per rank and step)."""
+    wait_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     spans: list[StepSpan] = field(default_factory=list)
     """Every execution of every step, kept or later redone (what goodput accounting needs)."""
     committed: int = 0
@@ -62,7 +69,7 @@ class RunProgress:
         return self.history[-1]["loss"] if self.history else None
 
     def summary(self) -> dict:
-        def med(xs: list[float]) -> float | None:
+        def med(xs: deque) -> float | None:
             return statistics.median(xs) if xs else None
 
         return {

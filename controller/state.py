@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Protocol
 
@@ -30,8 +31,7 @@ from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
 from controller.attribution import attribute
 from controller.drills import (
-    DrillError, DrillInjector, DrillRequest, DrillSchedule, default_target, drill_reports,
-    target_problem,
+    DrillError, DrillInjector, DrillReports, DrillRequest, DrillSchedule, default_target, target_problem,
 )
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, capacity_decision, decide, grow_decision,
@@ -42,6 +42,10 @@ from health.hang import hang_verdict
 from health.straggler import StragglerConfig, StragglerTracker
 from trainer.config import MeshShape, TrainerConfig, state_fingerprint, state_identity
 from trainer.report import StepReport
+
+
+HANG_WINDOW = 20
+"""Step times the hang threshold takes its median of (health.hang)."""
 
 
 class RunState(str, enum.Enum):
@@ -183,6 +187,7 @@ class RunController:
         self._grow_inputs: tuple[Topology, Topology] | None = None
         """The usable nodes the last grow check saw (the same nodes cannot hold a bigger mesh now)."""
         self._goodput_cache: tuple[float, int, dict[str, Any]] | None = None
+        self._drill_reports = DrillReports()
         self.topology_source = topology_source
         self.drills = DrillSchedule([DrillRequest(id=spec_drill_id(self.run_id, i), kind=d.kind, at_step=d.at_step,
                                                   target=d.target, factor=d.factor, seconds=d.seconds)
@@ -464,7 +469,9 @@ class RunController:
         self._signal_since: float | None = None
         self._last_step: dict[int, int] = {}
         self._last_report_at: dict[int, float] = {}
-        self._attempt_step_times: list[float] = []
+        self._attempt_step_times: deque[float] = deque(maxlen=HANG_WINDOW)
+        """The newest step times of this attempt (the hang threshold's median)."""
+        self._attempt_steps = 0
 
     def _launch_failed(self, now: float, message: str) -> None:
         """A first launch that fails ends the run; a relaunch during recovery is one more failure
@@ -489,6 +496,7 @@ class RunController:
                 self.stragglers.add(report.rank, report.step, report.compute_s)
             if self.progress.add(report, heard_at=now):
                 self._attempt_step_times.append(report.step_time_s)
+                self._attempt_steps += 1
                 if first:
                     if self.attempt > 0:
                         self.events.add(now, self.attempt, "first_step_after_recovery", step=report.step)
@@ -569,7 +577,7 @@ class RunController:
         if failure is not None or self._signal_since is not None or not self._attempt_step_times:
             return failure
         verdict = hang_verdict(now, last_step=self._last_step, last_report_at=self._last_report_at,
-                               recent_step_times=self._attempt_step_times, factor=self.spec.health.hang_factor,
+                               recent_step_times=list(self._attempt_step_times), factor=self.spec.health.hang_factor,
                                floor_s=self.spec.health.hang_floor_s)
         if verdict is None:
             return None
@@ -699,10 +707,14 @@ class RunController:
         self.events.add(now, max(self.attempt, 0), "drill_requested", drill=detail.pop("kind"), **detail)
         return request
 
+    def drill_reports(self) -> list[dict[str, Any]]:
+        """Every injected (or refused) drill's report, kept up to date incrementally."""
+        return self._drill_reports.of(self.events.view())
+
     def drill(self, drill_id: str) -> dict[str, Any] | None:
         """A drill's report once injected; before that, the request with outcome `scheduled`
         (`not_injected` if the run ended first). None if no such drill."""
-        report = next((r for r in drill_reports(list(self.events)) if r["id"] == drill_id), None)
+        report = next((r for r in self.drill_reports() if r["id"] == drill_id), None)
         if report is not None:
             return report
         request = self.drills.find(drill_id)
@@ -732,7 +744,7 @@ class RunController:
         self.events.add(now, self.attempt, "drill_injected", **{**facts, **detail})
 
     def attempt_steps(self) -> int:
-        return len(self._attempt_step_times)
+        return self._attempt_steps
 
     def _limits(self) -> ElasticLimits:
         e = self.spec.elastic
@@ -779,8 +791,7 @@ class RunController:
                                "relative": round(score.relative, 4),
                                "individual": None if score.individual is None else round(score.individual, 4),
                                "straggler": score.straggler})
-        counts = {kind: len(self.events.of_kind(kind))
-                  for kind in ("straggler", "sdc_suspect", "sdc_transient", "loss_anomaly")}
+        counts = {kind: self.events.count(kind) for kind in ("straggler", "sdc_suspect", "sdc_transient", "loss_anomaly")}
         return {"straggler_ratio": self.spec.health.straggler_ratio, "scores": scores, "counts": counts}
 
     def to_dict(self, now: float, *, full: bool = True) -> dict[str, Any]:
@@ -796,7 +807,7 @@ class RunController:
             "error": {"code": self.error.code, "message": self.error.message} if self.error else None,
         }
         out["waiting_for"] = self.waiting_for if self.state is RunState.PENDING else None
-        out["drills"] = drill_reports(list(self.events))
+        out["drills"] = self.drill_reports()
         out["quarantined"] = list(self.quarantined)
         out["health"] = self.health()
         if full:

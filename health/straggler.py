@@ -22,7 +22,7 @@ every stage slower at once, is the job or the host, not a device.
 
 from __future__ import annotations
 
-import statistics
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -74,11 +74,50 @@ class StragglerVerdict:
 
 @dataclass
 class _Rank:
-    samples: deque = field(default_factory=deque)
-    """The newest window + baseline_steps compute times, oldest first."""
+    window: deque = field(default_factory=deque)
+    """The newest `window` compute times, oldest first."""
+    baseline: deque = field(default_factory=deque)
+    """The up to `baseline_steps` compute times before the window, oldest first."""
+    ordered: list = field(default_factory=list)
+    """`baseline`, sorted (its median in O(1); kept sorted as samples come and go)."""
     above: int = 0
     below: int = 0
     flagged: bool = False
+
+    def add(self, value: float, window: int, baseline_steps: int) -> None:
+        self.window.append(value)
+        if len(self.window) > window:
+            old = self.window.popleft()
+            self.baseline.append(old)
+            bisect.insort(self.ordered, old)
+            if len(self.baseline) > baseline_steps:
+                gone = self.baseline.popleft()
+                del self.ordered[bisect.bisect_left(self.ordered, gone)]
+
+    def recent(self) -> float:
+        ordered = sorted(self.window)
+        n = len(ordered)
+        return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+    def usual(self, min_steps: int) -> float:
+        """The median of the baseline (0.0 while it has fewer than `min_steps` samples)."""
+        n = len(self.ordered)
+        if n < min_steps or n == 0:
+            return 0.0
+        return self.ordered[n // 2] if n % 2 else (self.ordered[n // 2 - 1] + self.ordered[n // 2]) / 2
+
+
+def _median_without(ordered: list[float], value: float) -> float:
+    """The median of a sorted list with one occurrence of `value` left out (0.0 when nothing is left)."""
+    n = len(ordered) - 1
+    if n <= 0:
+        return 0.0
+    i = bisect.bisect_left(ordered, value)
+
+    def at(k: int) -> float:  # the k-th of the list without index i
+        return ordered[k] if k < i else ordered[k + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 class StragglerTracker:
@@ -127,22 +166,25 @@ class StragglerTracker:
         if step - self._first_step < c.warmup_steps:
             return []
         for rank, value in samples.items():
-            state = self._ranks.setdefault(rank, _Rank())
-            state.samples.append(value)
-            if len(state.samples) > c.window + c.baseline_steps:
-                state.samples.popleft()
-        if len(self._ranks) < len(self.stage_of_rank) or any(len(s.samples) < c.window for s in self._ranks.values()):
+            state = self._ranks.get(rank)
+            if state is None:
+                state = self._ranks[rank] = _Rank()
+            state.add(value, c.window, c.baseline_steps)
+        if len(self._ranks) < len(self.stage_of_rank) or any(len(s.window) < c.window for s in self._ranks.values()):
             return []
-        values = {r: statistics.median(list(s.samples)[-c.window:]) for r, s in self._ranks.items()}
+        values = {r: s.recent() for r, s in self._ranks.items()}
         relative: dict[int, float] = {}
         individual: dict[int, float | None] = {}
+        by_stage: dict[int, list[float]] = {}
         for rank, value in values.items():
-            stage = self.stage_of_rank[rank]
-            peers = [values[r] for r, st in self.stage_of_rank.items() if st == stage and r != rank]
-            typical = statistics.median(peers) if peers else 0.0
+            by_stage.setdefault(self.stage_of_rank[rank], []).append(value)
+        for stage_values in by_stage.values():
+            stage_values.sort()  # once per stage: each rank's peers' median is then O(log n), not O(n)
+        for rank, value in values.items():
+            stage_values = by_stage[self.stage_of_rank[rank]]
+            typical = _median_without(stage_values, value)
             relative[rank] = value / typical if typical > 0 else 1.0
-            before = list(self._ranks[rank].samples)[:-c.window]
-            baseline = statistics.median(before) if len(before) >= c.min_baseline_steps else 0.0
+            baseline = self._ranks[rank].usual(c.min_baseline_steps)
             individual[rank] = value / baseline if baseline > 0 else None
         slow_stages = self._slow_stages(individual)
         verdicts = []

@@ -24,7 +24,6 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.registry import Collector
 
 from controller.accounting import CATEGORIES
-from controller.drills import drill_reports
 from controller.failure_policy import FailureCause
 from controller.state import RunController, RunState
 from controller.topology import NodeState
@@ -313,7 +312,7 @@ class ServiceCollector(Collector):
             out(SDC).add_metric([run, kind], n)
         out(QUARANTINED).add_metric([run], len(c.quarantined))
         drills: dict[tuple[str, str], int] = {}
-        for report in drill_reports(list(c.events)):
+        for report in c.drill_reports():
             key = (report["kind"], report["outcome"])
             drills[key] = drills.get(key, 0) + 1
         for (kind, outcome), n in sorted(drills.items()):

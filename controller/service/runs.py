@@ -207,11 +207,9 @@ class Service:
 
     def add(self, spec: RunSpec) -> dict[str, Any]:
         """Queue a validated spec; the Run object (pending)."""
-        store = self._store(spec)  # may ask the store: never under the service lock
-        if store is not None:
-            with self.lock:
-                tentative = self._new_id(spec.name)
-            self._identity_conflict(store, tentative, spec)
+        with self.lock:
+            tentative = self._new_id(spec.name)
+        store = self._store(spec, run_id=tentative)  # asks the store: never under the service lock
         with self.lock:
             if len(self._runs) >= MAX_RUNS:
                 raise ServiceError(429, "too_many_runs", f"the service holds {MAX_RUNS} runs")
@@ -616,7 +614,7 @@ class Service:
             spec = parse_spec(row["spec"])
             group = self.group_factory(spec, run_id)
             try:
-                store = self._store(spec, probe=False)
+                store = self._store(spec)
             except ServiceError:
                 store = None
             c = RunController(spec, self._total_view(), group, now=row["created_at"], checkpoint_store=store,
@@ -707,39 +705,37 @@ class Service:
 
     STORE_PROBE_WAIT_S = 0.5
 
-    def _store(self, spec: RunSpec, *, probe: bool = True) -> Any:
-        """The run's checkpoint store. A store that refuses a probe write within STORE_PROBE_WAIT_S
-        refuses the run (422, saying why); one that does not answer in time is accepted: the run waits
-        for it at launch (store_unavailable) instead of the request waiting here."""
+    def _store(self, spec: RunSpec, *, run_id: str | None = None) -> Any:
+        """The run's checkpoint store. Given the run id it will have, the store is also asked, for at
+        most STORE_PROBE_WAIT_S in all, whether it takes a write (422 saying why not) and whether it
+        already holds another model's checkpoints under that id (409): a store that answers later is
+        the run's to wait for at launch (store_unavailable), not the request's."""
         if self.store_factory is None:
             return None
         try:
             store = self.store_factory(spec)
         except SpecError as e:
             raise ServiceError(422, "invalid_spec", str(e)) from None
-        if probe and self.store_probe is not None:
-            probe_store = self.store_probe
-            error = _within(self.STORE_PROBE_WAIT_S, lambda: probe_store(store, spec.checkpoint.uri))
-            if isinstance(error, SpecError):
-                raise ServiceError(422, "invalid_spec", str(error)) from None
-        return store
-
-    def _identity_conflict(self, store: Any, run_id: str, spec: RunSpec) -> None:
-        """409 when the store already holds checkpoints of another model under this run id (a fresh
-        state dir over an old bucket): asked for at most STORE_PROBE_WAIT_S (the launch asks again)."""
+        if run_id is None:
+            return store
         from checkpointing.manifest import IdentityMismatch, check_identity, committed_steps, read_manifest
         from trainer.config import state_fingerprint, state_identity
 
-        def check() -> None:
+        def ask() -> None:
+            if self.store_probe is not None:
+                self.store_probe(store, spec.checkpoint.uri)
             steps = committed_steps(store, run_id)
             if steps:
                 model = spec.to_model_config()
                 check_identity(read_manifest(store, run_id, steps[-1]), state_fingerprint(model),
                                state_identity(model), store.uri)
 
-        error = _within(self.STORE_PROBE_WAIT_S, check)
+        error = _within(self.STORE_PROBE_WAIT_S, ask)
+        if isinstance(error, SpecError):
+            raise ServiceError(422, "invalid_spec", str(error)) from None
         if isinstance(error, IdentityMismatch):
             raise ServiceError(409, "checkpoint_mismatch", str(error)) from None
+        return store
 
     def _injector(self, group: WorkerGroup) -> DrillInjector | None:
         return self.injector_factory(group) if self.injector_factory is not None else None
