@@ -201,6 +201,16 @@ class RunSpec(_Strict):
     cost: CostModelSpec = CostModelSpec()
     """`goodput simulate` only."""
 
+    @model_validator(mode="after")
+    def _timeouts(self) -> "RunSpec":
+        """The top of the timeout hierarchy: a hang must be declared before the run gives up waiting for
+        capacity (health.collective_timeout_s < health.hang_floor_s is HealthSpec's own check)."""
+        if self.elastic.wait_for_capacity_s <= self.health.hang_floor_s:
+            raise ValueError(f"elastic.wait_for_capacity_s = {self.elastic.wait_for_capacity_s:g} must exceed "
+                             f"health.hang_floor_s = {self.health.hang_floor_s:g} (a hang is declared before the run "
+                             "gives up waiting for capacity); raise the first or lower the second")
+        return self
+
     def to_model_config(self) -> ModelConfig:
         return ModelConfig(**self.model.model_dump())
 

@@ -540,17 +540,17 @@ class Service:
     def _note_out_of_use(self, live: LiveRun) -> None:
         """A node a run quarantined is out of use for every run until an operator releases it; on
         Kubernetes it is also cordoned and tainted (not a lost node: its pod died, not the node)."""
-        for q in live.controller.quarantined:
-            if q["node"] not in self._out_of_use and q["time"] > self._released.get(q["node"], float("-inf")):
-                row = {"name": q["node"], "state": "quarantined", "reason": q["reason"],
-                       "run_id": live.controller.run_id, "time": q["time"]}
-                with self.lock:
-                    self._out_of_use[q["node"]] = row
+        for q in list(live.controller.quarantined):
+            with self.lock:  # checked and set in one go: a release in between must not be undone
+                if q["node"] in self._out_of_use or q["time"] <= self._released.get(q["node"], float("-inf")):
+                    continue
+                self._out_of_use[q["node"]] = {"name": q["node"], "state": "quarantined", "reason": q["reason"],
+                                               "run_id": live.controller.run_id, "time": q["time"]}
                 self.registry.set_node(q["node"], state="quarantined", reason=q["reason"],
                                        run_id=live.controller.run_id, time=q["time"])
-                if self.node_actions is not None and q["reason"] != "lost":
-                    threading.Thread(target=self._cordon, args=(live, q["node"], str(q["reason"])),
-                                     name=f"goodput-cordon-{q['node']}", daemon=True).start()
+            if self.node_actions is not None and q["reason"] != "lost":
+                threading.Thread(target=self._cordon, args=(live, q["node"], str(q["reason"])),
+                                 name=f"goodput-cordon-{q['node']}", daemon=True).start()
 
     def _cordon(self, live: LiveRun, node: str, reason: str) -> None:
         """Cordon and taint the node through the node actions; the outcome joins the run's timeline."""
@@ -577,11 +577,11 @@ class Service:
                 self._released[name] = max([now] + [q["time"] for live in self._runs.values()
                                                     for q in list(live.controller.quarantined) if q["node"] == name])
                 now = self._released[name]
+                self.registry.set_node(name, state="released", reason=f"released by an operator (was: {row['reason']})",
+                                       run_id=row.get("run_id"), time=now)
         if row is None:
             raise ServiceError(404, "node_not_quarantined", f"node {name!r} is not quarantined on this service; "
                                                             "`goodput nodes` lists the nodes and their states")
-        self.registry.set_node(name, state="released", reason=f"released by an operator (was: {row['reason']})",
-                               run_id=row.get("run_id"), time=now)
         kubernetes = None
         if self.node_actions is not None:
             try:

@@ -313,3 +313,40 @@ def test_restart_reattaches_to_live_workers_else_resumes(tmp_path: Path, workers
         assert group.closed, "what is left of the old workers is released first"
         h2.until("r", "running")
         assert group.started[-1].attempt == 1 and group.started[-1].resume_step == 10
+
+
+def test_a_release_that_lands_while_the_driver_notes_quarantines_is_not_undone(tmp_path: Path) -> None:
+    """The driver notes a run's quarantines while an operator releases the node. The release is made to
+    land exactly between the driver's check and its write (the out-of-use table pops the node while a
+    second thread notes): the node must stay released (it used to come back quarantined)."""
+    import threading
+
+    h = Harness(sqlite_url(str(tmp_path)))
+    s = h.service
+    s.add(parse_spec(raw_spec("a", dp=2, tp=2)))
+    h.until("a", "running")
+    c = s.controller("a")
+    node = c.placement.node_of_rank[1]  # type: ignore[union-attr]
+    h.group("a").emit(1, "sdc_suspect", step=3, ranks=[1], check="anomaly", clean_through_step=2, evidence={})
+    h.tick("a")
+    assert s.cluster_view()["nodes"][[n["name"] for n in s.cluster_view()["nodes"]].index(node)]["state"] == "quarantined"
+    live = s._runs["a"]  # noqa: SLF001 - the race needs the driver's own call
+
+    noters: list[threading.Thread] = []
+
+    class Interleaving(dict):
+        def pop(self, key: Any, *default: Any) -> Any:
+            value = super().pop(key, *default)
+            noter = threading.Thread(target=s._note_out_of_use, args=(live,))  # noqa: SLF001
+            noter.start()
+            noter.join(0.3)  # with the check under the lock it waits for the release to finish
+            noters.append(noter)
+            return value
+
+    s._out_of_use = Interleaving(s._out_of_use)  # noqa: SLF001
+    s.release_node(node)
+    for noter in noters:
+        noter.join()
+    state = {n["name"]: n["state"] for n in s.cluster_view()["nodes"]}[node]
+    assert state != "quarantined", "the release was undone by a concurrent note"
+    assert [r["state"] for r in h.registry.node_rows() if r["name"] == node] == ["released"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,15 @@ def test_cli_rejects_bad_spec_before_starting_anything(tmp_path: Path) -> None:
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "n_heads = 3 is not divisible by tp = 2" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("health, elastic, expected", [
+    ({"collective_timeout_s": 20, "hang_floor_s": 30}, {"wait_for_capacity_s": 30},
+     "elastic.wait_for_capacity_s = 30 must exceed health.hang_floor_s = 30"),
+    ({"collective_timeout_s": 30, "hang_floor_s": 30}, {"wait_for_capacity_s": 300},
+     "health.hang_floor_s = 30.0 must exceed health.collective_timeout_s = 30.0"),
+])
+def test_the_whole_timeout_hierarchy_is_checked(health: dict, elastic: dict, expected: str) -> None:
+    """collective_timeout_s < hang_floor_s < wait_for_capacity_s, as the README says."""
+    with pytest.raises(SpecError, match=re.escape(expected)):
+        parse_spec(with_changes(health=health, elastic=elastic))
