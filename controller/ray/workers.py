@@ -1,4 +1,5 @@
-"""The Ray worker group: one actor per GPU slot, pinned to its node by a label selector, and one
+"""The Ray worker group: one actor per GPU slot, in a bundle of a placement group whose bundle label
+selectors pin it to its node (the slots of a launch are reserved at once, all or none), and one
 training process per rank forked from its actor for each attempt. Ranks rendezvous through a TCPStore
 hosted here in the controller (never in a rank that can die; a fresh key prefix per attempt).
 
@@ -278,6 +279,11 @@ class RayWorkerGroup:
         self._drains: dict[int, tuple[Any, float]] = {}
         self._nodes: set[str] = set()
         self._abort = threading.Event()
+        self._groups: list[Any] = []
+        """The placement groups that reserve this group's GPU slots (one per growth of the pool)."""
+        self._reservations = 0
+        self._growth: list[tuple[str, Any]] = []
+        """(node, actor) of the last growth of the pool (undone together when it does not start)."""
 
     def abort(self) -> None:
         """From any thread: a `start` waiting for its workers gives up within half a second, and so does
@@ -297,7 +303,7 @@ class RayWorkerGroup:
             wanted |= {spare: max(wanted.values()) for spare in placement.spares}
         new = self._grow_pool(wanted)
         if new:
-            refs = [warm for _, warm in new]
+            refs = [warm for _, warm in new]  # each actor's warm() waits for its bundle, then imports torch
             deadline = time.monotonic() + self.launch_timeout_s
             ready: list[Any] = []
             while len(ready) < len(new) and not self._abort.is_set() and time.monotonic() < deadline:
@@ -307,6 +313,11 @@ class RayWorkerGroup:
                 for node in late:  # actors that never started must not be handed out later
                     for actor in self._pool.pop(node, []):
                         ray.kill(actor, no_restart=True)
+                for node, actor in self._growth:  # all or nothing: no half-held gang
+                    if actor in self._pool.get(node, []):
+                        self._pool[node].remove(actor)
+                        ray.kill(actor, no_restart=True)
+                self._drop_reservation(self._groups[-1])
                 if self._abort.is_set():
                     raise LaunchAborted(f"the launch was cancelled while workers on {late} were starting")
                 raise TimeoutError(f"workers on nodes {late} did not start in {self.launch_timeout_s:.0f} s: "
@@ -335,28 +346,54 @@ class RayWorkerGroup:
         ]
 
     def _grow_pool(self, wanted: dict[str, int]) -> list[tuple[str, Any]]:
-        """Start actors until each node has `wanted` of them; (node, warm() ref) of the new ones."""
+        """Start actors until each node has `wanted` of them; (node, warm() ref) of the new ones. Their
+        GPU slots are reserved together first, as one placement group whose bundles carry label
+        selectors for their nodes: the reservation is atomic (a run competing for the same nodes gets
+        all of them or none), and each actor runs in its own bundle."""
         import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        actor_cls = ray.remote(RankActor)
-        new = []
         if self.name is not None and not self._made:  # names an earlier controller used stay taken
             for name, _ in self._named():
                 node, k = name.split("/")[-2], int(name.rsplit("/", 1)[1])
                 self._made[node] = max(self._made.get(node, 0), k + 1)
-        for node, count in wanted.items():
-            pool = self._pool.setdefault(node, [])
-            while len(pool) < count:
-                options: dict[str, Any] = {}
-                if self.name is not None:
-                    k = self._made.get(node, 0)
-                    self._made[node] = k + 1
-                    options = {"name": f"{self.name}/{node}/{k}", "namespace": NAMESPACE, "lifetime": "detached"}
-                actor: Any = actor_cls.options(num_cpus=0, num_gpus=1, max_concurrency=5,
-                                               label_selector={"node": node}, **options).remote()
-                pool.append(actor)
-                new.append((node, actor.warm.remote()))
+        missing = [node for node, count in wanted.items() for _ in range(count - len(self._pool.get(node, [])))]
+        self._growth = []
+        if not missing:
+            return []
+        self._reservations += 1
+        group = placement_group(
+            [{"GPU": 1.0} for _ in missing], strategy="PACK", bundle_label_selector=[{"node": n} for n in missing],
+            **({"name": f"{self.name}/reservation-{self._reservations}-{time.time_ns()}", "lifetime": "detached"}
+               if self.name is not None else {}))
+        self._groups.append(group)
+        actor_cls = ray.remote(RankActor)
+        new = []
+        for index, node in enumerate(missing):
+            options: dict[str, Any] = {}
+            if self.name is not None:
+                k = self._made.get(node, 0)
+                self._made[node] = k + 1
+                options = {"name": f"{self.name}/{node}/{k}", "namespace": NAMESPACE, "lifetime": "detached"}
+            actor: Any = actor_cls.options(
+                num_cpus=0, num_gpus=1, max_concurrency=5,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+                **options).remote()
+            self._pool.setdefault(node, []).append(actor)
+            new.append((node, actor.warm.remote()))
+            self._growth.append((node, actor))
         return new
+
+    def _drop_reservation(self, group: Any) -> None:
+        from ray.util import remove_placement_group
+
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        if group in self._groups:
+            self._groups.remove(group)
 
     def poll(self) -> PollResult:
         import ray
@@ -510,8 +547,28 @@ class RayWorkerGroup:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        for group in list(self._groups) + self._named_reservations():
+            self._drop_reservation(group)
+        self._groups = []
         self._pool = {}
         self.actors, self._runs, self._drains = [], [], {}
+
+    def _named_reservations(self) -> list[Any]:
+        """This run's placement groups that an earlier controller left (they are detached)."""
+        import ray
+        from ray.util.placement_group import get_placement_group
+
+        if self.name is None:
+            return []
+        found = []
+        for entry in ray.util.placement_group_table().values():
+            name = entry.get("name") or ""
+            if name.startswith(f"{self.name}/reservation-") and entry.get("state") != "REMOVED":
+                try:
+                    found.append(get_placement_group(name))
+                except ValueError:
+                    continue
+        return found
 
     def _named(self) -> list[tuple[str, Any]]:
         """(name, handle) of this run's named actors alive in the cluster."""

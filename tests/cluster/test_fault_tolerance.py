@@ -92,15 +92,16 @@ def simulator_agrees(spec_: RunSpec, real: RunController) -> None:
     (real_drill,) = real.to_dict(0)["drills"]
     (sim_drill,) = sim["_controller"].to_dict(0)["drills"]
     assert sim_drill["steps_lost"] == real_drill["steps_lost"] and sim_drill["decision"] == real_drill["decision"]
-    categories = ("failure_detection", "restart_restore", "recomputation")
-    assert [g["badput_seconds"][k] > 0 for k in categories] == [sim["goodput"]["badput_seconds"][k] > 0
-                                                                 for k in categories]
+    real_b, sim_b, step_s = g["badput_seconds"], sim["goodput"]["badput_seconds"], raw["cost"]["step_s"]
+    # Detection and restart were given this run's own latencies: the same seconds, within 0.25 s or 10 %.
+    for category in ("failure_detection", "restart_restore"):
+        assert sim_b[category] == pytest.approx(real_b[category], abs=0.25, rel=0.1), (category, real_b, sim_b)
     # The simulator loses exactly the drill's steps since the commit; the real run also loses what its
-    # ranks computed between that step and the poll that injected the drill (0.2 s polls), so its
-    # recomputation is at least the simulator's.
-    assert sim["goodput"]["badput_seconds"]["recomputation"] == pytest.approx(
-        real_drill["steps_lost"] * raw["cost"]["step_s"])
-    assert g["badput_seconds"]["recomputation"] >= sim["goodput"]["badput_seconds"]["recomputation"] * 0.8
+    # ranks computed between that step and the poll that injected the drill (0.2 s polls) and the step
+    # in flight: at least 80 % of the simulator's, at most it plus two steps and a poll.
+    assert sim_b["recomputation"] == pytest.approx(real_drill["steps_lost"] * step_s)
+    assert 0.8 * sim_b["recomputation"] <= real_b["recomputation"] <= sim_b["recomputation"] + 2 * step_s + 0.5, (
+        real_b, sim_b)
 
 
 def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayCluster, tmp_path: Path) -> None:

@@ -44,12 +44,16 @@ def probe_rank(*, rank: int, world_size: int, store_port: int, config: dict, fli
     clean = [trainer.train_step() for _ in range(7)]
     reference = [plain.train_step() for _ in range(7)]
     same = all(a.loss == b.loss for a, b in zip(clean, reference))
-    normal, slowed = [], []
+    normal, slowed, normal_wait, slowed_wait = [], [], [], []
     for _ in range(6):  # side by side, so that the machine's own drift falls on both
-        normal.append(trainer.train_step().compute_s)
+        report = trainer.train_step()
+        normal.append(report.compute_s)
+        normal_wait.append(report.wait_s)
         if rank == flip_rank:  # one slow rank, as a slow GPU is: the others keep their pace
             switches.slow(2.0)
-        slowed.append(trainer.train_step().compute_s)
+        report = trainer.train_step()
+        slowed.append(report.compute_s)
+        slowed_wait.append(report.wait_s)
         switches.slow(1.0)
     if rank == flip_rank:
         switches.request_bitflip()
@@ -60,7 +64,8 @@ def probe_rank(*, rank: int, world_size: int, store_port: int, config: dict, fli
         error = str(e)
     dist.destroy_process_group()
     return {"device": choice.device.type, "same_as_without_probes": same, "normal": statistics.median(normal),
-            "slowed": statistics.median(slowed),
+            "slowed": statistics.median(slowed), "normal_wait": statistics.median(normal_wait),
+            "slowed_wait": statistics.median(slowed_wait),
             "error": error, "events": sink.events, "step": trainer.step}
 
 
@@ -90,6 +95,14 @@ def test_probes_in_real_steps(mesh: MeshShape, flip: int) -> None:
             assert 1.6 < ratio < 2.6, (r["normal"], r["slowed"])
         else:
             assert ratio < 1.4, ("a peer of the slow rank waits, it does not compute longer", ratio)
+    # The slowdown is real, not only in the slowed rank's own clock: its peers, held in the step's
+    # collectives, wait about as long as it computes longer (what the tracker's relative score sees).
+    extra = results[flip]["slowed"] - results[flip]["normal"]
+    for rank, r in enumerate(results):
+        if rank != flip:
+            waited = r["slowed_wait"] - r["normal_wait"]
+            assert waited > 0.5 * extra, (f"rank {rank} waited {waited:.4f} s more while rank {flip} computed "
+                                          f"{extra:.4f} s more")
 
 
 def triage_rank(*, rank: int, world_size: int, store_port: int, config: dict, persistent: bool) -> dict:

@@ -62,12 +62,15 @@ class FakeWorkerGroup:
         self.shutdown()
 
     # -- what tests inject
-    def finish_steps(self, first: int, last: int, loss: float = 1.0) -> None:
+    def finish_steps(self, first: int, last: int, loss: float = 1.0, *, end: float | None = None) -> None:
+        """Rank 0 reports steps first..last of 0.5 s each; with `end`, back to back ending then (else
+        their end is when the controller hears of them)."""
         attempt = self.started[-1].attempt
         for step in range(first, last + 1):
             self._pending.reports.append(StepReport(
                 rank=0, attempt=attempt, step=step, cursor=step * 16, loss=loss / step, step_time_s=0.5,
-                data_s=0.0, compute_s=0.4, wait_s=0.1, tokens_per_s=1000.0))
+                data_s=0.0, compute_s=0.4, wait_s=0.1, tokens_per_s=1000.0,
+                end_time=None if end is None else end - (last - step) * 0.5))
 
     def emit(self, rank: int, kind: str, **detail: object) -> None:
         self._pending.events.append((rank, kind, dict(detail)))

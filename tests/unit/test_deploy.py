@@ -26,8 +26,14 @@ K8S_VERSION = "1.31.0"
 EXTERNAL_SECRETS = {"goodput-api-token", "goodput-s3", "goodput-db"}
 """Made by the operator (README), referenced only."""
 
-pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                reason="kubectl not installed (Debian package `kubectl`; `make test` installs it)")
+needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
+                                   reason="kubectl not installed (Debian package `kubectl`; `make test` installs it)")
+"""Only the tests that render deploy/ need kubectl (the Dockerfile's does not)."""
+PROMETHEUS_CRDS = {kind: next((p for p in candidates if p.exists()), candidates[0]) for kind, candidates in {
+    kind: [base / "shared" / "vendor" / "prometheus-operator" / f"monitoring.coreos.com_{plural}.yaml"
+           for base in (ROOT.parent, ROOT)]
+    for kind, plural in (("ServiceMonitor", "servicemonitors"), ("PrometheusRule", "prometheusrules"))}.items()}
+"""The Prometheus Operator's CRDs, read where the workplace keeps them (../shared/vendor), never copied."""
 
 
 def render(overlay: str) -> list[dict[str, Any]]:
@@ -49,6 +55,8 @@ def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
 
 @pytest.fixture(scope="module", params=OVERLAYS)
 def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed (Debian package `kubectl`; `make test` installs it)")
     return request.param, render(request.param)
 
 
@@ -69,6 +77,7 @@ def test_core_kinds_validate_against_the_kubernetes_schemas(rendered: tuple[str,
             assert doc["metadata"].get("namespace") == namespace, doc["metadata"]
 
 
+@needs_kubectl
 def test_a_broken_manifest_is_caught() -> None:
     """The validator is not a rubber stamp: a typo'd field and a wrong type fail."""
     import kubernetes_validate
@@ -118,6 +127,31 @@ def test_the_raycluster_validates_against_kuberays_crd(rendered: tuple[str, list
     assert replicas == {"dev": (1, 1), "prod": (16, 2)}[overlay]
 
 
+@pytest.mark.skipif(not all(p.exists() for p in PROMETHEUS_CRDS.values()),
+                    reason=f"the Prometheus Operator's CRDs are not at {sorted(map(str, PROMETHEUS_CRDS.values()))}")
+def test_the_service_monitor_and_rule_validate_against_the_prometheus_operators_crds(
+        rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    import jsonschema
+
+    _, docs = rendered
+    for kind, path in PROMETHEUS_CRDS.items():
+        crd = yaml.safe_load(path.read_text())
+        version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+        # The CRDs' patterns are Go regexps (some start '^(?i)', which Python's re takes only at the very
+        # start): validate documents against the schema without compiling every pattern up front.
+        validator = jsonschema.Draft7Validator(version["schema"]["openAPIV3Schema"])
+        (doc,) = by_kind(docs, kind)
+        assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+        validator.validate(doc)
+        bad = json.loads(json.dumps(doc))
+        if kind == "ServiceMonitor":
+            bad["spec"]["endpoints"][0]["interval"] = "every minute"  # not a Prometheus duration
+        else:
+            bad["spec"]["groups"][0]["rules"][0]["for"] = "ten minutes"
+        with pytest.raises(jsonschema.ValidationError):
+            validator.validate(bad)
+
+
 def test_the_pieces_refer_to_each_other(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     overlay, docs = rendered
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
@@ -165,6 +199,7 @@ def test_the_pieces_refer_to_each_other(rendered: tuple[str, list[dict[str, Any]
                      ("goodput-node-reader", "goodput-worker", namespace)}
 
 
+@needs_kubectl
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian package `prometheus`)")
 def test_the_prometheus_rule_and_dashboards_are_the_generated_ones(tmp_path: Path) -> None:
     docs = render("prod")

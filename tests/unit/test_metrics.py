@@ -49,7 +49,7 @@ def test_definitions_are_unique_and_documented() -> None:
 def test_a_run_with_a_failure_is_exported_as_its_run_object_says() -> None:
     c, g, _, service, live = live_run()
     api = TestClient(create_app(service))
-    g.finish_steps(1, 4)
+    g.finish_steps(1, 4, end=110.0)  # 2 s of steps, later redone
     live.step(110.0)
     g.lose_node(c.placement.node_of_rank[7])  # type: ignore[union-attr]
     live.step(111.0)
@@ -60,7 +60,7 @@ def test_a_run_with_a_failure_is_exported_as_its_run_object_says() -> None:
     while c.state.value != "running":
         live.step(t)
         t += 1
-    g.finish_steps(1, 3)
+    g.finish_steps(1, 3, end=t + 5)  # back to back: 1.5 s of steps ending at t + 5
     live.step(t + 5)
     families = scrape(api)
 
@@ -80,6 +80,13 @@ def test_a_run_with_a_failure_is_exported_as_its_run_object_says() -> None:
     assert value(families, "goodput_run_attempt", run="tiny-gpt") == run["attempt"] == 1
     assert value(families, "goodput_run_step", run="tiny-gpt") == run["step"]
     assert value(families, "goodput_run_loss", run="tiny-gpt") == pytest.approx(run["loss"])
+    # ETTR by hand: the run was submitted at t=100 and is scraped at the clock's time; of its steps only
+    # attempt 1's three (0.5 s each, the fake's step time) were kept: attempt 0's four were redone.
+    wall = live.clock() - 100.0
+    assert value(families, "goodput_run_wall_seconds", run="tiny-gpt") == pytest.approx(wall)
+    assert value(families, "goodput_run_productive_seconds", run="tiny-gpt") == pytest.approx(3 * 0.5)
+    assert value(families, "goodput_run_ettr", run="tiny-gpt") == pytest.approx(3 * 0.5 / wall)
+    assert value(families, "goodput_run_badput_seconds", run="tiny-gpt", category="recomputation") >= 4 * 0.5
     goodput = c.goodput(live.clock())
     assert value(families, "goodput_run_ettr", run="tiny-gpt") == pytest.approx(goodput["ettr"])
     badput = {k: value(families, "goodput_run_badput_seconds", run="tiny-gpt", category=k) for k in CATEGORIES}

@@ -45,8 +45,19 @@ def test_report_table_json_and_png(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             main(["report", "tiny-gpt", "--out", str(out), "--json"])
         assert done.value.code == 0
         data = json.loads(capsys.readouterr().out)
-        with pytest.raises(SystemExit):
+        drawn: list = []
+        from matplotlib.figure import Figure
+
+        real_savefig = Figure.savefig
+
+        def keep(fig: Figure, *args: object, **kwargs: object) -> None:
+            drawn.append(fig)
+            real_savefig(fig, *args, **kwargs)
+
+        monkeypatch.setattr(Figure, "savefig", keep)
+        with pytest.raises(SystemExit) as done:
             main(["report", "tiny-gpt", "--out", str(out)])
+        assert done.value.code == 0
         text = capsys.readouterr().out
     finally:
         server.stop()
@@ -55,6 +66,17 @@ def test_report_table_json_and_png(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert sum(r["seconds"] for r in data["breakdown"]) == pytest.approx(data["wall_seconds"], abs=1e-3)
     assert [f["cause"] for f in data["failures"]] == ["node_lost"] and data["attempts"] == 2
     assert "recomputation" in text and "node_lost" in text and f"timeline: {out}" in text
+    # What was drawn is the run's own data: the loss line is its kept steps (time since submission,
+    # loss), and the bar's segments are the breakdown's seconds, in order.
+    (fig,) = drawn
+    top, bar = fig.axes[0], fig.axes[1]
+    t0 = run["created_at"]
+    kept = [v for h in service.history("tiny-gpt", after=-1, limit=1000)  # type: ignore[attr-defined]
+            for v in (h["end"] - t0, h["loss"])]
+    lines = [[float(v) for xy in zip(line.get_xdata(), line.get_ydata()) for v in xy] for line in top.get_lines()]
+    assert any(points == pytest.approx(kept) for points in lines if len(points) == len(kept)), lines
+    widths = [p.get_width() for p in bar.patches]
+    assert widths == pytest.approx([r["seconds"] for r in data["breakdown"] if r["seconds"] > 0])
     png = out.read_bytes()
     assert png[:8] == PNG_MAGIC and len(png) > 20_000
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
