@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from controller.placement import PlacementError, place
+from controller.placement import Placement, PlacementError, place
 from controller.topology import NodeState, Topology
 from trainer.config import MeshShape
 
@@ -76,6 +76,8 @@ class Decision:
     code: str
     """Machine-readable outcome: replaced, restarted, shrunk, grown, waiting_for_capacity, and for FAIL
     the run's error code (failure_budget, no_capacity)."""
+    placement: Placement | None = None
+    """The placement of `mesh` on `topology` when the policy already made it (the controller reuses it)."""
 
 
 Fits = Callable[[MeshShape], "str | None"]
@@ -96,18 +98,24 @@ def largest_dp(mesh: MeshShape, topology: Topology, global_batch: int, micro_bat
                fits: Fits | None = None) -> int:
     """Largest dp <= mesh.dp that keeps the layout (a multiple of HSDP's dp_replicas), divides the
     batch, fits each GPU's memory and has a feasible placement on healthy nodes; 0 if none."""
+    return _largest(mesh, topology, global_batch, micro_batch, fits)[0]
+
+
+def _largest(mesh: MeshShape, topology: Topology, global_batch: int, micro_batch: int,
+             fits: Fits | None) -> tuple[int, Placement | None]:
+    """largest_dp, and the placement that proved it."""
+    gpus = sum(n.num_gpus for n in topology.nodes if n.state is NodeState.HEALTHY)
     for dp in range(mesh.dp, 0, -1):
-        if dp % mesh.dp_replicas or global_batch % (dp * micro_batch):
-            continue
+        if dp % mesh.dp_replicas or global_batch % (dp * micro_batch) or dp * mesh.pp * mesh.tp > gpus:
+            continue  # (more ranks than healthy GPUs cannot place: no need to try)
         candidate = replace(mesh, dp=dp)
         if fits is not None and fits(candidate) is not None:
             continue
         try:
-            place(candidate, topology)
+            return dp, place(candidate, topology)
         except PlacementError:
             continue
-        return dp
-    return 0
+    return 0, None
 
 
 def _layout_note(mesh: MeshShape, dp: int, topology: Topology, global_batch: int, micro_batch: int,
@@ -152,9 +160,9 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
             with_spares = with_spares.with_state(spare.name, NodeState.HEALTHY)
             promoted.append(spare.name)
         try:
-            place(mesh, with_spares)
             return Decision(action=Action.REPLACE, mesh=mesh, topology=with_spares, code="replaced",
-                            reason=f"{lost} {lost_in_use}; spare {promoted} takes over, mesh unchanged")
+                            reason=f"{lost} {lost_in_use}; spare {promoted} takes over, mesh unchanged",
+                            placement=place(mesh, with_spares))
         except PlacementError:
             topology = with_spares  # spares too small for the mesh: shrink onto them and the rest
     return capacity_decision(now, mesh=mesh, topology=topology, limits=limits, global_batch=global_batch,
@@ -168,14 +176,14 @@ def capacity_decision(now: float, *, mesh: MeshShape, topology: Topology, limits
     """The mesh the healthy nodes hold now: shrink (or grow back, up to `target`) keeping pp, tp, the
     layout and the global batch; below min_dp wait for capacity, then fail once the wait is over."""
     start = target or mesh
-    dp = largest_dp(start, topology, global_batch, micro_batch, fits)
+    dp, placement = _largest(start, topology, global_batch, micro_batch, fits)
     note = _layout_note(start, dp, topology, global_batch, micro_batch, fits)
     note = f"; {note}" if note else ""
     if dp >= limits.min_dp:
         new = replace(mesh, dp=dp)
         grow = target is not None and dp >= mesh.dp
         return Decision(action=Action.GROW if grow else Action.SHRINK, mesh=new, topology=topology,
-                        code="grown" if grow else "shrunk",
+                        code="grown" if grow else "shrunk", placement=placement,
                         reason=f"{cause}: dp {mesh.dp} -> {dp} (pp{mesh.pp} tp{mesh.tp} kept, "
                                f"{global_batch // (dp * micro_batch)} micro-batches per step keep global batch "
                                f"{global_batch}){note}")

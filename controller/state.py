@@ -643,7 +643,7 @@ class RunController:
         assert mesh is not None
         self._waiting_since = None
         self.config = self.spec.trainer_config(mesh)
-        self.placement = place(mesh, self.topology)
+        self.placement = decision.placement if decision.placement is not None else place(mesh, self.topology)
         self.state = RunState.LAUNCHING
 
     def _on_recovering(self, now: float) -> None:
