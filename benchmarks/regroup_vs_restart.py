@@ -7,7 +7,13 @@ rebuild's speed without its catch (a gloo survivor blocked in a collective canno
 place), by forking each attempt's training process from an actor that imported torch once; the
 end-to-end comparison is in benchmarks/recovery_drills.py.
 
-    python benchmarks/regroup_vs_restart.py
+Both are measured --repeat times (at least 5), interleaved (ABAB..., the order alternating by round),
+each from a cold page cache: before every trial the checkpoint's files and torch's own (its shared
+libraries and modules, what a fresh process reads to import it) are dropped from the page cache with
+posix_fadvise(DONTNEED), as on a replacement node that never ran this job. Prints n, median, min and
+max of each, and the ratio of the medians.
+
+    python benchmarks/regroup_vs_restart.py [--repeat 5]
 """
 
 from __future__ import annotations
@@ -89,15 +95,64 @@ def restart(*, rank: int, world_size: int, store_port: int, uri: str, spawned_at
     return ready
 
 
+def evict(*roots: Path) -> int:
+    """Drop every regular file under the roots from the page cache (no root needed: DONTNEED drops the
+    clean pages of files we can open); bytes advised."""
+    dropped = 0
+    for root in roots:
+        for dirpath, _, names in os.walk(root):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    dropped += os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+    return dropped
+
+
 def main() -> None:
+    import argparse
+    import statistics
+
+    import torch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=5)
+    opts = parser.parse_args()
+    repeat = max(5, opts.repeat)
+    torch_dir = Path(torch.__file__).parent
+    regroup: list[float] = []
+    fresh: list[float] = []
     with tempfile.TemporaryDirectory() as root:
         uri = f"file://{root}"
-        regroup = max(run_ranks(save_then_regroup, 8, timeout_s=600, uri=uri))
-        spawned = time.time()
-        fresh = max(run_ranks(restart, 8, timeout_s=600, uri=uri, spawned_at=spawned))
-    print(f"rebuild in surviving processes (destroy + re-init PG + rebuild model + load): {regroup:.2f} s")
-    print(f"fresh processes (spawn + import torch + init PG + build model + load):        {fresh:.2f} s")
-    print(f"ratio rebuild / restart = {regroup / fresh:.3f}")
+        for i in range(repeat):
+            for kind in (("regroup", "restart") if i % 2 == 0 else ("restart", "regroup")):
+                if kind == "restart" and not regroup:
+                    continue  # the first round's regroup writes the checkpoint both load
+                evict(Path(root), torch_dir)
+                if kind == "regroup":  # (a committed step is never written again: later rounds load it)
+                    regroup.append(max(run_ranks(save_then_regroup, 8, timeout_s=600, uri=uri)))
+                else:
+                    spawned = time.time()
+                    fresh.append(max(run_ranks(restart, 8, timeout_s=600, uri=uri, spawned_at=spawned)))
+        if len(fresh) < repeat:
+            evict(Path(root), torch_dir)
+            spawned = time.time()
+            fresh.append(max(run_ranks(restart, 8, timeout_s=600, uri=uri, spawned_at=spawned)))
+
+    def line(values: list[float]) -> str:
+        return (f"median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f}, "
+                f"n={len(values)})")
+
+    print("cold page cache (checkpoint and torch's files dropped before each trial), interleaved")
+    print(f"rebuild in surviving processes (destroy + re-init PG + rebuild model + load): {line(regroup)}")
+    print(f"fresh processes (spawn + import torch + init PG + build model + load):        {line(fresh)}")
+    print(f"ratio rebuild / restart (medians) = {statistics.median(regroup) / statistics.median(fresh):.3f}")
 
 
 if __name__ == "__main__":
