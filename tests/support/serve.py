@@ -9,9 +9,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import yaml
 
@@ -104,3 +106,44 @@ def wait_for(serve: Serve, run: str, predicate, timeout_s: float = 300) -> dict:
         assert status["state"] not in ("failed", "cancelled"), status
         time.sleep(1.0)
     raise AssertionError(f"run {run} did not get there in {timeout_s} s: {serve.json('status', run)}")
+
+
+class Poller:
+    """Asks the API what a user and Prometheus ask, all along; the slowest answer of each."""
+
+    def __init__(self, serve: Serve, runs: list[str]) -> None:
+        self.serve, self.runs = serve, runs
+        self.slowest: dict[str, float] = {}
+        self.answered = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> "Poller":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        paths = ["/v1/runs", "/v1/cluster", "/metrics"] + [p for r in self.runs for p in
+                                                              (f"/v1/runs/{r}", f"/v1/runs/{r}/events",
+                                                               f"/v1/runs/{r}/checkpoints")]
+        while not self._stop.is_set():
+            url = self.serve.url
+            try:
+                token = (self.serve.state / "api-token").read_text().strip()
+            except OSError:
+                token = ""
+            for path in paths:
+                t0 = time.perf_counter()
+                try:
+                    response = httpx.get(url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+                except httpx.TransportError:
+                    continue  # no service up (it was killed and is starting again)
+                took = time.perf_counter() - t0
+                if response.status_code == 200:
+                    self.answered += 1
+                    self.slowest[path] = max(self.slowest.get(path, 0.0), took)
+            self._stop.wait(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
