@@ -188,6 +188,8 @@ class RunController:
         """The usable nodes the last grow check saw (the same nodes cannot hold a bigger mesh now)."""
         self._goodput_cache: tuple[float, int, dict[str, Any]] | None = None
         self._drill_reports = DrillReports()
+        self._injecting: DrillRequest | None = None
+        """The drill being injected (outside the lock): out of the schedule, not yet in the timeline."""
         self.topology_source = topology_source
         self.drills = DrillSchedule([DrillRequest(id=spec_drill_id(self.run_id, i), kind=d.kind, at_step=d.at_step,
                                                   target=d.target, factor=d.factor, seconds=d.seconds)
@@ -717,6 +719,9 @@ class RunController:
         report = next((r for r in self.drill_reports() if r["id"] == drill_id), None)
         if report is not None:
             return report
+        injecting = self._injecting
+        if injecting is not None and injecting.id == drill_id:  # out of the schedule, not yet in the timeline
+            return {**injecting.to_dict(), "outcome": "pending"}
         request = self.drills.find(drill_id)
         if request is None:
             return None
@@ -736,11 +741,14 @@ class RunController:
         try:
             if problem is not None:
                 raise DrillError(problem)
+            self._injecting = drill  # a request for its report while it is injected finds it
             with self.outside_lock():
                 detail = self.injector.inject(drill.kind, target, factor=drill.factor, seconds=drill.seconds)
         except Exception as e:  # noqa: BLE001 - a drill that cannot be injected is reported, not fatal
             self.events.add(now, self.attempt, "drill_failed", **facts, error=str(e))
             return
+        finally:
+            self._injecting = None
         self.events.add(now, self.attempt, "drill_injected", **{**facts, **detail})
 
     def attempt_steps(self) -> int:

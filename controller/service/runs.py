@@ -336,7 +336,7 @@ class Service:
             c = live.controller
             if c.state.terminal:
                 raise ServiceError(409, "run_ended", f"run {run_id!r} has {c.state.value}; drills need a live run")
-            if len(c.drills.pending()) + len(c.events.of_kind("drill_injected")) >= MAX_DRILLS_PER_RUN:
+            if len(c.drills.pending()) + c.events.count("drill_injected") >= MAX_DRILLS_PER_RUN:
                 raise ServiceError(429, "too_many_drills", f"run {run_id!r} has had {MAX_DRILLS_PER_RUN} drills")
             try:
                 request = c.request_drill(self.clock(), kind, target=target, at_step=at_step, factor=factor,

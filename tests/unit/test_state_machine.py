@@ -314,3 +314,24 @@ def test_a_commit_that_grows_the_run_drops_no_event_of_its_poll() -> None:
     assert kinds.index("checkpoint_committed") < kinds.index("checkpoint_interval") < kinds.index("loss_anomaly")
     assert c.events.of_kind("decision")[-1].detail["code"] == "grown"
     assert c.state is RunState.LAUNCHING
+
+
+def test_a_drill_being_injected_is_found_pending() -> None:
+    """Injection runs outside the run's lock: a request for the drill's report meanwhile (it has left
+    the schedule and is not in the timeline yet) gets `pending`, not 404."""
+    c, g = controller()
+    start_running(c)
+    seen: list[dict | None] = []
+
+    class Asking(FakeInjector):
+        def inject(self, kind: str, target: str, **kw: object) -> dict:
+            seen.append(c.drill(request.id))
+            return super().inject(kind, target, **kw)  # type: ignore[arg-type]
+
+    c.injector = Asking(g)
+    request = c.request_drill(120.0, "kill-rank", target="3")
+    g.finish_steps(1, 1)
+    c.step(121.0)
+    assert seen and seen[0] is not None and seen[0]["outcome"] == "pending", seen
+    assert c.drill(request.id)["outcome"] == "pending"  # type: ignore[index]
+    assert c.events.count("drill_injected") == 1
