@@ -39,7 +39,7 @@ test-deps:
 
 test: $(STAMP) test-deps
 	$(PY) -m mypy
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=12 tests
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not dist and not cluster" tests
