@@ -1,5 +1,5 @@
-"""The Ray worker group: one actor per GPU slot, in a bundle of a placement group whose bundle label
-selectors pin it to its node (the slots of a launch are reserved at once, all or none), and one
+"""The Ray worker group: one actor per GPU slot, in a bundle of its node's placement group (bundle
+label selectors pin it there; a launch's reservations are granted all together or released), and one
 training process per rank forked from its actor for each attempt. Ranks rendezvous through a TCPStore
 hosted here in the controller (never in a rank that can die; a fresh key prefix per attempt).
 
@@ -279,8 +279,9 @@ class RayWorkerGroup:
         self._drains: dict[int, tuple[Any, float]] = {}
         self._nodes: set[str] = set()
         self._abort = threading.Event()
-        self._groups: list[Any] = []
-        """The placement groups that reserve this group's GPU slots (one per growth of the pool)."""
+        self._groups: dict[str, list[Any]] = {}
+        """node -> the placement groups that reserve its GPU slots for this group's actors."""
+        self._growth_groups: list[Any] = []
         self._reservations = 0
         self._growth: list[tuple[str, Any]] = []
         """(node, actor) of the last growth of the pool (undone together when it does not start)."""
@@ -301,6 +302,7 @@ class RayWorkerGroup:
         wanted = {node: len(placement.ranks_on(node)) for node in placement.nodes_used()}
         if self.warm:  # a spare may replace any node: as many warm actors as the fullest one has
             wanted |= {spare: max(wanted.values()) for spare in placement.spares}
+        self._forget_dead_nodes()
         new = self._grow_pool(wanted)
         if new:
             refs = [warm for _, warm in new]  # each actor's warm() waits for its bundle, then imports torch
@@ -317,7 +319,8 @@ class RayWorkerGroup:
                     if actor in self._pool.get(node, []):
                         self._pool[node].remove(actor)
                         ray.kill(actor, no_restart=True)
-                self._drop_reservation(self._groups[-1])
+                for group in self._growth_groups:
+                    self._drop_reservation(group)
                 if self._abort.is_set():
                     raise LaunchAborted(f"the launch was cancelled while workers on {late} were starting")
                 raise TimeoutError(f"workers on nodes {late} did not start in {self.launch_timeout_s:.0f} s: "
@@ -347,9 +350,11 @@ class RayWorkerGroup:
 
     def _grow_pool(self, wanted: dict[str, int]) -> list[tuple[str, Any]]:
         """Start actors until each node has `wanted` of them; (node, warm() ref) of the new ones. Their
-        GPU slots are reserved together first, as one placement group whose bundles carry label
-        selectors for their nodes: the reservation is atomic (a run competing for the same nodes gets
-        all of them or none), and each actor runs in its own bundle."""
+        GPU slots are reserved first, one placement group per node whose bundles carry a label selector
+        for it, all waited for together and released together if any is not granted in time (`start`):
+        a launch holds all the slots it needs or none. Per node, not one group for all: Ray re-reserves
+        a lost node's bundles when it returns, so a lost node's group is removed (`_forget_node`)
+        without touching the warm actors elsewhere."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -358,32 +363,51 @@ class RayWorkerGroup:
             for name, _ in self._named():
                 node, k = name.split("/")[-2], int(name.rsplit("/", 1)[1])
                 self._made[node] = max(self._made.get(node, 0), k + 1)
-        missing = [node for node, count in wanted.items() for _ in range(count - len(self._pool.get(node, [])))]
         self._growth = []
-        if not missing:
-            return []
-        self._reservations += 1
-        group = placement_group(
-            [{"GPU": 1.0} for _ in missing], strategy="PACK", bundle_label_selector=[{"node": n} for n in missing],
-            **({"name": f"{self.name}/reservation-{self._reservations}-{time.time_ns()}", "lifetime": "detached"}
-               if self.name is not None else {}))
-        self._groups.append(group)
+        self._growth_groups = []
         actor_cls = ray.remote(RankActor)
         new = []
-        for index, node in enumerate(missing):
-            options: dict[str, Any] = {}
-            if self.name is not None:
-                k = self._made.get(node, 0)
-                self._made[node] = k + 1
-                options = {"name": f"{self.name}/{node}/{k}", "namespace": NAMESPACE, "lifetime": "detached"}
-            actor: Any = actor_cls.options(
-                num_cpus=0, num_gpus=1, max_concurrency=5,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-                **options).remote()
-            self._pool.setdefault(node, []).append(actor)
-            new.append((node, actor.warm.remote()))
-            self._growth.append((node, actor))
+        for node, count in wanted.items():
+            missing = count - len(self._pool.get(node, []))
+            if missing <= 0:
+                continue
+            self._reservations += 1
+            group = placement_group(
+                [{"GPU": 1.0} for _ in range(missing)], strategy="PACK",
+                bundle_label_selector=[{"node": node} for _ in range(missing)],
+                **({"name": f"{self.name}/reservation-{node}-{self._reservations}-{time.time_ns()}",
+                    "lifetime": "detached"} if self.name is not None else {}))
+            self._groups.setdefault(node, []).append(group)
+            self._growth_groups.append(group)
+            for index in range(missing):
+                options: dict[str, Any] = {}
+                if self.name is not None:
+                    k = self._made.get(node, 0)
+                    self._made[node] = k + 1
+                    options = {"name": f"{self.name}/{node}/{k}", "namespace": NAMESPACE, "lifetime": "detached"}
+                actor: Any = actor_cls.options(
+                    num_cpus=0, num_gpus=1, max_concurrency=5,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+                    **options).remote()
+                self._pool.setdefault(node, []).append(actor)
+                new.append((node, actor.warm.remote()))
+                self._growth.append((node, actor))
         return new
+
+    def _forget_node(self, node: str) -> None:
+        """A node that died: its actors went with it; its reservations go too (else Ray would hold its
+        GPUs for them again when it returns)."""
+        self._pool.pop(node, None)
+        for group in self._groups.pop(node, []):
+            self._drop_reservation(group)
+
+    def _forget_dead_nodes(self) -> None:
+        """Before a launch: nodes the pool knows that Ray no longer shows alive."""
+        import ray
+
+        alive = {(info.get("Labels") or {}).get("node") for info in ray.nodes() if info.get("Alive")}
+        for node in [n for n in set(self._pool) | set(self._groups) if n not in alive]:
+            self._forget_node(node)
 
     def _drop_reservation(self, group: Any) -> None:
         from ray.util import remove_placement_group
@@ -392,8 +416,9 @@ class RayWorkerGroup:
             remove_placement_group(group)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        if group in self._groups:
-            self._groups.remove(group)
+        for groups in self._groups.values():
+            if group in groups:
+                groups.remove(group)
 
     def poll(self) -> PollResult:
         import ray
@@ -467,7 +492,7 @@ class RayWorkerGroup:
                     alive.add(name)
         dead = seen - alive
         for node in dead:
-            self._pool.pop(node, None)  # its actors died with it
+            self._forget_node(node)  # its actors died with it
         return dead
 
     def stop_rank(self, rank: int) -> int:
@@ -547,9 +572,9 @@ class RayWorkerGroup:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        for group in list(self._groups) + self._named_reservations():
+        for group in [g for groups in self._groups.values() for g in groups] + self._named_reservations():
             self._drop_reservation(group)
-        self._groups = []
+        self._groups = {}
         self._pool = {}
         self.actors, self._runs, self._drains = [], [], {}
 
@@ -593,6 +618,11 @@ class RayWorkerGroup:
         named = self._named()
         if not named:
             return False
+        prefix = f"{self.name}/reservation-"
+        for group in self._named_reservations():  # the earlier controller's, by node (to forget a lost one's)
+            node = _reservation_node(group, prefix)
+            if node is not None:
+                self._groups.setdefault(node, []).append(group)
         try:
             identities = ray.get([h.identity.remote() for _, h in named], timeout=15)
         except Exception:  # noqa: BLE001 - a dead or stuck actor: not attachable
@@ -612,3 +642,13 @@ class RayWorkerGroup:
         self._finished, self._failed, self._drains = set(), set(), {}
         self._nodes = set(attempt.placement.node_of_rank)
         return True
+
+
+def _reservation_node(group: Any, prefix: str) -> str | None:
+    """The node a named reservation `{run}/reservation-{node}-{k}-{ns}` is for."""
+    from ray.util import placement_group_table
+
+    name = (placement_group_table(group) or {}).get("name") or ""
+    if not name.startswith(prefix):
+        return None
+    return name[len(prefix):].rsplit("-", 2)[0]  # node names may hold dashes: the last two parts are k, ns

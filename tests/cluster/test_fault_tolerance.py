@@ -93,9 +93,11 @@ def simulator_agrees(spec_: RunSpec, real: RunController) -> None:
     (sim_drill,) = sim["_controller"].to_dict(0)["drills"]
     assert sim_drill["steps_lost"] == real_drill["steps_lost"] and sim_drill["decision"] == real_drill["decision"]
     real_b, sim_b, step_s = g["badput_seconds"], sim["goodput"]["badput_seconds"], raw["cost"]["step_s"]
-    # Detection and restart were given this run's own latencies: the same seconds, within 0.25 s or 10 %.
+    # Detection and restart were given this run's own latencies: the same seconds, within one step and
+    # 0.25 s (a real survivor may finish a step inside the detection window: that time counts as
+    # recomputation there, as detection in the simulator).
     for category in ("failure_detection", "restart_restore"):
-        assert sim_b[category] == pytest.approx(real_b[category], abs=0.25, rel=0.1), (category, real_b, sim_b)
+        assert sim_b[category] == pytest.approx(real_b[category], abs=step_s + 0.25), (category, real_b, sim_b)
     # The simulator loses exactly the drill's steps since the commit; the real run also loses what its
     # ranks computed between that step and the poll that injected the drill (0.2 s polls) and the step
     # in flight: at least 80 % of the simulator's, at most it plus two steps and a poll.
