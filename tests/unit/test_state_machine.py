@@ -335,3 +335,22 @@ def test_a_drill_being_injected_is_found_pending() -> None:
     assert seen and seen[0] is not None and seen[0]["outcome"] == "pending", seen
     assert c.drill(request.id)["outcome"] == "pending"  # type: ignore[index]
     assert c.events.count("drill_injected") == 1
+
+
+def test_cancel_while_recovering() -> None:
+    """The state the parametrized cancel test cannot reach by stepping: waiting for capacity."""
+    raw = copy.deepcopy(BASE)
+    raw["cluster"]["local"].update(nodes=4, spares=0)
+    raw["elastic"].update(min_dp=2, wait_for_capacity_s=600)
+    spec = parse_spec(raw)
+    full = spec.topology()
+    g = FakeWorkerGroup()
+    c = RunController(spec, full, g, now=100.0,
+                      topology_source=lambda: Topology(tuple(n for n in full.nodes if n.name != "node-2")))
+    start_running(c)
+    g.lose_node("node-2")
+    assert c.step(110.0) is RunState.RECOVERING
+    shutdowns = g.shutdowns
+    c.cancel()
+    assert c.step(111.0) is RunState.CANCELLED
+    assert g.shutdowns == shutdowns + 1 and c.events.kinds()[-1] == "cancelled"
