@@ -46,7 +46,10 @@ def drill_on(cluster: LocalRayCluster, name: str, warm: bool, index: int, root: 
     })
     with contextlib.redirect_stdout(sys.stderr):
         controller = drive(spec, cluster, warm_workers=warm)
-    (report,) = controller.to_dict(0)["drills"]
+    run = controller.to_dict(0)
+    if not run["drills"]:  # the run ended before its drill: counted as a wrong drill, with why
+        return {"outcome": f"no drill report: run {run['state']} at step {run['step']}: {run['error']}"}
+    (report,) = run["drills"]
     cluster.add_node(3)  # the drill killed node-3 (the last rank's node); bring it back
     return report
 
