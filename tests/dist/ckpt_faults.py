@@ -24,23 +24,8 @@ def train_through_outage(*, rank: int, world_size: int, store_port: int, config:
 def die_mid_save(*, rank: int, world_size: int, store_port: int, config: dict, root: str) -> dict:
     """Commit step 2, then at step 4 rank 1 dies after writing its shard but before its marker."""
     import trainer.checkpoint as ckpt
-    from checkpointing.store import LocalStore
-    from trainer.config import config_from_dict
-    from trainer.parallel import build_mesh, choose_device, init_process_group
-    from trainer.report import ListSink
-    from trainer.train import Trainer
 
-    cfg = config_from_dict(config)
-    store = dist.PrefixStore("crash", dist.TCPStore("127.0.0.1", store_port, is_master=False))
-    init_process_group(rank=rank, world_size=world_size, store=store, backend="gloo", timeout_s=60)
-    sink = ListSink()
-    trainer = Trainer(cfg, build_mesh(cfg.mesh, "cpu"), choose_device("float32"))
-    checkpointer = ckpt.Checkpointer(LocalStore(Path(root)), run_id="crash", attempt=0, keep=5, sink=sink,
-                                     staging_dir=Path(root) / "staging", commit_timeout_s=3.0)
-    for _ in range(2):
-        trainer.train_step()
-    checkpointer.save(trainer)
-    checkpointer.wait()
+    trainer, checkpointer, sink = _committed_step_2(rank, world_size, store_port, config, root, "crash", 3.0)
     for _ in range(2):
         trainer.train_step()
     if rank == 1:
@@ -56,6 +41,18 @@ def die_mid_save(*, rank: int, world_size: int, store_port: int, config: dict, r
 def resave_committed_step(*, rank: int, world_size: int, store_port: int, config: dict, root: str) -> dict:
     """Commit step 2; train on, then come back to step 2 (as an attempt does that skipped a newer step
     as unreadable and trained through it again) and save it again: nothing may be written."""
+    trainer, checkpointer, sink = _committed_step_2(rank, world_size, store_port, config, root, "resave", 10.0)
+    for _ in range(2):
+        trainer.train_step()  # other parameters now
+    trainer.step = 2
+    timing = checkpointer.save(trainer)
+    checkpointer.close()
+    return {"events": sink.events, "skipped": timing.skipped}
+
+
+def _committed_step_2(rank: int, world_size: int, store_port: int, config: dict, root: str, run_id: str,
+                      commit_timeout_s: float) -> tuple[Any, Any, Any]:
+    """Join the process group, train two steps and commit step 2: (trainer, checkpointer, sink)."""
     import trainer.checkpoint as ckpt
     from checkpointing.store import LocalStore
     from trainer.config import config_from_dict
@@ -64,19 +61,14 @@ def resave_committed_step(*, rank: int, world_size: int, store_port: int, config
     from trainer.train import Trainer
 
     cfg = config_from_dict(config)
-    store = dist.PrefixStore("resave", dist.TCPStore("127.0.0.1", store_port, is_master=False))
+    store = dist.PrefixStore(run_id, dist.TCPStore("127.0.0.1", store_port, is_master=False))
     init_process_group(rank=rank, world_size=world_size, store=store, backend="gloo", timeout_s=60)
     sink = ListSink()
     trainer = Trainer(cfg, build_mesh(cfg.mesh, "cpu"), choose_device("float32"))
-    checkpointer = ckpt.Checkpointer(LocalStore(Path(root)), run_id="resave", attempt=0, keep=5, sink=sink,
-                                     staging_dir=Path(root) / "staging", commit_timeout_s=10.0)
+    checkpointer = ckpt.Checkpointer(LocalStore(Path(root)), run_id=run_id, attempt=0, keep=5, sink=sink,
+                                     staging_dir=Path(root) / "staging", commit_timeout_s=commit_timeout_s)
     for _ in range(2):
         trainer.train_step()
     checkpointer.save(trainer)
     checkpointer.wait()
-    for _ in range(2):
-        trainer.train_step()  # other parameters now
-    trainer.step = 2
-    timing = checkpointer.save(trainer)
-    checkpointer.close()
-    return {"events": sink.events, "skipped": timing.skipped}
+    return trainer, checkpointer, sink
