@@ -13,6 +13,12 @@ from trainer.config import DataConfig, MeshShape, ModelConfig, ProbeConfig, Trai
 
 pytestmark = pytest.mark.dist
 
+# The slow rank computes this many times longer. Well above 2: with more ranks than cores (4 on 2 here,
+# more load in CI) the peers fill part of the slow rank's extra time with their own next-step work
+# before they block on it; that overlap is at most about one step's compute, so the extra time must be
+# several steps' worth for the hold to stand out of it.
+SLOW = 4.0
+
 
 def cfg(mesh: MeshShape, probes: bool = True) -> dict:
     return config_to_dict(TrainerConfig(
@@ -45,20 +51,19 @@ def probe_rank(*, rank: int, world_size: int, store_port: int, config: dict, fli
     reference = [plain.train_step() for _ in range(7)]
     same = all(a.loss == b.loss for a, b in zip(clean, reference))
     # Side by side, so that the machine's own drift falls on both: blocks of two steps at normal pace
-    # (A) and blocks of one slowed step and one normal one (B), alternating. The slow rank's lateness
-    # reaches its peers at the next collective, inside B at the latest.
-    normal, slowed, a_block, b_block = [], [], [], []
+    # (A) and blocks of one slowed step and one normal one (B), alternating, each B compared with the A
+    # just before it. The slow rank's lateness reaches its peers at the next collective, inside B.
+    normal, slowed, held = [], [], []
     for _ in range(6):
         first, second = trainer.train_step(), trainer.train_step()
         normal.append(first.compute_s)
-        a_block.append(first.step_time_s + second.step_time_s)
         if rank == flip_rank:  # one slow rank, as a slow GPU is: the others keep their pace
-            switches.slow(2.0)
+            switches.slow(SLOW)
         late = trainer.train_step()
         switches.slow(1.0)
         after = trainer.train_step()
         slowed.append(late.compute_s)
-        b_block.append(late.step_time_s + after.step_time_s)
+        held.append(late.step_time_s + after.step_time_s - first.step_time_s - second.step_time_s)
     if rank == flip_rank:
         switches.request_bitflip()
     error = None
@@ -68,8 +73,7 @@ def probe_rank(*, rank: int, world_size: int, store_port: int, config: dict, fli
         error = str(e)
     dist.destroy_process_group()
     return {"device": choice.device.type, "same_as_without_probes": same, "normal": statistics.median(normal),
-            "slowed": statistics.median(slowed), "a_block": statistics.median(a_block),
-            "b_block": statistics.median(b_block),
+            "slowed": statistics.median(slowed), "held": statistics.median(held),
             "error": error, "events": sink.events, "step": trainer.step}
 
 
@@ -96,7 +100,7 @@ def test_probes_in_real_steps(mesh: MeshShape, flip: int) -> None:
     for rank, r in enumerate(results):
         ratio = r["slowed"] / r["normal"]
         if rank == flip:
-            assert 1.6 < ratio < 2.6, (r["normal"], r["slowed"])
+            assert 0.8 * SLOW < ratio < SLOW + 0.6, (r["normal"], r["slowed"])
         else:
             assert ratio < 1.4, ("a peer of the slow rank waits, it does not compute longer", ratio)
     # The slowdown is real, not only in the slowed rank's own clock: its peers, held in the step's
@@ -105,9 +109,8 @@ def test_probes_in_real_steps(mesh: MeshShape, flip: int) -> None:
     extra = results[flip]["slowed"] - results[flip]["normal"]
     for rank, r in enumerate(results):
         if rank != flip:
-            held = r["b_block"] - r["a_block"]
-            assert held > 0.5 * extra, (f"rank {rank}'s two steps took {held:.4f} s longer while rank {flip} "
-                                        f"computed {extra:.4f} s more")
+            assert r["held"] > 0.5 * extra, (f"rank {rank}'s two steps took {r['held']:.4f} s longer while rank "
+                                             f"{flip} computed {extra:.4f} s more")
 
 
 def triage_rank(*, rank: int, world_size: int, store_port: int, config: dict, persistent: bool) -> dict:
