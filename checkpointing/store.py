@@ -300,6 +300,15 @@ def retry_unavailable(what: str, fn: Callable[[], T], *, budget_s: float) -> T:
     raise AssertionError("unreachable")
 
 
+def anchored(uri: str, root: Path) -> str:
+    """`uri` with a relative local path made absolute under `root` (file://./runs -> file://ROOT/runs);
+    any other URI as it is."""
+    if "://" in uri and not uri.startswith("file://"):
+        return uri
+    path = Path(uri.removeprefix("file://"))
+    return uri if path.is_absolute() else f"file://{(root / path).resolve()}"
+
+
 def open_store(uri: str, **s3_options: Any) -> ObjectStore:
     """`file://PATH`, a plain path, or `s3://bucket/prefix`. GOODPUT_S3_RETRY_BUDGET_S bounds how
     long one S3 call keeps retrying (default 30 s)."""

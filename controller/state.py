@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Protocol
@@ -160,7 +161,8 @@ class RunController:
     def __init__(self, spec: RunSpec, topology: Topology, worker_group: WorkerGroup, *, now: float,
                  checkpoint_store: ObjectStore | None = None, run_id: str | None = None,
                  injector: DrillInjector | None = None,
-                 topology_source: Callable[[], Topology] | None = None) -> None:
+                 topology_source: Callable[[], Topology] | None = None,
+                 own_checkpoints_only: bool = False) -> None:
         self.spec = spec
         self.run_id = run_id or spec.name
         self._topology = topology.with_racks(spec.cluster.racks)
@@ -205,6 +207,11 @@ class RunController:
         self._last_failure: FailureEvent | None = None
         self._resume_at: int | None = None
         """A resume request's step: the next launch loads it (newer commits are discarded first)."""
+        self.own_checkpoints_only = own_checkpoints_only
+        """A submitted run (goodput serve) is a new run: it never loads a checkpoint committed before it
+        was submitted (another run's, under the same id) unless resumed on purpose (`adopted`)."""
+        self.adopted = False
+        """Resumed on purpose (goodput resume): the checkpoints under its id are its to load, whoever wrote them."""
         self._pending_discard: int | None = None
         """An SDC rollback's discard the store could not take yet: done before the next launch reads."""
         self._discarded: list[tuple[int, str]] = []
@@ -284,6 +291,7 @@ class RunController:
         intervals = [e["detail"].get("steps", 0) for e in events if e["kind"] == "checkpoint_interval"]
         self._auto_interval = int(intervals[-1]) if intervals else 0
         self.attempt = max((e["attempt"] for e in events if e["kind"] == "attempt_started"), default=-1)
+        self.adopted = any(e["kind"] == "resume_requested" for e in events)
         self.quarantined = [{"node": e["detail"]["node"], "reason": e["detail"].get("reason"),
                              "evidence": e["detail"].get("evidence") or {}, "time": e["time"]}
                             for e in events if e["kind"] == "quarantined" and e["detail"].get("reason") != "lost"]
@@ -335,6 +343,7 @@ class RunController:
         self.error = None
         self.finished_at = None
         self.state = RunState.PENDING
+        self.adopted = True
         self.events.add(now, max(self.attempt, 0), "resume_requested", step=step, steps=spec.train.steps)
 
     def _on_pending(self, now: float) -> None:
@@ -364,6 +373,9 @@ class RunController:
             return
         except IdentityMismatch as e:
             self._fail(now, "checkpoint_mismatch", str(e))
+            return
+        except ForeignCheckpoints as e:
+            self._fail(now, "checkpoints_in_the_way", str(e))
             return
         for step, reason in discarded:
             self.events.add(now, self.attempt, "checkpoint_discarded", step=step, reason=reason)
@@ -427,6 +439,14 @@ class RunController:
         if found is None:
             return 0, 0, None, [], discarded
         manifest, skipped = found
+        if self.own_checkpoints_only and not self.adopted and manifest.created_at < self.created_at:
+            raise ForeignCheckpoints(
+                f"{self.checkpoint_store.uri}/{self.run_id}/ already holds checkpoints committed before this run "
+                f"was submitted (the newest: step {manifest.step}, attempt {manifest.attempt}, at "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created_at))}): a new run does not "
+                f"carry on another run's work by accident. To continue from them on purpose: goodput resume "
+                f"{self.run_id}; to start afresh: submit again (the service picks an id with an empty prefix) "
+                "or remove them")
         model = self.spec.to_model_config()
         check_identity(manifest, state_fingerprint(model), state_identity(model), self.checkpoint_store.uri)
         return manifest.step, manifest.cursor, manifest.step, skipped, discarded
@@ -812,6 +832,7 @@ class RunController:
             "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp} if mesh else None,
             "placement": list(self.placement.rows()) if self.placement else [],
             "goodput": self.goodput(now),
+            "checkpoint_uri": self.checkpoint_store.uri if self.checkpoint_store is not None else self.spec.checkpoint.uri,
             "error": {"code": self.error.code, "message": self.error.message} if self.error else None,
         }
         out["waiting_for"] = self.waiting_for if self.state is RunState.PENDING else None
@@ -822,6 +843,10 @@ class RunController:
             out["history"] = self.progress.history
             out["events"] = [e.to_dict() for e in self.events]
         return out
+
+
+class ForeignCheckpoints(Exception):
+    """A new run found checkpoints it did not write under its id: it refuses rather than load them."""
 
 
 _SDC_DISCARD = "committed after step {step}, when silent data corruption may already have begun"

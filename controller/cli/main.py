@@ -638,6 +638,8 @@ def cmd_dashboards_push(opts: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from controller.service.main import EMBEDDED_CLUSTER
+
     parser = argparse.ArgumentParser(prog="goodput", description="Fault-tolerant LLM training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run SPEC.yaml in this process on the embedded local cluster")
@@ -688,10 +690,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "postgresql+psycopg://user@host/goodput")
     serve.add_argument("--address", help="join this Ray cluster (ray://HOST:PORT, HOST:PORT, auto) instead of "
                                          "starting an embedded one")
-    serve.add_argument("--local-nodes", type=int, default=4, help="embedded cluster: nodes")
-    serve.add_argument("--gpus-per-node", type=int, default=2, help="embedded cluster: GPU slots per node")
-    serve.add_argument("--racks", type=int, default=2, help="embedded cluster: racks")
-    serve.add_argument("--spares", type=int, default=1, help="embedded cluster: hot-spare nodes")
+    serve.add_argument("--local-nodes", type=int, default=EMBEDDED_CLUSTER["nodes"],
+                       help="embedded cluster: nodes (default: make run's cluster, examples/tiny-gpt.yaml)")
+    serve.add_argument("--gpus-per-node", type=int, default=EMBEDDED_CLUSTER["gpus_per_node"],
+                       help="embedded cluster: GPU slots per node")
+    serve.add_argument("--racks", type=int, default=EMBEDDED_CLUSTER["racks"], help="embedded cluster: racks")
+    serve.add_argument("--spares", type=int, default=EMBEDDED_CLUSTER["spares"],
+                       help="embedded cluster: hot-spare nodes")
     serve.add_argument("--gpu-memory-gb", type=float, default=80.0, help="embedded cluster: memory per GPU slot")
     serve.add_argument("--advertise-host", default="127.0.0.1",
                        help="this host's address as the training ranks reach it (their rendezvous store); on "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from checkpointing.store import ObjectStore, StoreError, open_store
@@ -125,10 +126,12 @@ def preflight(spec: RunSpec) -> None:
 
 def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluster, *,
                 view: Callable[[Topology], Topology] | None = None, accept_submissions: bool = True,
-                poll_s: float = 0.2, node_actions: Any = None, store_host: str = "127.0.0.1") -> "Service":
+                poll_s: float = 0.2, node_actions: Any = None, store_host: str = "127.0.0.1",
+                relative_root: Path | None = None) -> "Service":
     """A service whose runs train on `cluster` with Ray worker groups (goodput serve, goodput run).
     `store_host`: the address of this process the ranks reach for their rendezvous store (on
-    Kubernetes, the controller pod's IP)."""
+    Kubernetes, the controller pod's IP). `relative_root`: where submitted relative checkpoint paths
+    land (goodput serve: its state dir)."""
     from controller.ray.drills import RayDrillInjector
     from controller.ray.workers import RayWorkerGroup
     from controller.service.runs import Service
@@ -142,7 +145,8 @@ def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluste
         return RayDrillInjector(cluster, g)
 
     return Service(registry, cluster, group_factory=group, injector_factory=injector,
-                   store_factory=functools.partial(checkpoint_store, probe=False), store_probe=probe_store, view=view, accept_submissions=accept_submissions, poll_s=poll_s, node_actions=node_actions)
+                   store_factory=functools.partial(checkpoint_store, probe=False), store_probe=probe_store, view=view, accept_submissions=accept_submissions, poll_s=poll_s,
+                   node_actions=node_actions, relative_root=relative_root)
 
 
 def run_foreground(spec: RunSpec, *, on_tick: Tick | None = None, api: tuple[str, int] | None = None,

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+EMBEDDED_CLUSTER = {"nodes": 5, "gpus_per_node": 2, "racks": 2, "spares": 1}
+"""`goodput serve`'s embedded cluster by default: the one `make run` trains on (examples/tiny-gpt.yaml's
+cluster.local), so the README's example fits the README's service."""
+
+
 @dataclass
 class ServeOptions:
     host: str
@@ -95,7 +100,7 @@ def serve_forever(opts: ServeOptions) -> int:
             log(f"Kubernetes: a quarantine cordons and taints the node (goodput nodes release NODE undoes it); "
                 f"racks from node labels {opts.domain_label or '-'} / {opts.rack_label}")
         service = ray_service(registry, cluster, poll_s=opts.poll_s, node_actions=node_actions,
-                              store_host=opts.advertise_host).start()
+                              store_host=opts.advertise_host, relative_root=state).start()
         carried = [r["id"] for r in service.runs() if r["state"] not in ("succeeded", "failed", "cancelled")]
         if carried:
             log(f"carrying on {len(carried)} unfinished run(s): {', '.join(carried)}")

@@ -21,10 +21,12 @@ import functools
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from checkpointing.store import anchored
 from controller.drills import DrillError, DrillInjector, DrillRequest
 from controller.service.registry import Registry, Saved
 from controller.spec import RunSpec, SpecError, parse_spec
@@ -139,7 +141,8 @@ class Service:
                  clock: Callable[[], float] = time.time, poll_s: float = 0.2, accept_submissions: bool = True,
                  view: Callable[[Topology], Topology] | None = None, threads: bool = True,
                  node_actions: NodeActions | None = None,
-                 store_probe: Callable[[Any, str], None] | None = None) -> None:
+                 store_probe: Callable[[Any, str], None] | None = None,
+                 relative_root: Path | None = None) -> None:
         self.registry = registry
         self.cluster = cluster
         self.group_factory = group_factory
@@ -148,6 +151,8 @@ class Service:
         self.store_probe = store_probe
         """(store, uri) -> None, or SpecError saying why it cannot be written: asked at submission, for at
         most STORE_PROBE_WAIT_S (a store that answers later is the run's to wait for at launch)."""
+        self.relative_root = relative_root
+        """Where a submitted spec's relative checkpoint path lands (the service's state dir); None: the cwd."""
         self.clock = clock
         self.poll_s = poll_s
         self.accept_submissions = accept_submissions
@@ -203,13 +208,20 @@ class Service:
         if spec.cluster.address is not None:
             raise ServiceError(422, "invalid_spec", "cluster.address is for `goodput run`; the service runs every "
                                                     "run on its own cluster: remove it")
+        if self.relative_root is not None:  # not the cwd of wherever the service was started
+            uri = anchored(spec.checkpoint.uri, self.relative_root)
+            if uri != spec.checkpoint.uri:
+                spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"uri": uri})})
         return self.add(spec)
 
     def add(self, spec: RunSpec) -> dict[str, Any]:
         """Queue a validated spec; the Run object (pending)."""
         with self.lock:
-            tentative = self._new_id(spec.name)
-        store = self._store(spec, run_id=tentative)  # asks the store: never under the service lock
+            candidates = self._free_ids(spec.name, self.ID_CANDIDATES)
+        # Asks the store, never under the service lock. goodput serve: a submission is a new run, so its
+        # id must be one whose prefix holds nothing (a finished run's, `make run`'s, anyone's); goodput
+        # run: the run's own name, whose checkpoints it resumes (if they are of its model).
+        store, occupied = self._store(spec, candidates=candidates, fresh=self.accept_submissions)
         with self.lock:
             if len(self._runs) >= MAX_RUNS:
                 raise ServiceError(429, "too_many_runs", f"the service holds {MAX_RUNS} runs")
@@ -217,12 +229,18 @@ class Service:
                 plan_run(spec, self._total_view())
             except SpecError as e:
                 raise ServiceError(422, "does_not_fit", f"this service's cluster cannot hold the run: {e}") from None
-            run_id = self._new_id(spec.name)
+            run_id = self._new_id(spec.name, skip=occupied)
             now = self.clock()
             group = self.group_factory(spec, run_id)
             controller = RunController(spec, self._total_view(), group, now=now, checkpoint_store=store,
                                        run_id=run_id, injector=self._injector(group),
-                                       topology_source=lambda: self._own_view(run_id))
+                                       topology_source=lambda: self._own_view(run_id),
+                                       own_checkpoints_only=self.accept_submissions)
+            if occupied:
+                controller.events.add(now, 0, "run_id_chosen", run_id=run_id, name=spec.name,
+                                      reason=f"{', '.join(occupied)} already hold checkpoints in {store.uri}: a "
+                                             "submission starts a new run (goodput resume continues an old one)",
+                                      occupied=occupied)
             seq = self.registry.add_run(run_id=run_id, name=spec.name, spec=spec.model_dump(mode="json"),
                                         state=controller.state.value, created_at=now)
             live = LiveRun(controller, seq, group)
@@ -614,7 +632,7 @@ class Service:
             spec = parse_spec(row["spec"])
             group = self.group_factory(spec, run_id)
             try:
-                store = self._store(spec)
+                store, _ = self._store(spec)
             except ServiceError:
                 store = None
             c = RunController(spec, self._total_view(), group, now=row["created_at"], checkpoint_store=store,
@@ -705,29 +723,44 @@ class Service:
 
     STORE_PROBE_WAIT_S = 0.5
 
-    def _store(self, spec: RunSpec, *, run_id: str | None = None) -> Any:
-        """The run's checkpoint store. Given the run id it will have, the store is also asked, for at
-        most STORE_PROBE_WAIT_S in all, whether it takes a write (422 saying why not) and whether it
-        already holds another model's checkpoints under that id (409): a store that answers later is
-        the run's to wait for at launch (store_unavailable), not the request's."""
+    ID_CANDIDATES = 8
+    """Ids a submission asks the store about (name, name-2, ...), within STORE_PROBE_WAIT_S in all."""
+
+    def _store(self, spec: RunSpec, *, candidates: list[str] | None = None, fresh: bool = False
+               ) -> tuple[Any, dict[str, list[int]]]:
+        """The run's checkpoint store, and {candidate id: its committed steps} for the candidates whose
+        prefix already holds objects. Given candidate ids, the store is also asked, for at most
+        STORE_PROBE_WAIT_S in all, whether it takes a write (422 saying why not); then, for a fresh run,
+        which candidates are occupied (in order, until a free one), else whether the first holds another
+        model's checkpoints (409). A store that answers later is the run's to wait for at launch
+        (store_unavailable), not the request's; a fresh run launched over an occupied prefix it could not
+        see here refuses at launch (checkpoints_in_the_way) instead of loading them."""
         if self.store_factory is None:
-            return None
+            return None, {}
         try:
             store = self.store_factory(spec)
         except SpecError as e:
             raise ServiceError(422, "invalid_spec", str(e)) from None
-        if run_id is None:
-            return store
+        if not candidates:
+            return store, {}
         from checkpointing.manifest import IdentityMismatch, check_identity, committed_steps, read_manifest
         from trainer.config import state_fingerprint, state_identity
+
+        occupied: dict[str, list[int]] = {}
 
         def ask() -> None:
             if self.store_probe is not None:
                 self.store_probe(store, spec.checkpoint.uri)
-            steps = committed_steps(store, run_id)
+            if fresh:
+                for run_id in candidates:
+                    if not store.list(f"{run_id}/"):
+                        return
+                    occupied[run_id] = committed_steps(store, run_id)
+                return
+            steps = committed_steps(store, candidates[0])
             if steps:
                 model = spec.to_model_config()
-                check_identity(read_manifest(store, run_id, steps[-1]), state_fingerprint(model),
+                check_identity(read_manifest(store, candidates[0], steps[-1]), state_fingerprint(model),
                                state_identity(model), store.uri)
 
         error = _within(self.STORE_PROBE_WAIT_S, ask)
@@ -735,18 +768,26 @@ class Service:
             raise ServiceError(422, "invalid_spec", str(error)) from None
         if isinstance(error, IdentityMismatch):
             raise ServiceError(409, "checkpoint_mismatch", str(error)) from None
-        return store
+        return store, dict(occupied)
 
     def _injector(self, group: WorkerGroup) -> DrillInjector | None:
         return self.injector_factory(group) if self.injector_factory is not None else None
 
-    def _new_id(self, name: str) -> str:
-        """The spec's name, or name-2, name-3, ... when taken (ids are checkpoint prefixes: never shared)."""
-        run_id, n = name, 1
-        while run_id in self._runs or self.registry.has_run(run_id):
+    def _new_id(self, name: str, *, skip: Collection[str] = ()) -> str:
+        """The spec's name, or name-2, name-3, ... when taken by a run of this service or in `skip`
+        (ids are checkpoint prefixes: never shared)."""
+        return self._free_ids(name, 1, skip=skip)[0]
+
+    def _free_ids(self, name: str, count: int, *, skip: Collection[str] = ()) -> list[str]:
+        """The first `count` ids of name, name-2, name-3, ... that no run of this service has."""
+        out: list[str] = []
+        n = 1
+        while len(out) < count:
+            run_id = name if n == 1 else f"{name}-{n}"
+            if run_id not in self._runs and run_id not in skip and not self.registry.has_run(run_id):
+                out.append(run_id)
             n += 1
-            run_id = f"{name}-{n}"
-        return run_id
+        return out
 
 
 def placement_from_rows(rows: list[dict[str, Any]], mesh: dict[str, int], spares: list[str]) -> Placement:

@@ -255,7 +255,9 @@ def test_a_checkpoint_of_the_same_model_resumes_whatever_the_mesh_or_the_steps(t
     assert group.started[0].resume_step == 20
 
 
-def test_the_service_refuses_a_submission_over_another_models_checkpoints(tmp_path: Path) -> None:
+def test_goodput_run_refuses_to_start_over_another_models_checkpoints(tmp_path: Path) -> None:
+    """`goodput run` resumes its own name's checkpoints: another model's are refused before anything
+    starts (goodput serve gives a submission a fresh id instead: tests/unit/test_newcomer.py)."""
     from controller.service.registry import Registry
     from controller.service.runs import Service, ServiceError
     from tests.unit.fakes import FakeCluster
@@ -264,7 +266,7 @@ def test_the_service_refuses_a_submission_over_another_models_checkpoints(tmp_pa
     _commit_of_model(store, "tiny-gpt", 20, d_model=64)
     spec = parse_spec(yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()))
     service = Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=lambda *_: FakeWorkerGroup(),
-                      store_factory=lambda _: store, threads=False)
+                      store_factory=lambda _: store, threads=False, accept_submissions=False)
     with pytest.raises(ServiceError) as refused:
         service.add(spec)
     assert refused.value.status == 409 and refused.value.code == "checkpoint_mismatch"

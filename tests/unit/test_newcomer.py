@@ -1,0 +1,118 @@
+"""What a newcomer meets right after `make run`, following the README's "The service": the service's
+defaults hold the README's example; a submission never finishes another run's checkpoints; a relative
+checkpoint URI lands under the service's state dir."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from checkpointing.manifest import Manifest, commit
+from checkpointing.store import LocalStore, anchored
+from controller.cli.main import build_parser
+from controller.service.registry import Registry
+from controller.service.runs import Service
+from controller.service.main import EMBEDDED_CLUSTER
+from controller.spec import parse_spec
+from controller.state import RunState, plan_run
+from controller.topology import Topology
+from tests.unit.fakes import FakeCluster, FakeWorkerGroup, FlakyStore
+from trainer.config import state_fingerprint, state_identity
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
+
+
+def test_serve_defaults_are_make_runs_cluster_and_hold_the_example() -> None:
+    opts = build_parser().parse_args(["serve"])
+    serve = {"nodes": opts.local_nodes, "gpus_per_node": opts.gpus_per_node, "racks": opts.racks,
+             "spares": opts.spares}
+    assert serve == EMBEDDED_CLUSTER == {k: EXAMPLE["cluster"]["local"][k] for k in EMBEDDED_CLUSTER}
+    spec = parse_spec(EXAMPLE)
+    served = Topology.from_local(**EMBEDDED_CLUSTER)
+    plan, placement = plan_run(spec, served)
+    assert plan.mesh.world_size == 8 and len(placement.spares) == 1
+
+
+def _make_runs_checkpoint(store: LocalStore, run_id: str, step: int, *, at: float) -> None:
+    """What `make run` leaves: a committed step of the example's own model under its name."""
+    model = parse_spec(EXAMPLE).to_model_config()
+    commit(store, Manifest(run_id=run_id, step=step, attempt=1, mesh={"dp": 1, "pp": 2, "tp": 2}, world_size=4,
+                           cursor=step * 16, seeds={"data": 0, "init": 0}, created_at=at,
+                           identity=state_fingerprint(model), identity_detail=state_identity(model)))
+
+
+def _service(store: object, **kw: object) -> Service:
+    spec = parse_spec(EXAMPLE)
+    return Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=lambda *_: FakeWorkerGroup(),
+                   store_factory=lambda _: store, threads=False, clock=lambda: 1000.0, **kw)  # type: ignore[arg-type]
+
+
+def test_a_submission_over_make_runs_checkpoints_is_a_new_run_with_an_empty_prefix(tmp_path: Path) -> None:
+    """Before: the submission took the id tiny-gpt, found make run's step 60 and "succeeded" at once
+    with nothing trained. Now it gets tiny-gpt-2 (the store is asked, not only the registry), trains
+    from step 0, says why in its timeline, and make run's checkpoint is untouched."""
+    store = LocalStore(tmp_path)
+    _make_runs_checkpoint(store, "tiny-gpt", 60, at=500.0)
+    before = {o.key: o.size for o in store.list("tiny-gpt/")}
+    service = _service(store)
+    run = service.submit(EXAMPLE)
+    assert run["id"] == "tiny-gpt-2"
+    chosen = service.controller("tiny-gpt-2").events.of_kind("run_id_chosen")
+    assert chosen[0].detail["occupied"] == {"tiny-gpt": [60]} and "goodput resume" in chosen[0].detail["reason"]
+    service.schedule()
+    group = service.controller("tiny-gpt-2").worker_group
+    while not group.started:  # type: ignore[attr-defined]
+        service.advance("tiny-gpt-2")
+    assert group.started[0].start_step == 0 and group.started[0].resume_step is None  # type: ignore[attr-defined]
+    assert {o.key: o.size for o in store.list("tiny-gpt/")} == before
+    assert service.submit(EXAMPLE)["id"] == "tiny-gpt-3", "the registry's own ids are skipped too"
+
+
+def test_a_new_run_refuses_at_launch_checkpoints_it_could_not_see_at_submission(tmp_path: Path) -> None:
+    """The store did not answer within the submission's 0.5 s, so the id was taken blind; at launch the
+    run finds a checkpoint committed before it was submitted: it fails saying so and how to resume it
+    on purpose, and `goodput resume` then does continue from it."""
+    slow = FlakyStore(LocalStore(tmp_path))
+    service = _service(slow)
+    slow.delay_s = 1.0
+    run = service.submit(EXAMPLE)
+    assert run["id"] == "tiny-gpt"
+    slow.delay_s = 0.0
+    _make_runs_checkpoint(slow.inner, "tiny-gpt", 60, at=500.0)  # before the run's created_at (1000)
+    service.schedule()
+    for _ in range(10):
+        service.advance("tiny-gpt")
+    c = service.controller("tiny-gpt")
+    assert c.state is RunState.FAILED and c.error is not None and c.error.code == "checkpoints_in_the_way"
+    assert "step 60" in c.error.message and "goodput resume tiny-gpt" in c.error.message
+    assert not c.worker_group.started  # type: ignore[attr-defined]
+    service.resume("tiny-gpt", step=None, steps=None)
+    service.schedule()
+    while not c.worker_group.started:  # type: ignore[attr-defined]
+        service.advance("tiny-gpt")
+    assert c.worker_group.started[0].resume_step == 60  # type: ignore[attr-defined]
+
+
+def test_a_relative_checkpoint_uri_lands_under_the_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """file://./goodput-runs, the example's, resolves against the service's state dir, not against the
+    directory the service happened to be started in; the Run object says where."""
+    from controller.ray.runner import checkpoint_store
+
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    state = tmp_path / "state"
+    spec = parse_spec(EXAMPLE)
+    service = Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=lambda *_: FakeWorkerGroup(),
+                      store_factory=functools.partial(checkpoint_store, probe=False), threads=False,
+                      relative_root=state)
+    run = service.submit(EXAMPLE)
+    assert run["checkpoint_uri"] == f"file://{state / 'goodput-runs'}"
+    assert service.controller(run["id"]).spec.checkpoint.uri == f"file://{state / 'goodput-runs'}"
+    s3 = {**EXAMPLE, "name": "other", "checkpoint": {**EXAMPLE["checkpoint"], "uri": "s3://bucket/runs"}}
+    assert anchored(s3["checkpoint"]["uri"], state) == "s3://bucket/runs"
+    assert anchored("/abs/runs", state) == "/abs/runs" and anchored("runs", state) == f"file://{state / 'runs'}"
