@@ -564,13 +564,16 @@ def cmd_simulate(opts: argparse.Namespace) -> int:
     else:
         rows = [simulate(parse_spec(raw), days=opts.days, seed=opts.seed)]
     wall = time.perf_counter() - started
-    if opts.out and not opts.sweep:
+    if opts.out:
         from controller.cli import report
 
-        c = rows[0]["_controller"]
-        view = c.to_dict(rows[0]["simulated_seconds"])
-        view["goodput"] = rows[0]["goodput"]
-        report.plot(report.build(view, view["events"], view["history"]), Path(opts.out))
+        if opts.sweep:
+            report.plot_sweep(rows, Path(opts.out))
+        else:
+            c = rows[0]["_controller"]
+            view = c.to_dict(rows[0]["simulated_seconds"])
+            view["goodput"] = rows[0]["goodput"]
+            report.plot(report.build(view, view["events"], view["history"]), Path(opts.out))
     public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     if opts.json:
         _emit_json(public if opts.sweep else public[0])
@@ -579,14 +582,22 @@ def cmd_simulate(opts: argparse.Namespace) -> int:
         _print_simulation(public[0])
     else:
         keys = list(public[0]["setting"])
-        _table(keys + ["ETTR", "interruptions", "MTTR s", "ckpt every", "largest badput"],
-               [[str(r["setting"][k]) for k in keys]
-                + [f"{r['ettr']:.4f}", sum(r["failures_by_cause"].values()),
-                   "-" if r["mttr_s"] is None else f"{r['mttr_s']:.0f}", _every(r["checkpoint_every"]),
-                   _largest(r["goodput"]["badput_seconds"], r["goodput"]["wall_seconds"])] for r in public])
-    print(f"\n{len(rows)} simulation(s) in {wall:.1f} s" + (f"; timeline: {opts.out}" if opts.out and not opts.sweep
-                                                             else ""))
+        _table(keys + ["ETTR", "steps", "interruptions", "MTTR s", "ckpt every", "largest badput"],
+               [[str(r["setting"][k]) for k in keys] + _sweep_cells(r) for r in public])
+        for r in public:
+            if r["state"] == "infeasible":
+                print(f"{', '.join(f'{k}={v}' for k, v in r['setting'].items())}: infeasible: {r['error']}")
+    drawn = f"; {'sweep' if opts.sweep else 'timeline'}: {opts.out}" if opts.out else ""
+    print(f"\n{len(rows)} simulation(s) in {wall:.1f} s{drawn}")
     return 0
+
+
+def _sweep_cells(r: dict) -> list[Any]:
+    if r["state"] == "infeasible":
+        return ["infeasible", "-", "-", "-", "-", "(below)"]
+    return [f"{r['ettr']:.4f}", f"{r['steps']}/{r['total_steps']}", sum(r["failures_by_cause"].values()),
+            "-" if r["mttr_s"] is None else f"{r['mttr_s']:.0f}", _every(r["checkpoint_every"]),
+            _largest(r["goodput"]["badput_seconds"], r["goodput"]["wall_seconds"])]
 
 
 def _every(value: Any) -> str:

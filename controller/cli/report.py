@@ -129,3 +129,36 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out
+
+
+def plot_sweep(rows: list[dict[str, Any]], out: Path) -> Path:
+    """`goodput simulate --sweep ... --out`: ETTR and steps done per setting, side by side (an
+    infeasible setting is drawn as such, with no bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [", ".join(f"{k}={v}" for k, v in r["setting"].items()) for r in rows]
+    feasible = [r["state"] != "infeasible" for r in rows]
+    x = list(range(len(rows)))
+    fig, (ettr, steps) = plt.subplots(2, 1, figsize=(max(6.0, 1.4 * len(rows) + 2), 7), sharex=True)
+    fig.suptitle(f"goodput simulate: {len(rows)} setting(s)", fontsize=13)
+    ettr.bar(x, [r["ettr"] if ok else 0.0 for r, ok in zip(rows, feasible)], color=COLORS["productive"])
+    ettr.set_ylabel("ETTR")
+    ettr.set_ylim(0, 1.05)
+    steps.bar(x, [r["steps"] if ok else 0 for r, ok in zip(rows, feasible)], color=COLORS["startup"])
+    steps.set_ylabel("steps done")
+    for i, (r, ok) in enumerate(zip(rows, feasible)):
+        if ok:
+            ettr.annotate(f"{r['ettr']:.4f}", (i, r["ettr"]), ha="center", va="bottom", fontsize=9)
+            steps.annotate(f"{r['steps']}/{r['total_steps']}", (i, r["steps"]), ha="center", va="bottom", fontsize=9)
+        else:
+            ettr.annotate("infeasible", (i, 0.02), ha="center", va="bottom", fontsize=9, color=COLORS["failure_detection"])
+    steps.set_xticks(x)
+    steps.set_xticklabels(labels, rotation=20, ha="right", fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

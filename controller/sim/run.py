@@ -137,7 +137,8 @@ def _interval(events: list[dict[str, Any]], spec: RunSpec) -> Any:
 def sweep(raw: dict[str, Any], axes: list[tuple[str, list[str]]], *, days: float | None, seed: int
           ) -> list[dict[str, Any]]:
     """Every combination of the axes' values (dotted keys into the spec), simulated with the same
-    seed (the same incidents wherever the cluster is the same)."""
+    seed (the same incidents wherever the cluster is the same). A setting the cluster cannot hold (or
+    the spec refuses) is that row's result: {state: infeasible, error, setting}."""
     rows = []
     for values in itertools.product(*[vals for _, vals in axes]):
         variant = copy.deepcopy(raw)
@@ -145,7 +146,10 @@ def sweep(raw: dict[str, Any], axes: list[tuple[str, list[str]]], *, days: float
         for (key, _), value in zip(axes, values):
             _set(variant, key, _parse_value(value))
             setting[key] = _parse_value(value)
-        result = simulate(parse_spec(variant), days=days, seed=seed)
+        try:
+            result = simulate(parse_spec(variant), days=days, seed=seed)
+        except SpecError as e:  # that setting's answer; the others still run
+            result = {"state": "infeasible", "error": str(e)}
         result["setting"] = setting
         rows.append(result)
     return rows

@@ -142,3 +142,29 @@ def test_the_cli_prints_the_breakdown_sweeps_and_draws(tmp_path: Any, capsys: py
     with pytest.raises(SystemExit) as bad:
         main(["simulate", str(path), "--sweep", "nonsense"])
     assert bad.value.code == 2 and "KEY=V1,V2" in capsys.readouterr().err
+
+
+def test_a_sweep_reports_an_infeasible_setting_as_its_row_and_draws(tmp_path: Any,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, one setting the cluster could not hold ended the whole sweep with no row printed, and
+    --out with --sweep wrote nothing. Now the infeasible row says why, the others run, and --out
+    draws ETTR and steps per setting."""
+    import yaml
+
+    from controller.cli.main import main
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "sweep.png"
+    with pytest.raises(SystemExit) as done:  # 3 nodes of 1 GPU: dp2 needs 2 non-spare nodes
+        main(["simulate", str(path), "--days", "1", "--sweep", "cluster.simulated.spares=0,1,2", "--out", str(out)])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    lines = [line for line in text.splitlines() if line[:1].isdigit()]
+    assert float(lines[0].split()[1]) > 0.9 and float(lines[1].split()[1]) > 0.9, text
+    assert "infeasible" in lines[2] and "cluster.simulated.spares=2: infeasible:" in text
+    assert "healthy nodes offer 1" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "sweep: " + str(out) in text
+    rows = sweep(copy.deepcopy(TINY), [("cluster.simulated.spares", ["2", "1"])], days=1, seed=0)
+    assert rows[0]["state"] == "infeasible" and "healthy nodes offer 1" in rows[0]["error"]
+    assert rows[1]["state"] == "succeeded" and rows[1]["setting"] == {"cluster.simulated.spares": 1}
