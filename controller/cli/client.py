@@ -8,7 +8,7 @@ import os
 from typing import Any
 from urllib.parse import urlparse
 
-from controller.service.auth import TOKEN_ENV, default_state_dir
+from controller.service.auth import STATE_DIR_ENV, TOKEN_ENV, default_state_dir, token_path
 
 URL_ENV = "GOODPUT_URL"
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8470
@@ -55,8 +55,11 @@ class Client:
             raise ApiClientError(f"no goodput API answers at {self.url} ({type(e).__name__}); start `goodput serve` "
                                  f"(or `goodput run` serves one while its run lasts), or set {URL_ENV}") from None
         if response.status_code == 401:
-            raise ApiClientError(f"{self.url} refused the token (HTTP 401); set {TOKEN_ENV} to the service's token "
-                                 f"(a local service keeps it in {default_state_dir()}/api-token)")
+            where = token_path(default_state_dir())
+            found = "" if where.exists() else ", not found there"
+            raise ApiClientError(f"{self.url} refused the token (HTTP 401); set {TOKEN_ENV} to the service's token. "
+                                 f"A service on this machine keeps it in its --state-dir as api-token; this client "
+                                 f"looked in {where}{found}: set {STATE_DIR_ENV} to the service's --state-dir")
         if response.is_success:
             return response.json()
         try:

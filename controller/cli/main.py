@@ -152,7 +152,43 @@ def _describe(event: dict) -> str:
         return f"checkpoint at step {d['step']} failed: {d['error']}"
     if kind == "checkpoint_skipped":
         return f"checkpoint of step {d['step']} not written: {d['reason']}"
-    return f"{kind} {d}"
+    if kind == "drill_requested":
+        when = f"at step {d['at_step']}" if d.get("at_step") is not None else "at the next step"
+        target = f" on {d['target']}" if d.get("target") is not None else ""
+        return f"drill {d['drill']}{target} requested ({d.get('id')}), {when}"
+    if kind == "drill_failed":
+        return f"drill {d.get('drill')} could not be injected: {d.get('error')}"
+    if kind == "run_id_chosen":
+        return f"run id {d['run_id']}: {d['reason']}"
+    if kind == "resume_requested":
+        src = f"step {d['step']}" if d.get("step") is not None else "its latest checkpoint"
+        return f"resume requested from {src} (to step {d.get('steps')})"
+    if kind == "checkpoint_discarded":
+        return f"checkpoint of step {d['step']} discarded: {d['reason']}"
+    if kind == "checkpoint_unusable":
+        return f"a checkpoint is unusable: {d['reason']}"
+    if kind == "store_unavailable":
+        return f"checkpoint store unreachable since {_clock(d.get('since'))}, retrying in {d.get('retry_in_s', 0):.0f} s: {d['error']}"
+    if kind == "store_available":
+        return f"checkpoint store reachable again after {d.get('down_s', 0):.0f} s"
+    if kind == "service_restarted":
+        return f"service restarted (run was {d.get('previous_state')}): {d.get('action')}"
+    return f"{kind.replace('_', ' ')}: " + ", ".join(f"{k} {_value(k, v)}" for k, v in d.items())
+
+
+def _clock(t: float | None) -> str:
+    import time
+
+    return "?" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def _value(key: str, value: Any) -> str:
+    """An event detail as a person reads it: Unix times as clock times, floats rounded."""
+    if isinstance(value, float) and (key.endswith("_at") or key in ("since", "until", "time")):
+        return _clock(value)
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
 
 
 def _summary(run: dict) -> dict:
@@ -432,9 +468,12 @@ def cmd_events(opts: argparse.Namespace) -> int:
 
 def cmd_cancel(opts: argparse.Namespace) -> int:
     with _api() as client:
-        run = client.call("POST", f"/v1/runs/{opts.run}/cancel")
+        run = client.call("POST", f"/v1/runs/{opts.run}/cancel")  # on an ended run: changes nothing
     if opts.json:
         _emit_json(run)
+    elif run["state"] in ("succeeded", "failed", "cancelled"):
+        raise CliError(f"{run['id']} had already ended ({run['state']}); nothing was cancelled "
+                       f"(goodput resume {run['id']} starts it again)")
     else:
         print(f"{run['id']}: cancel requested ({run['state']})")
     return 0

@@ -116,3 +116,53 @@ def test_a_relative_checkpoint_uri_lands_under_the_state_dir(tmp_path: Path, mon
     s3 = {**EXAMPLE, "name": "other", "checkpoint": {**EXAMPLE["checkpoint"], "uri": "s3://bucket/runs"}}
     assert anchored(s3["checkpoint"]["uri"], state) == "s3://bucket/runs"
     assert anchored("/abs/runs", state) == "/abs/runs" and anchored("runs", state) == f"file://{state / 'runs'}"
+
+
+def test_the_live_view_speaks_in_sentences() -> None:
+    """Every event kind the controller and the service emit reads as a sentence: no raw dict, and Unix
+    times as clock times (before: drill_requested {'drill': ..., 'requested_at': 1795455311.08})."""
+    import re
+
+    from controller.cli.main import _describe
+
+    at = 1795455311.08
+    events = [
+        {"kind": "drill_requested", "attempt": 0, "detail": {"id": "d-1", "drill": "kill-node", "target": "node-1",
+                                                            "at_step": None, "requested_at": at}},
+        {"kind": "run_id_chosen", "attempt": 0, "detail": {"run_id": "tiny-gpt-2", "reason": "tiny-gpt holds checkpoints"}},
+        {"kind": "node_returned", "attempt": 0, "detail": {"node": "node-1", "lost_at": at, "down_s": 5.123456}},
+        {"kind": "store_unavailable", "attempt": 0, "detail": {"error": "down", "since": at, "retry_in_s": 4.0}},
+    ]
+    for event in events:
+        line = _describe(event)
+        assert "{" not in line and "1795455311" not in line and "5.123456" not in line, line
+    assert _describe(events[0]) == "drill kill-node on node-1 requested (d-1), at the next step"
+    assert re.search(r"lost_at \d\d:\d\d:\d\d, down_s 5.12", _describe(events[2]))
+
+
+def test_cancel_of_an_ended_run_says_it_had_ended(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from controller.service.app import ApiServer, create_app
+
+    spec = parse_spec(EXAMPLE)
+    service = Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=lambda *_: FakeWorkerGroup(),
+                      threads=False)
+    run_id = service.submit(EXAMPLE)["id"]
+    service.controller(run_id).fail(1.0, "no_capacity", "test")
+    service.advance(run_id)  # saves the Run object the API answers from
+    server = ApiServer(create_app(service, token="t"), "127.0.0.1", 0).start()
+    try:
+        env = {**os.environ, "GOODPUT_URL": server.url, "GOODPUT_TOKEN": "t"}
+        done = subprocess.run([sys.executable, "-m", "controller", "cancel", run_id], capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert done.returncode != 0 and "had already ended (failed)" in done.stderr and "goodput resume" in done.stderr
+        env = {**os.environ, "GOODPUT_URL": server.url, "GOODPUT_STATE_DIR": str(tmp_path / "nowhere")}
+        env.pop("GOODPUT_TOKEN", None)
+        refused = subprocess.run([sys.executable, "-m", "controller", "list"], capture_output=True, text=True,
+                                 timeout=60, env=env)
+        assert "GOODPUT_STATE_DIR" in refused.stderr and str(tmp_path / "nowhere") in refused.stderr
+    finally:
+        server.stop()
