@@ -420,7 +420,8 @@ def cmd_submit(opts: argparse.Namespace) -> int:
     if opts.json:
         _emit_json(run)
     else:
-        print(f"{run['id']}: {run['state']}" + (f" ({run['waiting_for']})" if run.get("waiting_for") else ""))
+        print(f"{run['id']}: {run['state']}" + (f" ({run['waiting_for']})" if run.get("waiting_for") else "")
+              + (f"; checkpoints in {run['checkpoint_uri']}/{run['id']}" if run.get("checkpoint_uri") else ""))
     if opts.watch and run["state"] != "succeeded":
         raise CliError(f"run {run['id']} {run['state']}: {(run.get('error') or {}).get('message', 'see events')}")
     return 0
@@ -501,7 +502,8 @@ def cmd_serve(opts: argparse.Namespace) -> int:
             host=opts.host, port=opts.port, state_dir=opts.state_dir or default_state_dir(), db=opts.db,
             address=opts.address, local_nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node, racks=opts.racks,
             spares=opts.spares, gpu_memory_gb=opts.gpu_memory_gb, kubernetes=opts.kubernetes,
-            rack_label=opts.rack_label, domain_label=opts.domain_label, advertise_host=opts.advertise_host))
+            rack_label=opts.rack_label, domain_label=opts.domain_label, advertise_host=opts.advertise_host,
+            repair_after_s=opts.repair_after_s))
     except AuthConfigError as e:
         raise CliError(str(e)) from None
     except OSError as e:
@@ -553,7 +555,8 @@ def cmd_nodes(opts: argparse.Namespace) -> int:
             if opts.json:
                 _emit_json(released)
             else:
-                print(f"{released['name']}: released (was {released['was']['state']}: {released['was']['reason']})")
+                print(f"{released['name']}: released as a {'spare' if released['state'] == 'spare' else 'training node'} "
+                      f"(was {released['was']['state']}: {released['was']['reason']})")
                 if released.get("kubernetes"):
                     print(f"  kubernetes: {released['kubernetes']}")
             return 0
@@ -561,9 +564,9 @@ def cmd_nodes(opts: argparse.Namespace) -> int:
     if opts.json:
         _emit_json(view)
         return 0
-    _table(["node", "state", "rack", "gpus", "run", "reason"],
-           [[n["name"], n["state"], n["rack"] or "-", n["gpus"], n["run"] or "-", n["reason"] or ""]
-            for n in view["nodes"]])
+    _table(["node", "state", "rack", "gpus", "run", "since", "reason"],
+           [[n["name"], n["state"], n["rack"] or "-", n["gpus"], n["run"] or "-", _clock(n.get("since"))
+             if n.get("since") else "-", n["reason"] or ""] for n in view["nodes"]])
     print(f"{view['free_gpus']} of {view['gpus']} GPU(s) free")
     return 0
 
@@ -687,6 +690,18 @@ def cmd_dashboards_push(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _repair_delay(text: str) -> float | None:
+    if text == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds (e.g. 5) or off") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be >= 0 (or off)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from controller.service.main import EMBEDDED_CLUSTER
 
@@ -748,6 +763,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--spares", type=int, default=EMBEDDED_CLUSTER["spares"],
                        help="embedded cluster: hot-spare nodes")
     serve.add_argument("--gpu-memory-gb", type=float, default=80.0, help="embedded cluster: memory per GPU slot")
+    serve.add_argument("--repair-after-s", type=_repair_delay, default=5.0, metavar="S|off",
+                       help="embedded cluster: a node a drill killed comes back this long after, as a repaired "
+                            "node does (default 5; off: it stays lost)")
     serve.add_argument("--advertise-host", default="127.0.0.1",
                        help="this host's address as the training ranks reach it (their rendezvous store); on "
                             "Kubernetes the controller pod's IP")

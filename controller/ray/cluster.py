@@ -15,6 +15,7 @@ import shutil
 import sys
 import socket
 import tempfile
+import threading
 from typing import Any, Iterator
 
 from controller.spec import LocalClusterSpec
@@ -56,11 +57,17 @@ class LocalRayCluster(_RayClusterBase):
     """An embedded multi-raylet Ray cluster shaped like `cluster.local`."""
 
     def __init__(self, local: LocalClusterSpec, *, fast_failure_detection: bool = True,
-                 log_dir: str | None = None) -> None:
+                 log_dir: str | None = None, repair_after_s: float | None = None) -> None:
         self.local = local
         self.fast_failure_detection = fast_failure_detection
         self.log_dir = log_dir
         """Where the raylets' and GCS's own output goes (ray-processes.log); default: the cluster's temp dir."""
+        self.repair_after_s = repair_after_s
+        """A killed node's raylet starts again this long after (as a real node comes back from repair);
+        None: it stays dead (goodput run: the drill's story is the spare, then the shrink)."""
+        self._repairs: dict[str, threading.Timer] = {}
+        self._lock = threading.Lock()
+        """Ray's test cluster is not made for two threads adding and removing nodes at once."""
         self._cluster: Any = None
         self._nodes: dict[str, Any] = {}
         self._tmp: str | None = None
@@ -135,10 +142,33 @@ class LocalRayCluster(_RayClusterBase):
         return os.path.join(self._tmp or "", "raylets.log")
 
     def kill_node(self, name: str) -> None:
-        """SIGKILL the node's raylet (and with it its workers)."""
-        self._cluster.remove_node(self._nodes.pop(name), allow_graceful=False)
+        """SIGKILL the node's raylet (and with it its workers); with `repair_after_s`, it starts again
+        that long after, with the same name, labels and slots (a new Ray node id)."""
+        with self._lock:
+            self._cluster.remove_node(self._nodes.pop(name), allow_graceful=False)
+            if self.repair_after_s is not None:
+                timer = threading.Timer(self.repair_after_s, self._repair, args=(name,))
+                timer.daemon = True
+                self._repairs[name] = timer
+                timer.start()
+
+    def _repair(self, name: str) -> None:
+        with self._lock:
+            if self._repairs.pop(name, None) is None or self._cluster is None:
+                return  # shut down meanwhile
+            try:
+                self.add_node(int(name.removeprefix("node-")))
+            except Exception as e:  # noqa: BLE001 - a repair that fails leaves the node lost, and says why
+                print(f"goodput: the repair of {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def pending_repairs(self) -> list[str]:
+        return sorted(self._repairs)
 
     def shutdown(self) -> None:
+        with self._lock:
+            for timer in self._repairs.values():
+                timer.cancel()
+            self._repairs.clear()
         self._disconnect()
         if self._cluster is not None:
             self._cluster.shutdown()

@@ -39,6 +39,8 @@ class ServeOptions:
     domain_label: str = "nvidia.com/gpu.clique"
     advertise_host: str = "127.0.0.1"
     """This process's address as the ranks reach it (their rendezvous store)."""
+    repair_after_s: float | None = 5.0
+    """Embedded cluster: a killed node comes back this long after (None: never)."""
 
 
 def log(message: str) -> None:
@@ -74,8 +76,9 @@ def serve_forever(opts: ServeOptions) -> int:
         cluster = LocalRayCluster(LocalClusterSpec(nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node,
                                                    racks=opts.racks, spares=opts.spares,
                                                    gpu_memory_gb=opts.gpu_memory_gb),
-                                  log_dir=os.path.join(state, "logs"))
-        log(f"the embedded Ray cluster's own logs: {cluster.processes_log}")
+                                  log_dir=os.path.join(state, "logs"), repair_after_s=opts.repair_after_s)
+        log(f"the embedded Ray cluster's own logs: {cluster.processes_log}; a killed node "
+            + (f"comes back after {opts.repair_after_s:g} s" if opts.repair_after_s is not None else "stays lost"))
     if not opts.address:
         reap_leftovers(state)
     stop = threading.Event()

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -166,7 +166,16 @@ class Service:
         self._stop = threading.Event()
         self._scheduler: threading.Thread | None = None
         rows = registry.node_rows()
-        self._out_of_use: dict[str, dict[str, Any]] = {r["name"]: r for r in rows if r["state"] != "released"}
+        self._out_of_use: dict[str, dict[str, Any]] = {r["name"]: r for r in rows if r["state"] == "quarantined"}
+        self._lost: dict[str, dict[str, Any]] = {r["name"]: r for r in rows if r["state"] == "lost"}
+        """Nodes the cluster stopped showing (a dead raylet or host), until it shows them again."""
+        self._seen: set[str] = set()
+        self._labelled_spares: set[str] = set()
+        """Every node the cluster labels a spare: the pool's intended size."""
+        self._roles: dict[str, NodeState] = {}
+        """Where the service's role for a node differs from its label: a spare a run trains on is
+        promoted (HEALTHY: the pool shrinks until a repair), and a node back from repair (or released)
+        refills the pool (SPARE) while it is short. Kept in memory: a restarted service goes by labels."""
         self._released: dict[str, float] = {r["name"]: r["time"] for r in rows if r["state"] == "released"}
         """node -> when an operator released it (a quarantine from before then does not count again)."""
         self.node_actions = node_actions
@@ -376,18 +385,18 @@ class Service:
         """Every node with its state for the service (healthy, spare, quarantined, lost) and the run on it."""
         with self.lock:
             try:
-                live_nodes = {n.name: n for n in self.view(self.cluster.topology()).nodes}
+                live_nodes = {n.name: n for n in self._cluster_topology().nodes}
             except Exception:  # noqa: BLE001 - a cluster that does not answer shows no live node
                 live_nodes = {}
             holder = self._holders()
             rows = []
-            for name in sorted(set(live_nodes) | set(self._out_of_use)):
+            for name in sorted(set(live_nodes) | set(self._out_of_use) | set(self._lost)):
                 node = live_nodes.get(name)
-                out = self._out_of_use.get(name)
+                out = self._out_of_use.get(name) or (self._lost.get(name) if node is None else None)
                 state = out["state"] if out else (node.state.value if node else NodeState.LOST.value)
                 rows.append({"name": name, "state": state, "rack": node.rack if node else None,
                              "gpus": node.num_gpus if node else 0, "run": holder.get(name),
-                             "reason": out["reason"] if out else None})
+                             "reason": out["reason"] if out else None, "since": out["time"] if out else None})
         return {"nodes": rows, "gpus": sum(r["gpus"] for r in rows),
                 "free_gpus": sum(r["gpus"] for r in rows if r["run"] is None and r["state"] == "healthy")}
 
@@ -428,6 +437,7 @@ class Service:
 
     def schedule(self) -> None:
         """Admit pending runs in submission order while their plans fit the free nodes."""
+        self.track_nodes()
         with self.lock:
             blocked = False
             for live in sorted(self._runs.values(), key=lambda r: r.seq):
@@ -542,7 +552,7 @@ class Service:
 
     def _total_view(self) -> Topology:
         """Every node the service may use, held or not (what a run could ever get)."""
-        nodes = [n for n in self.view(self.cluster.topology()).nodes if n.name not in self._out_of_use]
+        nodes = [n for n in self._cluster_topology().nodes if n.name not in self._out_of_use]
         return Topology(tuple(nodes))
 
     def _free_view(self) -> Topology:
@@ -553,7 +563,60 @@ class Service:
         """What the cluster shows of a run's own nodes (the controller merges back nodes it lost)."""
         live = self._runs[run_id]
         own = {n.name for n in live.controller.topology.nodes}
-        return Topology(tuple(n for n in self.view(self.cluster.topology()).nodes if n.name in own))
+        return Topology(tuple(n for n in self._cluster_topology().nodes if n.name in own))
+
+    def _cluster_topology(self) -> Topology:
+        """The nodes the cluster shows this service, each in the service's role for it."""
+        return self._in_roles(self.view(self.cluster.topology()))
+
+    def _in_roles(self, live: Topology) -> Topology:
+        roles = self._roles
+        return Topology(tuple(replace(n, state=roles[n.name])
+                              if n.name in roles and n.state in (NodeState.HEALTHY, NodeState.SPARE) else n
+                              for n in live.nodes))
+
+    def track_nodes(self) -> None:
+        """Notice nodes the cluster lost and got back, and keep the spare pool honest: a spare a run
+        trains on is no longer a spare (promoted); a node back from repair refills the pool while it is
+        short, else it is a training node again. Called by the scheduler every pass."""
+        try:
+            raw = self.view(self.cluster.topology())
+        except Exception:  # noqa: BLE001 - a cluster that does not answer changes nothing here
+            return
+        now = self.clock()
+        with self.lock:
+            self._labelled_spares |= raw.names_in(NodeState.SPARE)
+            for name in raw.names & set(self._lost):
+                row = self._lost.pop(name)
+                role = self._refill(name, raw)
+                reason = (f"back after {now - row['time']:.0f} s; "
+                          + ("refills the spare pool" if role is NodeState.SPARE else "a training node again"))
+                self.registry.set_node(name, state="returned", reason=reason, run_id=None, time=now)
+                print(f"goodput serve: node {name} is {reason}", file=sys.stderr, flush=True)
+            for name in self._seen - raw.names - set(self._lost) - set(self._out_of_use):
+                holder = self._holders().get(name)
+                row = {"name": name, "state": "lost", "reason": "the cluster no longer shows it (its raylet or host "
+                       "died); listed until it comes back", "run_id": holder, "time": now}
+                self._lost[name] = row
+                self.registry.set_node(name, state="lost", reason=row["reason"], run_id=holder, time=now)
+            self._seen = set(raw.names)
+            for live in self._runs.values():  # promotion: a spare that took a lost or quarantined node's place
+                if not live.admitted or live.closed or live.view is None:
+                    continue
+                for row in live.view.get("placement") or []:
+                    name = row["node"]
+                    if name in self._labelled_spares and self._roles.get(name) is not NodeState.HEALTHY:
+                        self._roles[name] = NodeState.HEALTHY
+
+    def _refill(self, name: str, raw: Topology) -> NodeState:
+        """The role of a node that is usable again: a spare while the pool is short of its labelled size."""
+        self._roles.pop(name, None)
+        spares = self._in_roles(raw).names_in(NodeState.SPARE) - {name}
+        role = NodeState.SPARE if len(spares) < len(self._labelled_spares) else NodeState.HEALTHY
+        labelled = NodeState.SPARE if name in self._labelled_spares else NodeState.HEALTHY
+        if role is not labelled:
+            self._roles[name] = role
+        return role
 
     def _note_out_of_use(self, live: LiveRun) -> None:
         """A node a run quarantined is out of use for every run until an operator releases it; on
@@ -597,6 +660,10 @@ class Service:
                 now = self._released[name]
                 self.registry.set_node(name, state="released", reason=f"released by an operator (was: {row['reason']})",
                                        run_id=row.get("run_id"), time=now)
+                try:
+                    role = self._refill(name, self.view(self.cluster.topology())).value
+                except Exception:  # noqa: BLE001 - no answer from the cluster: its label decides
+                    role = "spare" if name in self._labelled_spares else "healthy"
         if row is None:
             raise ServiceError(404, "node_not_quarantined", f"node {name!r} is not quarantined on this service; "
                                                             "`goodput nodes` lists the nodes and their states")
@@ -607,7 +674,7 @@ class Service:
             except Exception as e:  # noqa: BLE001 - released in goodput; the operator must finish in Kubernetes
                 kubernetes = (f"not released in Kubernetes ({type(e).__name__}: {e}); remove the taint {name} "
                               "goodput.dev/quarantined and uncordon it by hand")
-        return {"name": name, "state": "healthy", "was": row, "kubernetes": kubernetes}
+        return {"name": name, "state": role, "was": row, "kubernetes": kubernetes}
 
     # -- persistence -----------------------------------------------------------------------------------
     def _save(self, live: LiveRun) -> None:

@@ -19,7 +19,7 @@ from controller.service.main import EMBEDDED_CLUSTER
 from controller.spec import parse_spec
 from controller.state import RunState, plan_run
 from controller.topology import Topology
-from tests.unit.fakes import FakeCluster, FakeWorkerGroup, FlakyStore
+from tests.unit.fakes import FakeCluster, FakeWorkerGroup, FlakyStore, ManualClock
 from trainer.config import state_fingerprint, state_identity
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,3 +166,56 @@ def test_cancel_of_an_ended_run_says_it_had_ended(tmp_path: Path) -> None:
         assert "GOODPUT_STATE_DIR" in refused.stderr and str(tmp_path / "nowhere") in refused.stderr
     finally:
         server.stop()
+
+
+def test_a_lost_node_is_listed_its_spare_promoted_and_the_repaired_node_refills_the_pool() -> None:
+    """Before: after a kill-node drill the killed node vanished from `goodput nodes`, the spare that
+    had replaced it was a spare again once the run ended, and the next 8-GPU run failed no_capacity
+    ("the healthy nodes offer 6"). Now: the node is listed lost; the spare that trains in its place is
+    promoted (the pool shrinks); the next run fits; the node back from repair refills the pool."""
+    full = Topology.from_local(**EMBEDDED_CLUSTER)  # node-0..3 train, node-4 is the spare
+    cluster = FakeCluster(full)
+    clock = ManualClock(1000.0)
+    registry = Registry("sqlite://")
+    service = Service(registry, cluster, group_factory=lambda *_: FakeWorkerGroup(), clock=clock, threads=False)
+
+    def tick(*run_ids: str) -> None:
+        clock.t += 1.0
+        service.schedule()
+        for run_id in run_ids:
+            if service.run(run_id)["state"] not in ("pending", "succeeded", "failed", "cancelled"):
+                service.advance(run_id)
+
+    first = service.submit({**EXAMPLE, "drills": []})["id"]
+    for _ in range(4):
+        tick(first)
+    group = service.controller(first).worker_group
+    assert service.run(first)["state"] == "running"
+    assert "node-4" not in {r["node"] for r in service.run(first)["placement"]}
+    cluster.nodes = Topology(tuple(n for n in full.nodes if n.name != "node-1"))  # its raylet is SIGKILLed
+    group.lose_node("node-1")  # type: ignore[attr-defined]
+    for _ in range(4):
+        tick(first)
+    assert "node-4" in {r["node"] for r in service.run(first)["placement"]}, "the spare took node-1's place"
+    nodes = {n["name"]: n for n in service.cluster_view()["nodes"]}
+    assert nodes["node-1"]["state"] == "lost" and nodes["node-1"]["since"] is not None
+    assert nodes["node-4"]["state"] == "healthy", "a spare that trains is a spare no longer"
+    group.complete()  # type: ignore[attr-defined]
+    for _ in range(3):
+        tick(first)
+    assert service.run(first)["state"] == "succeeded"
+    assert {n["name"]: n["state"] for n in service.cluster_view()["nodes"]}["node-4"] == "healthy"
+
+    second = service.submit({**EXAMPLE, "drills": []})["id"]
+    for _ in range(4):
+        tick(second)
+    assert service.run(second)["state"] == "running", service.run(second)
+    assert {r["node"] for r in service.run(second)["placement"]} == {"node-0", "node-2", "node-3", "node-4"}
+
+    cluster.nodes = full  # node-1 back from repair
+    tick(second)
+    nodes = {n["name"]: n for n in service.cluster_view()["nodes"]}
+    assert nodes["node-1"]["state"] == "spare", "the repaired node refills the pool"
+    assert nodes["node-4"]["state"] == "healthy"
+    rows = {r["name"]: r for r in registry.node_rows()}
+    assert rows["node-1"]["state"] == "returned" and "refills the spare pool" in rows["node-1"]["reason"]
