@@ -467,14 +467,31 @@ def cmd_events(opts: argparse.Namespace) -> int:
     return 0
 
 
+ENDED = ("succeeded", "failed", "cancelled")
+
+
 def cmd_cancel(opts: argparse.Namespace) -> int:
+    """Cancel, then wait until the run has stopped (its GPUs free, resumable) unless --no-wait."""
+    import time
+
     with _api() as client:
         run = client.call("POST", f"/v1/runs/{opts.run}/cancel")  # on an ended run: changes nothing
+        already = run["state"] in ENDED
+        deadline = time.monotonic() + opts.timeout
+        while not already and not opts.no_wait and run["state"] not in ENDED:
+            if time.monotonic() > deadline:
+                raise CliError(f"{run['id']} is still {run['state']} {opts.timeout:.0f} s after the cancel; "
+                               f"see `goodput status {run['id']}`")
+            time.sleep(0.3)
+            run = client.call("GET", f"/v1/runs/{opts.run}")
     if opts.json:
         _emit_json(run)
-    elif run["state"] in ("succeeded", "failed", "cancelled"):
+    elif already:
         raise CliError(f"{run['id']} had already ended ({run['state']}); nothing was cancelled "
                        f"(goodput resume {run['id']} starts it again)")
+    elif run["state"] in ENDED:
+        print(f"{run['id']}: {run['state']} at step {run['step']}; goodput resume {run['id']} goes on from its "
+              "latest checkpoint")
     else:
         print(f"{run['id']}: cancel requested ({run['state']})")
     return 0
@@ -484,11 +501,17 @@ def cmd_resume(opts: argparse.Namespace) -> int:
     body = {k: v for k, v in (("step", opts.step), ("steps", opts.steps)) if v is not None}
     with _api() as client:
         run = client.call("POST", f"/v1/runs/{opts.run}/resume", body)
+        if opts.watch:
+            run = _watch(client, run)
     if opts.json:
         _emit_json(run)
+    elif opts.watch:
+        print(f"{run['id']}: {run['state']}, step {run['step']}/{run.get('total_steps')}")
     else:
         src = f"step {opts.step}" if opts.step is not None else "its latest checkpoint"
         print(f"{run['id']}: resumes from {src} ({run['state']})")
+    if opts.watch and run["state"] != "succeeded":
+        raise CliError(f"run {run['id']} {run['state']}: {(run.get('error') or {}).get('message', 'see events')}")
     return 0
 
 
@@ -792,12 +815,15 @@ def build_parser() -> argparse.ArgumentParser:
     events.set_defaults(func=cmd_events)
     cancel = sub.add_parser("cancel", help="cancel a run (in any state); its GPUs are freed")
     cancel.add_argument("run")
+    cancel.add_argument("--no-wait", action="store_true", help="return once asked, not once the run has stopped")
+    cancel.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the run to stop")
     cancel.add_argument("--json", action="store_true")
     cancel.set_defaults(func=cmd_cancel)
     resume = sub.add_parser("resume", help="start an ended run again from its latest (or a given) checkpoint")
     resume.add_argument("run")
     resume.add_argument("--step", type=int, help="committed step to start from (newer commits are discarded)")
     resume.add_argument("--steps", type=int, help="train to this many steps in all")
+    resume.add_argument("--watch", action="store_true", help="follow the run until it ends")
     resume.add_argument("--json", action="store_true")
     resume.set_defaults(func=cmd_resume)
     nodes = sub.add_parser("nodes", help="the service's nodes and their states; release a quarantined one")

@@ -331,6 +331,9 @@ class Service:
 
     def resume(self, run_id: str, *, step: int | None, steps: int | None) -> dict[str, Any]:
         live = self._live(run_id)
+        thread = live.thread
+        if thread is not None and live.controller.state.terminal:
+            thread.join(1.0)  # an ended run's driver is on its way out (its last save): not a reason to refuse
         committed = {r["step"] for r in self.checkpoints(run_id)} if step is not None else set()  # no lock held
         with self.lock, live.lock:
             c = live.controller
