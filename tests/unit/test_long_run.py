@@ -38,8 +38,11 @@ def test_100k_steps_of_64_ranks_keep_memory_and_cost_per_step_bounded() -> None:
     last_stage = [r for r in range(64) if (r % 4) // 2 == 1]
     block_s: list[float] = []
     memory: dict[int, int] = {}
+    # CPU time of this process, not wall time: what the controller costs per step, whatever else the
+    # machine runs meanwhile (in CI the other tiers' leftovers shifted wall time by 1.5x mid-test).
+    clock = time.process_time
     if True:
-        started = time.perf_counter()
+        started = clock()
         for first in range(1, STEPS + 1, POLL_STEPS):
             for step in range(first, first + POLL_STEPS):
                 t += 0.5
@@ -55,17 +58,17 @@ def test_100k_steps_of_64_ranks_keep_memory_and_cost_per_step_bounded() -> None:
             c.drill_reports()
             assert c.state is RunState.RUNNING
             if step % BLOCK == 0:
-                block_s.append(time.perf_counter() - started)
+                block_s.append(clock() - started)
                 if step in (STEPS // 2, STEPS):
                     memory[step] = deep_size(c)
-                started = time.perf_counter()
+                started = clock()
     assert c.progress.step == STEPS
     per_step = (memory[STEPS] - memory[STEPS // 2]) / (STEPS // 2)
     # what a kept step must cost (its history entry and span) is ~0.5 KB; a sample kept per rank and
     # step (64 ranks x compute and wait) adds ~1 KB more
     assert per_step < 900, f"{per_step:.0f} bytes per step between step 50,000 and 100,000"
     late, early = min(block_s[-3:]), min(block_s[1:4])
-    assert late < 1.5 * early, f"10,000 steps took {early:.2f} s early and {late:.2f} s late: {block_s}"
+    assert late < 1.5 * early, f"10,000 steps took {early:.2f} CPU s early and {late:.2f} late: {block_s}"
     print(f"memory per step {per_step:.0f} B; 10k-step blocks {[round(b, 2) for b in block_s]} s")
 
 
