@@ -121,7 +121,7 @@ def _describe(event: dict) -> str:
     d = event["detail"]
     kind = event["kind"]
     if kind == "planned":
-        return f"planned mesh {d['mesh']}: {d['explanation']}"
+        return f"planned mesh {_mesh(d['mesh'])}: {d['explanation']}"
     if kind == "attempt_started":
         nodes = sorted({r["node"] for r in d["placement"]})
         src = f"from checkpoint step {d['resume_step']}" if d.get("resume_step") is not None else "from scratch"
@@ -145,7 +145,9 @@ def _describe(event: dict) -> str:
         return (f"straggler: rank {d['rank']} on {d['node']} computes {d['score']:.2f}x "
                 f"({d['basis']}) at step {d['step']}; action {d['action']}")
     if kind == "sdc_suspect":
-        return f"silent data corruption suspected on ranks {d['ranks']} at step {d['step']}: {d['evidence']}"
+        evidence = "; ".join(f"rank {r}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
+                             for r, v in (d.get("evidence") or {}).items())
+        return f"silent data corruption suspected on ranks {d['ranks']} at step {d['step']}: {evidence}"
     if kind == "quarantined":
         return f"node {d['node']} quarantined ({d['reason']})"
     if kind == "checkpoint_failed":
@@ -176,6 +178,10 @@ def _describe(event: dict) -> str:
     return f"{kind.replace('_', ' ')}: " + ", ".join(f"{k} {_value(k, v)}" for k, v in d.items())
 
 
+def _mesh(mesh: dict | None) -> str:
+    return "-" if not mesh else " x ".join(f"{axis}{mesh[axis]}" for axis in ("dp", "pp", "tp") if axis in mesh)
+
+
 def _clock(t: float | None) -> str:
     import time
 
@@ -188,6 +194,8 @@ def _value(key: str, value: Any) -> str:
         return _clock(value)
     if isinstance(value, float):
         return f"{value:.3g}"
+    if isinstance(value, dict):
+        return "(" + ", ".join(f"{k} {_value(k, v)}" for k, v in value.items()) + ")"
     return str(value)
 
 

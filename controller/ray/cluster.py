@@ -16,6 +16,7 @@ import sys
 import socket
 import tempfile
 import threading
+import time
 from typing import Any, Iterator
 
 from controller.spec import LocalClusterSpec
@@ -64,10 +65,12 @@ class LocalRayCluster(_RayClusterBase):
         """Where the raylets' and GCS's own output goes (ray-processes.log); default: the cluster's temp dir."""
         self.repair_after_s = repair_after_s
         """A killed node's raylet starts again this long after (as a real node comes back from repair);
-        None: it stays dead (goodput run: the drill's story is the spare, then the shrink)."""
-        self._repairs: dict[str, threading.Timer] = {}
+        None: it stays dead (goodput run: the drill's story is the spare, then the shrink). The owner
+        calls `repair_due` from its main thread (Ray's node start installs signal handlers)."""
+        self._repairs: dict[str, float] = {}
+        """node -> when it is repaired (time.monotonic())."""
         self._lock = threading.Lock()
-        """Ray's test cluster is not made for two threads adding and removing nodes at once."""
+        """kill_node comes from drill threads, repair_due from the main thread."""
         self._cluster: Any = None
         self._nodes: dict[str, Any] = {}
         self._tmp: str | None = None
@@ -142,32 +145,36 @@ class LocalRayCluster(_RayClusterBase):
         return os.path.join(self._tmp or "", "raylets.log")
 
     def kill_node(self, name: str) -> None:
-        """SIGKILL the node's raylet (and with it its workers); with `repair_after_s`, it starts again
-        that long after, with the same name, labels and slots (a new Ray node id)."""
+        """SIGKILL the node's raylet (and with it its workers); with `repair_after_s`, `repair_due`
+        starts it again that long after, with the same name, labels and slots (a new Ray node id)."""
         with self._lock:
             self._cluster.remove_node(self._nodes.pop(name), allow_graceful=False)
             if self.repair_after_s is not None:
-                timer = threading.Timer(self.repair_after_s, self._repair, args=(name,))
-                timer.daemon = True
-                self._repairs[name] = timer
-                timer.start()
+                self._repairs[name] = time.monotonic() + self.repair_after_s
 
-    def _repair(self, name: str) -> None:
+    def repair_due(self) -> list[str]:
+        """Start the raylets of killed nodes whose repair time has come (main thread only); their names.
+        A repair that fails is logged and tried again at the next call."""
         with self._lock:
-            if self._repairs.pop(name, None) is None or self._cluster is None:
-                return  # shut down meanwhile
+            due = [n for n, at in self._repairs.items() if at <= time.monotonic()]
+        repaired: list[str] = []
+        for name in due:
             try:
-                self.add_node(int(name.removeprefix("node-")))
-            except Exception as e:  # noqa: BLE001 - a repair that fails leaves the node lost, and says why
+                with self._lock:
+                    if self._cluster is None:
+                        return repaired
+                    self.add_node(int(name.removeprefix("node-")))
+                    del self._repairs[name]
+                repaired.append(name)
+            except Exception as e:  # noqa: BLE001 - the node stays lost; say why
                 print(f"goodput: the repair of {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return repaired
 
     def pending_repairs(self) -> list[str]:
         return sorted(self._repairs)
 
     def shutdown(self) -> None:
         with self._lock:
-            for timer in self._repairs.values():
-                timer.cancel()
             self._repairs.clear()
         self._disconnect()
         if self._cluster is not None:

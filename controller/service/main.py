@@ -109,7 +109,10 @@ def serve_forever(opts: ServeOptions) -> int:
             log(f"carrying on {len(carried)} unfinished run(s): {', '.join(carried)}")
         server = ApiServer(create_app(service, token=token), opts.host, opts.port).start()
         log(f"API on {server.url} (GOODPUT_URL={server.url})")
-        stop.wait()
+        while not stop.wait(0.5):
+            if isinstance(cluster, LocalRayCluster):  # repairs start raylets: only this thread may
+                for name in cluster.repair_due():
+                    log(f"node {name} repaired (its raylet started again)")
         log("stopping; unfinished runs go on when a service starts again on this state dir")
     finally:
         if server is not None:

@@ -219,3 +219,7 @@ def test_a_lost_node_is_listed_its_spare_promoted_and_the_repaired_node_refills_
     assert nodes["node-4"]["state"] == "healthy"
     rows = {r["name"]: r for r in registry.node_rows()}
     assert rows["node-1"]["state"] == "returned" and "refills the spare pool" in rows["node-1"]["reason"]
+    from controller.cli.main import _describe
+
+    for event in service.events(first, after=-1, limit=1000) + service.events(second, after=-1, limit=1000):
+        assert "{" not in _describe(event), _describe(event)
