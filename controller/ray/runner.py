@@ -116,8 +116,22 @@ def plan_local(spec: RunSpec) -> tuple[MeshPlan, Placement]:
 
 
 def preflight(spec: RunSpec) -> None:
-    """Everything that can be checked without a cluster, so bad input starts nothing."""
-    checkpoint_store(spec)
+    """Everything that can be checked without a cluster, so bad input starts nothing: among it, that
+    the checkpoints already under the run's name (which it resumes) are of its model."""
+    from checkpointing.manifest import CheckpointError, IdentityMismatch, check_identity, committed_steps, read_manifest
+    from trainer.config import state_fingerprint, state_identity
+
+    store = checkpoint_store(spec)
+    try:
+        steps = committed_steps(store, spec.name)
+        if steps:
+            model = spec.to_model_config()
+            check_identity(read_manifest(store, spec.name, steps[-1]), state_fingerprint(model),
+                           state_identity(model), store.uri)
+    except IdentityMismatch as e:
+        raise SpecError(str(e)) from None
+    except (CheckpointError, StoreError):
+        pass  # unreadable or unreachable now: the run's own checkpoint search decides, with retries
     if spec.cluster.address is None:
         plan_local(spec)
     elif (fixed := spec.fixed_mesh()) is not None:

@@ -223,3 +223,24 @@ def test_a_lost_node_is_listed_its_spare_promoted_and_the_repaired_node_refills_
 
     for event in service.events(first, after=-1, limit=1000) + service.events(second, after=-1, limit=1000):
         assert "{" not in _describe(event), _describe(event)
+
+
+def test_goodput_run_over_another_models_checkpoints_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """`goodput run` resumes its own name's checkpoints; when those are of another model it says which
+    checkpoints are in the way, in one line, before a cluster starts (before: a traceback)."""
+    import subprocess
+    import sys
+
+    from trainer.config import ModelConfig
+
+    other = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=128)
+    commit(LocalStore(tmp_path / "goodput-runs"), Manifest(
+        run_id="tiny-gpt", step=60, attempt=0, mesh={"dp": 2, "pp": 2, "tp": 2}, world_size=8, cursor=960,
+        seeds={"data": 0, "init": 0}, identity=state_fingerprint(other), identity_detail=state_identity(other)))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(EXAMPLE))
+    proc = subprocess.run([sys.executable, "-m", "controller", "run", "spec.yaml", "--api", "off"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "goodput-runs/tiny-gpt/step-00000060 holds another model's state (d_model 64 there, 128 here)" in lines[0]
+    assert "ray" not in proc.stdout.lower() + proc.stderr.lower(), "no cluster was started"
