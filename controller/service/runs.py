@@ -603,23 +603,27 @@ class Service:
                 self._lost[name] = row
                 self.registry.set_node(name, state="lost", reason=row["reason"], run_id=holder, time=now)
             self._seen = set(raw.names)
+            spares = self._in_roles(raw).names_in(NodeState.SPARE)
             for live in self._runs.values():  # promotion: a spare that took a lost or quarantined node's place
                 if not live.admitted or live.closed or live.view is None:
                     continue
                 for row in live.view.get("placement") or []:
-                    name = row["node"]
-                    if name in self._labelled_spares and self._roles.get(name) is not NodeState.HEALTHY:
-                        self._roles[name] = NodeState.HEALTHY
+                    if row["node"] in spares:
+                        self._set_role(row["node"], NodeState.HEALTHY)
 
     def _refill(self, name: str, raw: Topology) -> NodeState:
         """The role of a node that is usable again: a spare while the pool is short of its labelled size."""
-        self._roles.pop(name, None)
         spares = self._in_roles(raw).names_in(NodeState.SPARE) - {name}
         role = NodeState.SPARE if len(spares) < len(self._labelled_spares) else NodeState.HEALTHY
-        labelled = NodeState.SPARE if name in self._labelled_spares else NodeState.HEALTHY
-        if role is not labelled:
-            self._roles[name] = role
+        self._set_role(name, role)
         return role
+
+    def _set_role(self, name: str, role: NodeState) -> None:
+        labelled = NodeState.SPARE if name in self._labelled_spares else NodeState.HEALTHY
+        if role is labelled:
+            self._roles.pop(name, None)
+        else:
+            self._roles[name] = role
 
     def _note_out_of_use(self, live: LiveRun) -> None:
         """A node a run quarantined is out of use for every run until an operator releases it; on
@@ -707,7 +711,8 @@ class Service:
                 store = None
             c = RunController(spec, self._total_view(), group, now=row["created_at"], checkpoint_store=store,
                               run_id=run_id, injector=self._injector(group),
-                              topology_source=functools.partial(self._own_view, run_id))
+                              topology_source=functools.partial(self._own_view, run_id),
+                              own_checkpoints_only=self.accept_submissions)
             events = self.registry.all_events(run_id)
             c.restore(events=events, history=self.registry.history(run_id))
             launched = c.attempt >= 0

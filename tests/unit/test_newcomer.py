@@ -45,10 +45,11 @@ def _make_runs_checkpoint(store: LocalStore, run_id: str, step: int, *, at: floa
                            identity=state_fingerprint(model), identity_detail=state_identity(model)))
 
 
-def _service(store: object, **kw: object) -> Service:
+def _service(store: object, registry: Registry | None = None) -> Service:
     spec = parse_spec(EXAMPLE)
-    return Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=lambda *_: FakeWorkerGroup(),
-                   store_factory=lambda _: store, threads=False, clock=lambda: 1000.0, **kw)  # type: ignore[arg-type]
+    return Service(registry or Registry("sqlite://"), FakeCluster(spec.topology()),
+                   group_factory=lambda *_: FakeWorkerGroup(), store_factory=lambda _: store, threads=False,
+                   clock=lambda: 1000.0)
 
 
 def test_a_submission_over_make_runs_checkpoints_is_a_new_run_with_an_empty_prefix(tmp_path: Path) -> None:
@@ -76,13 +77,15 @@ def test_a_new_run_refuses_at_launch_checkpoints_it_could_not_see_at_submission(
     """The store did not answer within the submission's 0.5 s, so the id was taken blind; at launch the
     run finds a checkpoint committed before it was submitted: it fails saying so and how to resume it
     on purpose, and `goodput resume` then does continue from it."""
-    slow = FlakyStore(LocalStore(tmp_path))
-    service = _service(slow)
+    slow = FlakyStore(LocalStore(tmp_path / "store"))
+    db = f"sqlite:///{tmp_path / 'registry.db'}"
+    service = _service(slow, registry=Registry(db))
     slow.delay_s = 1.0
     run = service.submit(EXAMPLE)
     assert run["id"] == "tiny-gpt"
     slow.delay_s = 0.0
     _make_runs_checkpoint(slow.inner, "tiny-gpt", 60, at=500.0)  # before the run's created_at (1000)
+    service = _service(slow, registry=Registry(db)).start()  # a restart in between: the guard holds across it
     service.schedule()
     for _ in range(10):
         service.advance("tiny-gpt")
@@ -219,9 +222,26 @@ def test_a_lost_node_is_listed_its_spare_promoted_and_the_repaired_node_refills_
     assert nodes["node-4"]["state"] == "healthy"
     rows = {r["name"]: r for r in registry.node_rows()}
     assert rows["node-1"]["state"] == "returned" and "refills the spare pool" in rows["node-1"]["reason"]
+
+    # The refilled spare is a spare like any: a run that trains on it promotes it again.
+    service.controller(second).worker_group.complete()  # type: ignore[attr-defined]
+    for _ in range(3):
+        tick(second)
+    third = service.submit({**EXAMPLE, "drills": []})["id"]
+    for _ in range(4):
+        tick(third)
+    assert "node-1" not in {r["node"] for r in service.run(third)["placement"]}
+    cluster.nodes = Topology(tuple(n for n in full.nodes if n.name != "node-0"))
+    service.controller(third).worker_group.lose_node("node-0")  # type: ignore[attr-defined]
+    for _ in range(4):
+        tick(third)
+    assert "node-1" in {r["node"] for r in service.run(third)["placement"]}
+    nodes = {n["name"]: n["state"] for n in service.cluster_view()["nodes"]}
+    assert nodes["node-1"] == "healthy" and nodes["node-0"] == "lost" and "spare" not in nodes.values(), nodes
     from controller.cli.main import _describe
 
-    for event in service.events(first, after=-1, limit=1000) + service.events(second, after=-1, limit=1000):
+    for event in (service.events(first, after=-1, limit=1000) + service.events(second, after=-1, limit=1000)
+                  + service.events(third, after=-1, limit=1000)):
         assert "{" not in _describe(event), _describe(event)
 
 
