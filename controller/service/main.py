@@ -111,8 +111,11 @@ def serve_forever(opts: ServeOptions) -> int:
         log(f"API on {server.url} (GOODPUT_URL={server.url})")
         while not stop.wait(0.5):
             if isinstance(cluster, LocalRayCluster):  # repairs start raylets: only this thread may
-                for name in cluster.repair_due():
+                repaired = cluster.repair_due()
+                for name in repaired:
                     log(f"node {name} repaired (its raylet started again)")
+                if repaired:  # its new processes too must be ended by a service started after a kill
+                    record_processes(state)
         log("stopping; unfinished runs go on when a service starts again on this state dir")
     finally:
         if server is not None:
