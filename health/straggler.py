@@ -15,7 +15,8 @@ A rank becomes a straggler after `consecutive` evaluations in a row above `ratio
 one only after as many in a row below half the excess (1 + (ratio - 1) / 2): hysteresis, so a rank
 whose score hovers near the bound is flagged once, not on and off.
 Relative verdicts name one GPU worth replacing. Individual scores count only when every rank of a
-stage is slower than its own history while another stage is not (a stage-wide slowdown): those
+stage is slower than its own history, none of them slower than its peers, while another stage is not
+(a stage-wide slowdown; peers slowed along with one slow rank, e.g. sharing its host, are not): those
 verdicts are reported, never acted on. One rank slower than its history but not than its peers, or
 every stage slower at once, is the job or the host, not a device.
 """
@@ -186,7 +187,7 @@ class StragglerTracker:
             relative[rank] = value / typical if typical > 0 else 1.0
             baseline = self._ranks[rank].usual(c.min_baseline_steps)
             individual[rank] = value / baseline if baseline > 0 else None
-        slow_stages = self._slow_stages(individual)
+        slow_stages = self._slow_stages(individual, relative)
         verdicts = []
         for rank, value in values.items():
             state = self._ranks[rank]
@@ -205,12 +206,18 @@ class StragglerTracker:
                                           individual=individual[rank], straggler=state.flagged)
         return verdicts
 
-    def _slow_stages(self, individual: dict[int, float | None]) -> set[int]:
-        """Stages whose every rank is slower than its own history while some other stage is not: a
-        stage-wide slowdown. When every stage slowed, it is the job or the host, not a device."""
+    def _slow_stages(self, individual: dict[int, float | None], relative: dict[int, float]) -> set[int]:
+        """Stages whose every rank is slower than its own history, together (none slower than its
+        peers), while some other stage is not: a stage-wide slowdown. A stage with a rank slower
+        than its peers is that rank's doing (its peers may be slowed with it, sharing its host): the
+        relative score names it. When every stage slowed, it is the job or the host, not a device."""
         by_stage: dict[int, list[float | None]] = {}
+        outlier: set[int] = set()
         for rank, score in individual.items():
-            by_stage.setdefault(self.stage_of_rank[rank], []).append(score)
+            stage = self.stage_of_rank[rank]
+            by_stage.setdefault(stage, []).append(score)
+            if relative[rank] > self.config.ratio:
+                outlier.add(stage)
         slow = {stage for stage, scores in by_stage.items()
-                if all(s is not None and s > self.config.ratio for s in scores)}
+                if stage not in outlier and all(s is not None and s > self.config.ratio for s in scores)}
         return slow if len(slow) < len(by_stage) else set()

@@ -96,6 +96,16 @@ def test_slow_whole_stage_is_flagged_against_its_own_history_not_its_peers() -> 
     assert not any(tracker.scores[r].straggler for r in (0, 1, 4, 5))
 
 
+def test_peers_slowed_along_with_the_slow_rank_are_not_blamed() -> None:
+    """Rank 6 computes 1.5x slower and, sharing CPU cores with it, its stage peers' compute grows
+    1.35x (above the 1.3 ratio, against their own history): the stage is not slow as a whole, one rank
+    in it is, and only that rank is flagged, on its relative score. (A CI run flagged 2, 3, 6, 7.)"""
+    slow = {6: (60, 1.5 * 1.35), **{r: (60, 1.35) for r in (2, 3, 7)}}
+    verdicts, tracker = run(samples(120, slow=slow), StragglerConfig(ratio=1.3))
+    assert [(v.rank, v.basis) for v in verdicts] == [(6, "relative")]
+    assert not any(tracker.scores[r].straggler for r in (2, 3, 7))
+
+
 def test_slow_drift_of_the_whole_job_is_not_a_straggler() -> None:
     """Every rank's compute creeps up 40 % over 150 steps (numerics, a busier host): the trailing
     baseline absorbs it, and relative scores stay ~1."""
