@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controller.placement import Placement, PlacementError, place
+from controller.spec import RunSpec, SpecError
 from controller.topology import Topology
 from trainer.config import DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig
 
@@ -137,3 +139,17 @@ def plan_mesh(model: ModelConfig, train: TrainConfig, topology: Topology, *,
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:,.1f} GB"
+
+
+def plan_run(spec: RunSpec, topology: Topology) -> tuple[MeshPlan, Placement]:
+    """Plan and place a spec on a topology; SpecError says what does not fit, in numbers."""
+    topology = topology.with_racks(spec.cluster.racks)
+    fixed = spec.fixed_mesh()
+    if fixed is not None:
+        spec.trainer_config(fixed)  # shape errors first: they say more than memory ones
+    try:
+        plan = plan_mesh(spec.to_model_config(), spec.to_train_config(), topology, fixed=fixed)
+        spec.trainer_config(plan.mesh)
+        return plan, place(plan.mesh, topology)
+    except (PlanError, PlacementError) as e:
+        raise SpecError(str(e)) from None

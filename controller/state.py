@@ -16,8 +16,8 @@ import enum
 import hashlib
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ContextManager, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
 
 from checkpointing.manifest import (
     MANIFEST, IdentityMismatch, check_identity, committed_steps, latest_verified, step_prefix,
@@ -25,9 +25,10 @@ from checkpointing.manifest import (
 from checkpointing.policy import observed_mtbf_s
 from checkpointing.store import ObjectStore, StoreError
 from controller.accounting import account
+from controller.attempt import AttemptSpec, GroupStatus, PollResult, WorkerGroup
 from controller.events import EventLog
-from controller.placement import Placement, PlacementError, place
-from controller.planner import MeshPlan, PlanError, memory_per_gpu, plan_mesh
+from controller.placement import Placement, place
+from controller.planner import MeshPlan, memory_per_gpu, plan_run
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
 from controller.attribution import attribute
@@ -38,11 +39,10 @@ from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, capacity_decision, decide, grow_decision,
     grow_target,
 )
-from controller.topology import NodeState, Topology
+from controller.topology import NodeState, Topology, merge_returned
 from health.hang import hang_verdict
 from health.straggler import StragglerConfig, StragglerTracker
 from trainer.config import MeshShape, TrainerConfig, state_fingerprint, state_identity
-from trainer.report import StepReport
 
 
 HANG_WINDOW = 20
@@ -64,97 +64,10 @@ class RunState(str, enum.Enum):
         return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
 
 
-@dataclass(frozen=True, kw_only=True)
-class AttemptSpec:
-    """Everything a worker group needs to launch one attempt."""
-
-    run_id: str
-    """Run id (also the checkpoint folder)."""
-    attempt: int
-    """Attempt number."""
-    config: TrainerConfig
-    """Trainer config on this attempt's mesh."""
-    placement: Placement
-    """Rank -> (node, gpu)."""
-    start_step: int = 0
-    """Step to continue from."""
-    cursor: int = 0
-    """Sample cursor at start_step."""
-    resume_step: int | None = None
-    """Committed checkpoint step to load, if any."""
-    checkpoint_uri: str | None = None
-    """Object store of the checkpoints."""
-    checkpoint_every: int = 0
-    """Steps between checkpoints (0: none, unless auto)."""
-    checkpoint_auto: bool = False
-    """Young/Daly interval instead of a fixed one."""
-    checkpoint_keep: int = 3
-    """Committed steps kept."""
-    mtbf_s: float | None = None
-    """MTBF for the Young/Daly rule."""
-    store_retry_budget_s: float = 30.0
-    """How long checkpoint writes the store refuses for now are retried."""
-
-
-class GroupStatus(str, enum.Enum):
-    RUNNING = "running"
-    FINISHED = "finished"
-    FAILED = "failed"
-
-
-@dataclass
-class PollResult:
-    status: GroupStatus
-    """Whole-group state."""
-    reports: list[StepReport] = field(default_factory=list)
-    """Step reports since the last poll."""
-    events: list[tuple[int, str, dict]] = field(default_factory=list)
-    """(rank, kind, detail) since the last poll."""
-    errors: dict[int, str] = field(default_factory=dict)
-    """rank -> error, when status is FAILED."""
-    dead_nodes: set[str] = field(default_factory=set)
-    """Nodes of this attempt that Ray reports dead."""
-    dead_ranks: set[int] = field(default_factory=set)
-    """Ranks whose process died (gone), as opposed to raising."""
-    on_live_nodes: set[int] = field(default_factory=set)
-    """Dead ranks whose node is known alive (the training process died under a live actor)."""
-    unresponsive: set[int] = field(default_factory=set)
-    """Ranks that did not answer a status call in time (stopped or wedged)."""
-
-
-class WorkerGroup(Protocol):
-    def start(self, attempt: AttemptSpec) -> None: ...
-    def poll(self) -> PollResult: ...
-    def shutdown(self) -> None: ...
-    # Optional: `abort()`, callable from any thread, makes a `start` in progress give up soon (cancel).
-
-
 @dataclass
 class RunError:
     code: str
     message: str
-
-
-def plan_run(spec: RunSpec, topology: Topology) -> tuple[MeshPlan, Placement]:
-    """Plan and place a spec on a topology; SpecError says what does not fit, in numbers."""
-    topology = topology.with_racks(spec.cluster.racks)
-    fixed = spec.fixed_mesh()
-    if fixed is not None:
-        spec.trainer_config(fixed)  # shape errors first: they say more than memory ones
-    try:
-        plan = plan_mesh(spec.to_model_config(), spec.to_train_config(), topology, fixed=fixed)
-        spec.trainer_config(plan.mesh)
-        return plan, place(plan.mesh, topology)
-    except (PlanError, PlacementError) as e:
-        raise SpecError(str(e)) from None
-
-
-def group_errors(errors: dict[int, str]) -> str:
-    """One readable message from per-rank errors: identical messages are listed once with their ranks."""
-    by_message: dict[str, list[int]] = {}
-    for rank, message in sorted(errors.items()):
-        by_message.setdefault(message.strip().splitlines()[-1] if message.strip() else "died", []).append(rank)
-    return "; ".join(f"ranks {ranks}: {msg}" for msg, ranks in by_message.items())
 
 
 class RunController:
@@ -672,7 +585,7 @@ class RunController:
         """Waiting below min_dp: launch as soon as the healthy nodes hold dp >= min_dp again; fail
         once the wait is over."""
         if self.topology_source is not None:
-            self.topology = _merge_returned(self.topology, self.topology_source())
+            self.topology = merge_returned(self.topology, self.topology_source())
         assert self.config is not None
         decision = capacity_decision(
             now, mesh=self.config.mesh, topology=self.topology, limits=self._limits(),
@@ -705,7 +618,7 @@ class RunController:
         if last is not None and last[0] is self.topology and last[1] is live:  # the same objects: same answer
             return False
         self._grow_inputs = (self.topology, live)
-        merged = _merge_returned(self.topology, live)
+        merged = merge_returned(self.topology, live)
         usable = merged.names_in(NodeState.HEALTHY) | merged.names_in(NodeState.SPARE)
         if usable == self._grow_checked:  # no node came back since the last check: nothing to grow into
             return False
@@ -855,12 +768,3 @@ _SDC_DISCARD = "committed after step {step}, when silent data corruption may alr
 def spec_drill_id(run_id: str, index: int) -> str:
     """The spec's drills have ids fixed by run and position, so a restarted service knows them again."""
     return "drill-" + hashlib.sha256(f"{run_id}/{index}".encode()).hexdigest()[:8]
-
-
-def _merge_returned(ours: Topology, live: Topology) -> Topology:
-    """Nodes we marked lost that the cluster shows alive again become healthy; nodes unknown to us
-    are ignored (a later issue may adopt them)."""
-    back = ours.names_in(NodeState.LOST) & live.names
-    if not back:
-        return ours
-    return Topology(tuple(replace(n, state=NodeState.HEALTHY) if n.name in back else n for n in ours.nodes))

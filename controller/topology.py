@@ -106,3 +106,12 @@ def _natural(name: str) -> tuple:
     head = name.rstrip("0123456789")
     tail = name[len(head):]
     return (head, int(tail) if tail else -1, name)
+
+
+def merge_returned(ours: Topology, live: Topology) -> Topology:
+    """Nodes we marked lost that the cluster shows alive again become healthy; nodes unknown to us
+    are ignored (a later issue may adopt them)."""
+    back = ours.names_in(NodeState.LOST) & live.names
+    if not back:
+        return ours
+    return Topology(tuple(replace(n, state=NodeState.HEALTHY) if n.name in back else n for n in ours.nodes))

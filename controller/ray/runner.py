@@ -18,7 +18,8 @@ from controller.placement import Placement
 from controller.planner import MeshPlan
 from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
 from controller.spec import LocalClusterSpec, RunSpec, SpecError
-from controller.state import RunController, RunState, plan_run
+from controller.planner import plan_run
+from controller.state import RunController, RunState
 from controller.topology import NodeState, Topology
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from controller.state import AttemptSpec, GroupStatus, PollResult
+from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from trainer.report import StepReport
 from trainer.worker import WorkerArgs, WorkerSummary
 

@@ -30,7 +30,9 @@ from checkpointing.store import anchored
 from controller.drills import DrillError, DrillInjector, DrillRequest
 from controller.service.registry import Registry, Saved
 from controller.spec import RunSpec, SpecError, parse_spec
-from controller.state import RunController, RunError, RunState, WorkerGroup, plan_run
+from controller.attempt import WorkerGroup
+from controller.planner import plan_run
+from controller.state import RunController, RunError, RunState
 from controller.placement import Placement
 from controller.topology import NodeState, Topology
 from trainer.config import MeshShape

@@ -30,7 +30,7 @@ from checkpointing.manifest import MANIFEST, step_prefix
 from checkpointing.policy import DEFAULT_MTBF_S, interval_steps
 from checkpointing.store import AlreadyExists, ObjectInfo
 from controller.sim.model import CostModel, Incident
-from controller.state import AttemptSpec, GroupStatus, PollResult
+from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.topology import Topology
 from trainer.report import StepReport
 

@@ -17,7 +17,8 @@ from typing import Any
 from controller.sim.group import MemoryStore, SimCluster, SimWorkerGroup, VirtualClock, spare_topology
 from controller.sim.model import Incident, cost_model, incidents, mtbf_hours
 from controller.spec import FailureModelSpec, RunSpec, SpecError, parse_spec
-from controller.state import RunController, RunState, plan_run
+from controller.planner import plan_run
+from controller.state import RunController, RunState
 
 DEFAULT_DAYS = 54.0
 

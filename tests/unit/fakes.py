@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointing.store import StoreError
-from controller.state import AttemptSpec, GroupStatus, PollResult
+from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.topology import Topology
 from trainer.report import StepReport
 

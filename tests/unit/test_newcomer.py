@@ -17,7 +17,8 @@ from controller.service.registry import Registry
 from controller.service.runs import Service
 from controller.service.main import EMBEDDED_CLUSTER
 from controller.spec import parse_spec
-from controller.state import RunState, plan_run
+from controller.planner import plan_run
+from controller.state import RunState
 from controller.topology import Topology
 from tests.unit.fakes import FakeCluster, FakeWorkerGroup, FlakyStore, ManualClock
 from trainer.config import state_fingerprint, state_identity

@@ -21,7 +21,7 @@ from controller.service.app import create_app
 from controller.service.registry import Registry
 from controller.service.runs import Service
 from controller.spec import RunSpec, SpecError
-from controller.state import AttemptSpec
+from controller.attempt import AttemptSpec
 from controller.topology import Topology
 from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, FlakyStore
 

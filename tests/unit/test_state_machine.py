@@ -10,7 +10,7 @@ import yaml
 
 from controller.spec import parse_spec
 from controller.topology import Topology
-from controller.state import RunController, RunState, group_errors
+from controller.state import RunController, RunState
 from controller.attribution import ATTRIBUTION_GRACE_S
 from tests.unit.fakes import FakeInjector, FakeWorkerGroup
 
@@ -214,10 +214,6 @@ def test_rank_events_join_the_timeline() -> None:
     goodput = c.goodput(110.0)
     assert goodput["wall_seconds"] == 10.0
     assert goodput["productive_seconds"] + sum(goodput["badput_seconds"].values()) == pytest.approx(10.0, abs=1e-3)
-
-
-def test_group_errors_is_stable_for_one_rank() -> None:
-    assert group_errors({2: "boom"}) == "ranks [2]: boom"
 
 
 def test_relaunch_that_cannot_place_finds_the_silent_dead_node() -> None:

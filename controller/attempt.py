@@ -1,0 +1,77 @@
+"""The edge contract: what the controller asks of a worker group (Ray in production, a simulated one
+in `goodput simulate`, fakes in tests) and what a group answers when polled."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from controller.placement import Placement
+from trainer.config import TrainerConfig
+from trainer.report import StepReport
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptSpec:
+    """Everything a worker group needs to launch one attempt."""
+
+    run_id: str
+    """Run id (also the checkpoint folder)."""
+    attempt: int
+    """Attempt number."""
+    config: TrainerConfig
+    """Trainer config on this attempt's mesh."""
+    placement: Placement
+    """Rank -> (node, gpu)."""
+    start_step: int = 0
+    """Step to continue from."""
+    cursor: int = 0
+    """Sample cursor at start_step."""
+    resume_step: int | None = None
+    """Committed checkpoint step to load, if any."""
+    checkpoint_uri: str | None = None
+    """Object store of the checkpoints."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: none, unless auto)."""
+    checkpoint_auto: bool = False
+    """Young/Daly interval instead of a fixed one."""
+    checkpoint_keep: int = 3
+    """Committed steps kept."""
+    mtbf_s: float | None = None
+    """MTBF for the Young/Daly rule."""
+    store_retry_budget_s: float = 30.0
+    """How long checkpoint writes the store refuses for now are retried."""
+
+
+class GroupStatus(str, enum.Enum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass
+class PollResult:
+    status: GroupStatus
+    """Whole-group state."""
+    reports: list[StepReport] = field(default_factory=list)
+    """Step reports since the last poll."""
+    events: list[tuple[int, str, dict]] = field(default_factory=list)
+    """(rank, kind, detail) since the last poll."""
+    errors: dict[int, str] = field(default_factory=dict)
+    """rank -> error, when status is FAILED."""
+    dead_nodes: set[str] = field(default_factory=set)
+    """Nodes of this attempt that Ray reports dead."""
+    dead_ranks: set[int] = field(default_factory=set)
+    """Ranks whose process died (gone), as opposed to raising."""
+    on_live_nodes: set[int] = field(default_factory=set)
+    """Dead ranks whose node is known alive (the training process died under a live actor)."""
+    unresponsive: set[int] = field(default_factory=set)
+    """Ranks that did not answer a status call in time (stopped or wedged)."""
+
+
+class WorkerGroup(Protocol):
+    def start(self, attempt: AttemptSpec) -> None: ...
+    def poll(self) -> PollResult: ...
+    def shutdown(self) -> None: ...
+    # Optional: `abort()`, callable from any thread, makes a `start` in progress give up soon (cancel).
