@@ -5,6 +5,7 @@ the same figures. A drill comes from the spec's `drills:` list or is requested o
 
 from __future__ import annotations
 
+import enum
 import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -12,21 +13,63 @@ from typing import Any, Protocol
 from controller.events import Event
 from controller.placement import Placement
 
-INJECTABLE = ("kill-node", "kill-rank", "hang-rank", "slow-rank", "bitflip", "storage-outage")
-"""Drill kinds this controller can inject."""
-RANK_KINDS = ("kill-rank", "hang-rank", "slow-rank", "bitflip")
-"""Drills that target a rank (kill-node targets a node; storage-outage the run's object store)."""
+class DrillKind(enum.StrEnum):
+    """The one list of drill kinds. Each names what it hits (`target`), what it fails in the failure
+    model (`component`), and its one parameter with its default, if it has one."""
+
+    KILL_NODE = "kill-node"
+    KILL_RANK = "kill-rank"
+    HANG_RANK = "hang-rank"
+    SLOW_RANK = "slow-rank"
+    BITFLIP = "bitflip"
+    STORAGE_OUTAGE = "storage-outage"
+
+    @property
+    def target(self) -> str:
+        """`node`, `rank` or `store` (the run's object store: no target to give)."""
+        return {"kill-node": "node", "storage-outage": "store"}.get(self.value, "rank")
+
+    @property
+    def param(self) -> str | None:
+        """The parameter this kind takes (`factor`, `seconds`), if any."""
+        return {"slow-rank": "factor", "storage-outage": "seconds"}.get(self.value)
+
+    @property
+    def default(self) -> float | None:
+        """Its parameter's default."""
+        return {"slow-rank": DEFAULT_FACTOR, "storage-outage": DEFAULT_OUTAGE_S}.get(self.value)
+
+    @property
+    def component(self) -> str:
+        """What it fails, in the failure model's words (controller.sim)."""
+        return {"kill-node": "host", "kill-rank": "rank", "hang-rank": "hang", "bitflip": "sdc",
+                "slow-rank": "straggler", "storage-outage": "storage-outage"}[self.value]
+
+    @property
+    def effect(self) -> str:
+        """What it does, in a few words (CLI help, API docs)."""
+        return {"kill-node": "SIGKILL the node's raylet", "kill-rank": "SIGKILL a rank's training process",
+                "hang-rank": "SIGSTOP a rank's training process",
+                "slow-rank": "the rank computes `factor` x slower",
+                "bitflip": "flip a high exponent bit of one of the rank's parameters",
+                "storage-outage": "the object store refuses writes for `seconds`"}[self.value]
+
+    @classmethod
+    def names(cls) -> str:
+        """`kill-node, kill-rank, ..., storage-outage`."""
+        return ", ".join(k.value for k in cls)
+
+
 DEFAULT_FACTOR = 1.5
+"""slow-rank: how many times slower the rank computes."""
 DEFAULT_OUTAGE_S = 30.0
+"""storage-outage: seconds the store refuses writes."""
 
 
 class DrillInjector(Protocol):
-    def inject(self, kind: str, target: str, *, factor: float | None = None,
+    def inject(self, kind: DrillKind, target: str, *, factor: float | None = None,
                seconds: float | None = None) -> dict[str, Any]:
-        """Do it (kill-node: SIGKILL the node's raylet; kill-rank: SIGKILL a worker; hang-rank: SIGSTOP
-        a worker; slow-rank: the rank computes `factor` x slower; bitflip: flip a high exponent bit of
-        one of its parameters; storage-outage: the object store refuses writes for `seconds`) and say
-        what was hit."""
+        """Do it (`DrillKind.effect`) and say what was hit."""
         ...
 
 
@@ -38,8 +81,7 @@ class DrillError(ValueError):
 class DrillRequest:
     id: str
     """Unique drill id (`drill-` + 8 hex digits)."""
-    kind: str
-    """kill-node, kill-rank or hang-rank."""
+    kind: DrillKind
     at_step: int | None
     """Inject once the run has finished this step; None: as soon as the current attempt trains."""
     target: str | None
@@ -54,10 +96,8 @@ class DrillRequest:
     def to_dict(self) -> dict[str, Any]:
         out = {"id": self.id, "kind": self.kind, "target": self.target, "at_step": self.at_step,
                "requested_at": self.requested_at}
-        if self.kind == "slow-rank":
-            out["factor"] = self.factor or DEFAULT_FACTOR
-        if self.kind == "storage-outage":
-            out["seconds"] = self.seconds or DEFAULT_OUTAGE_S
+        if self.kind.param is not None:
+            out[self.kind.param] = getattr(self, self.kind.param) or self.kind.default
         return out
 
 
@@ -70,11 +110,11 @@ def rank_target(target: str | int | None) -> str | None:
     return None if target is None else str(target)
 
 
-def params_problem(kind: str, factor: float | None, seconds: float | None) -> str | None:
-    if factor is not None and kind != "slow-rank":
-        return f"factor is for slow-rank drills, not {kind}"
-    if seconds is not None and kind != "storage-outage":
-        return f"seconds is for storage-outage drills, not {kind}"
+def params_problem(kind: DrillKind, factor: float | None, seconds: float | None) -> str | None:
+    for name, value in (("factor", factor), ("seconds", seconds)):
+        if value is not None and kind.param != name:
+            owner = next(k for k in DrillKind if k.param == name)
+            return f"{name} is for {owner} drills, not {kind}"
     if factor is not None and factor < 1.0:
         return f"factor = {factor} must be >= 1 (how many times slower the rank computes)"
     if seconds is not None and seconds <= 0:
@@ -82,19 +122,19 @@ def params_problem(kind: str, factor: float | None, seconds: float | None) -> st
     return None
 
 
-def default_target(kind: str, placement: Placement) -> str:
+def default_target(kind: DrillKind, placement: Placement) -> str:
     """The last rank (or its node): the rank least likely to be the one a user watches."""
     last = placement.mesh.world_size - 1
-    if kind == "storage-outage":
+    if kind.target == "store":
         return "store"
-    return placement.node_of_rank[last] if kind == "kill-node" else str(last)
+    return placement.node_of_rank[last] if kind.target == "node" else str(last)
 
 
-def target_problem(kind: str, target: str, placement: Placement) -> str | None:
+def target_problem(kind: DrillKind, target: str, placement: Placement) -> str | None:
     """Why `target` cannot be hit by `kind` on this placement, or None if it can."""
-    if kind == "storage-outage":
-        return None if target == "store" else f"storage-outage hits the run's object store; give no target (got {target!r})"
-    if kind == "kill-node":
+    if kind.target == "store":
+        return None if target == "store" else f"{kind} hits the run's object store; give no target (got {target!r})"
+    if kind.target == "node":
         nodes = placement.nodes_used()
         if target not in nodes:
             return f"node {target!r} runs no rank of the current attempt; target one of {nodes}"
@@ -121,8 +161,9 @@ class DrillSchedule:
                 placement: Placement | None, factor: float | None = None,
                 seconds: float | None = None) -> DrillRequest:
         """Validate and queue a drill on a live run at `step`; DrillError says what to fix."""
-        if kind not in INJECTABLE:
-            raise DrillError(f"drill kind {kind!r} cannot be injected; use one of {', '.join(INJECTABLE)}")
+        if kind not in set(DrillKind):
+            raise DrillError(f"drill kind {kind!r} cannot be injected; use one of {DrillKind.names()}")
+        kind = DrillKind(kind)
         if (problem := params_problem(kind, factor, seconds)) is not None:
             raise DrillError(problem)
         if at_step is not None and at_step < step:
@@ -170,9 +211,9 @@ def drill_report(events: list[Event], i: int) -> dict[str, Any]:
                 "steps_lost": None, "outcome": "not_injected", "error": ev.detail.get("error")}
     later = events[i + 1:]
     kind = ev.detail["drill"]
-    if kind == "slow-rank":
+    if kind == DrillKind.SLOW_RANK:
         report = _slow_rank_report(ev, later)
-    elif kind == "storage-outage":
+    elif kind == DrillKind.STORAGE_OUTAGE:
         report = _outage_report(ev, later)
     else:
         report = _failure_report(ev, later)

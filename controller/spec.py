@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from controller.drills import DrillKind, params_problem
 from trainer.config import (
     DataConfig, MeshShape, ModelConfig, ProbeConfig, Schedule, TrainConfig, TrainerConfig,
 )
@@ -131,7 +132,7 @@ class ElasticSpec(_Strict):
 
 
 class DrillSpec(_Strict):
-    kind: Literal["kill-node", "kill-rank", "hang-rank", "slow-rank", "bitflip", "storage-outage"]
+    kind: DrillKind
     at_step: int = Field(ge=0)
     target: str | None = None
     factor: float | None = Field(default=None, ge=1)
@@ -145,8 +146,6 @@ class DrillSpec(_Strict):
 
     @model_validator(mode="after")
     def _params_fit_kind(self) -> "DrillSpec":
-        from controller.drills import params_problem
-
         if (problem := params_problem(self.kind, self.factor, self.seconds)) is not None:
             raise ValueError(problem)
         return self

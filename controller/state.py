@@ -33,7 +33,7 @@ from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
 from controller.attribution import attribute
 from controller.drills import (
-    DrillError, DrillInjector, DrillReports, DrillRequest, DrillSchedule, default_target, target_problem,
+    DrillError, DrillInjector, DrillKind, DrillReports, DrillRequest, DrillSchedule, default_target, target_problem,
 )
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, capacity_decision, decide, grow_decision,
@@ -214,7 +214,7 @@ class RunController:
                          for e in events if e["kind"] == "failure_detected"
                          and e["detail"].get("cause") in {c.value for c in FailureCause}]
         done = {e["detail"].get("id") for e in events if e["kind"] in ("drill_injected", "drill_failed")}
-        requested = [DrillRequest(id=d["id"], kind=d["drill"], at_step=d.get("at_step"), target=d.get("target"),
+        requested = [DrillRequest(id=d["id"], kind=DrillKind(d["drill"]), at_step=d.get("at_step"), target=d.get("target"),
                                   requested_at=d.get("requested_at"), factor=d.get("factor"), seconds=d.get("seconds"))
                      for e in events if e["kind"] == "drill_requested" and (d := e["detail"]).get("id") not in done]
         self.drills = DrillSchedule([r for r in self.drills.pending() if r.id not in done] + requested)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from controller.cli.client import DEFAULT_HOST, DEFAULT_PORT
+from controller.drills import DrillKind
 from controller.ray.cluster import ClusterError
 from controller.spec import SpecError, load_spec
 
@@ -763,8 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpts.set_defaults(func=cmd_checkpoints)
     drill = sub.add_parser("drill", help="inject a failure into a running run and report how it recovered")
     drill.add_argument("run")
-    drill.add_argument("kind", choices=["kill-node", "kill-rank", "hang-rank", "slow-rank", "bitflip",
-                                        "storage-outage"])
+    drill.add_argument("kind", choices=[k.value for k in DrillKind],
+                       help="; ".join(f"{k}: {k.effect}" for k in DrillKind))
     drill.add_argument("--target", help="node name (kill-node) or rank number; default: the last rank")
     drill.add_argument("--at-step", type=int, help="inject once this step is done; default: now")
     drill.add_argument("--factor", type=float, help="slow-rank: how many times slower (default 1.5)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from controller.drills import DEFAULT_FACTOR, DEFAULT_OUTAGE_S, DrillKind
 from controller.ray.cluster import ClusterError, LocalRayCluster, RemoteRayCluster
 from controller.ray.workers import RayWorkerGroup
 
@@ -18,22 +19,24 @@ class RayDrillInjector:
         self.cluster = cluster
         self.group = group
 
-    def inject(self, kind: str, target: str, *, factor: float | None = None,
+    def inject(self, kind: DrillKind, target: str, *, factor: float | None = None,
                seconds: float | None = None) -> dict[str, Any]:
-        if kind == "kill-node":
+        if kind is DrillKind.KILL_NODE:
             self.cluster.kill_node(target)
             return {"node": target}
-        if kind == "kill-rank":
+        if kind is DrillKind.KILL_RANK:
             return {"rank": int(target), "pid": self.group.kill_rank(int(target))}
-        if kind == "hang-rank":
+        if kind is DrillKind.HANG_RANK:
             return {"rank": int(target), "pid": self.group.stop_rank(int(target))}
-        if kind == "slow-rank":
-            self.group.slow_rank(int(target), factor or 1.5)
-            return {"rank": int(target), "factor": factor or 1.5}
-        if kind == "bitflip":
+        if kind is DrillKind.SLOW_RANK:
+            factor = factor or DEFAULT_FACTOR
+            self.group.slow_rank(int(target), factor)
+            return {"rank": int(target), "factor": factor}
+        if kind is DrillKind.BITFLIP:
             self.group.bitflip_rank(int(target))
             return {"rank": int(target)}
-        if kind == "storage-outage":
-            until = self.group.storage_outage(seconds or 30.0)
-            return {"seconds": seconds or 30.0, "until": until}
+        if kind is DrillKind.STORAGE_OUTAGE:
+            seconds = seconds or DEFAULT_OUTAGE_S
+            until = self.group.storage_outage(seconds)
+            return {"seconds": seconds, "until": until}
         raise ClusterError(f"drill {kind!r} is unknown")

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller.service.auth import TOKEN_ENV
 from controller.service.metrics import ServiceCollector
-from controller.drills import rank_target
+from controller.drills import DrillKind, rank_target
 from controller.service.runs import MAX_EVENTS_PAGE, MAX_HISTORY_PAGE, MAX_SPEC_BYTES, Service, ServiceError
 from controller.spec import RunSpec
 
@@ -55,7 +55,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 class DrillBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kind: str = Field(description="kill-node, kill-rank, hang-rank, slow-rank, bitflip or storage-outage",
+    kind: str = Field(description=DrillKind.names(),
                       max_length=32)
     target: str | int | None = Field(None, description="node name (kill-node) or rank number (an integer or a "
                                                         "string); default: the last rank")

@@ -14,6 +14,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
+from controller.drills import DrillKind
 from controller.sim.group import MemoryStore, SimCluster, SimWorkerGroup, VirtualClock, spare_topology
 from controller.sim.model import Incident, cost_model, incidents, mtbf_hours
 from controller.spec import FailureModelSpec, RunSpec, SpecError, parse_spec
@@ -29,19 +30,17 @@ class SimInjector:
     def __init__(self, group: SimWorkerGroup, cluster: SimCluster, clock: VirtualClock, repair_s: float) -> None:
         self.group, self.cluster, self.clock, self.repair_s = group, cluster, clock, repair_s
 
-    def inject(self, kind: str, target: str, *, factor: float | None = None,
+    def inject(self, kind: DrillKind, target: str, *, factor: float | None = None,
                seconds: float | None = None) -> dict[str, Any]:
         now = self.clock()
         assert self.group.attempt is not None
         placement = self.group.attempt.placement
-        node = target if kind == "kill-node" else placement.node_of_rank[int(target)]
-        component = {"kill-node": "host", "kill-rank": "rank", "hang-rank": "hang", "bitflip": "sdc",
-                     "slow-rank": "straggler", "storage-outage": "storage-outage"}[kind]
-        incident = Incident(time=now, component=component, node=node,
-                            repair_s=self.repair_s if kind == "kill-node" else 0.0)
-        if kind == "kill-node":
+        on_node = kind.target == "node"
+        node = target if on_node else placement.node_of_rank[int(target)]
+        incident = Incident(time=now, component=kind.component, node=node, repair_s=self.repair_s if on_node else 0.0)
+        if on_node:
             self.cluster.take_down(node, now + self.repair_s)
-        self.group.strike(incident, rank=None if kind == "kill-node" else int(target))
+        self.group.strike(incident, rank=None if on_node else int(target))
         return {"node": node}
 
 
