@@ -95,10 +95,13 @@ def main() -> None:
                     time.sleep(1)
                     continue
                 kind = rng.choice(KINDS)  # a killed node is repaired after serve's default 5 s: the pool refills
-                args = ["drill", run, kind, "--at-step", str(s["step"] + rng.randint(1, 8)), "--timeout", "300"]
+                # a few steps ahead: the CLI takes about a second to start, the run does ~2 steps/s
+                args = ["drill", run, kind, "--at-step", str(s["step"] + rng.randint(4, 12)), "--timeout", "300"]
                 if kind == "storage-outage":
                     args += ["--seconds", "8"]  # longer than 5 steps: a save falls inside it
                 proc = serve.cli(*args, "--json", ok=False, timeout=400)
+                if "drill_rejected" in proc.stderr and "has passed" in proc.stderr:
+                    continue  # the run got there first: nothing was injected; draw again
                 injected += 1
                 try:
                     import json
