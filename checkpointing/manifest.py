@@ -224,6 +224,42 @@ def latest_verified(store: ObjectStore, run_id: str, *, below: int | None = None
     return None
 
 
+class ForeignCheckpoints(CheckpointError):
+    """A new run found checkpoints it did not write under its id: it refuses rather than load them."""
+
+
+def resume_point(store: ObjectStore, run_id: str, *, identity: str, identity_detail: dict,
+                 not_before: float | None = None) -> tuple[Manifest, list[str]] | None:
+    """The checkpoint a new attempt of `run_id` loads (`latest_verified`), checked to be this run's:
+    the model's identity must match (IdentityMismatch), and with `not_before` (a new run's creation
+    time) a checkpoint committed earlier is another run's (ForeignCheckpoints)."""
+    found = latest_verified(store, run_id)
+    if found is None:
+        return None
+    manifest = found[0]
+    if not_before is not None and manifest.created_at < not_before:
+        raise ForeignCheckpoints(
+            f"{store.uri}/{run_id}/ already holds checkpoints committed before this run was submitted (the "
+            f"newest: step {manifest.step}, attempt {manifest.attempt}, at "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created_at))}): a new run does not "
+            f"carry on another run's work by accident. To continue from them on purpose: goodput resume "
+            f"{run_id}; to start afresh: submit again (the service picks an id with an empty prefix) or remove them")
+    check_identity(manifest, identity, identity_detail, store.uri)
+    return found
+
+
+def discard_after(store: ObjectStore, run_id: str, step: int) -> list[int]:
+    """Committed steps newer than `step` may hold corrupted state: make them invisible (manifest
+    first, so a step is never half-visible), then delete them; the steps discarded. Call it with every
+    rank stopped. StoreError when the store cannot be reached."""
+    newer = [s for s in committed_steps(store, run_id) if s > step]
+    for s in newer:
+        prefix = step_prefix(run_id, s)
+        store.delete_prefix(f"{prefix}/{MANIFEST}")
+        store.delete_prefix(prefix + "/")
+    return newer
+
+
 def apply_retention(store: ObjectStore, run_id: str, keep: int) -> list[int]:
     """Delete all but the newest `keep` committed steps, and uncommitted leftovers older than the
     newest commit (crashed saves). Called only after a commit, so the last good step survives."""

@@ -30,6 +30,42 @@ class StoreUnavailable(StoreError):
     """The store refuses requests for now (an outage); the same request may succeed later."""
 
 
+class StoreOutage:
+    """A store that does not answer, seen from its caller: when to try again (a backoff doubling from
+    0.5 s up to `max_backoff_s`), and whether the outage has outlasted the retry budget (said once)."""
+
+    def __init__(self, budget_s: float, *, max_backoff_s: float = 30.0) -> None:
+        self.budget_s = budget_s
+        self.max_backoff_s = max_backoff_s
+        self.since: float | None = None
+        """When the store stopped answering (None: it answers)."""
+        self.backoff_s = 0.0
+        self.retry_at = float("-inf")
+        self.announced = False
+
+    def due(self, now: float) -> bool:
+        """Whether to try the store now."""
+        return now >= self.retry_at
+
+    def failed(self, now: float) -> bool:
+        """The store did not answer: back off. True the first time the outage outlasts the budget."""
+        if self.since is None:
+            self.since, self.backoff_s = now, 0.5
+        else:
+            self.backoff_s = min(2 * self.backoff_s, self.max_backoff_s)
+        self.retry_at = now + self.backoff_s
+        if not self.announced and now - self.since >= self.budget_s:
+            self.announced = True
+            return True
+        return False
+
+    def answered(self, now: float) -> float | None:
+        """The store answered: how long it had been down, if the outage was announced."""
+        down = now - self.since if self.announced and self.since is not None else None
+        self.since, self.announced, self.retry_at = None, False, float("-inf")
+        return down
+
+
 class NotFound(StoreError):
     """The key does not exist (a definite answer, unlike an outage)."""
 

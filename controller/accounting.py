@@ -35,6 +35,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from controller.events import EventKind
+
+
 CATEGORIES = ("queueing", "startup", "checkpoint_stall", "failure_detection", "restart_restore", "recomputation",
               "straggler_slowdown", "degraded_capacity", "waiting_for_capacity", "other")
 
@@ -108,7 +111,7 @@ class Accounting:
 def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end: float,
             save_steps: Iterable[int] = ()) -> Accounting:
     """Categorise [submitted, end). `save_steps`: steps after which a checkpoint save began."""
-    submitted = next((e["time"] for e in events if e["kind"] == "submitted"), None)
+    submitted = next((e["time"] for e in events if e["kind"] == EventKind.SUBMITTED), None)
     if submitted is None:
         raise ValueError("the timeline has no `submitted` event")
     start = float(submitted)
@@ -125,13 +128,13 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         for before, after in zip(attempt_spans, attempt_spans[1:]):
             intervals.append((before.end, after.start, "checkpoint_stall" if before.step in saves else "other"))
 
-    succeeded = next((e["time"] for e in events if e["kind"] == "succeeded"), None)
+    succeeded = next((e["time"] for e in events if e["kind"] == EventKind.SUCCEEDED), None)
     if succeeded is not None and spans:
         last = max(spans, key=lambda s: s.end)
         if last.step in saves:  # the run's final save: it ends when the checkpoint is committed
             intervals.append((last.end, succeeded, "checkpoint_stall"))
 
-    started = {e["attempt"]: e["time"] for e in events if e["kind"] == "attempt_started"}
+    started = {e["attempt"]: e["time"] for e in events if e["kind"] == EventKind.ATTEMPT_STARTED}
     first_attempt = min(started) if started else None
     if first_attempt is not None:
         intervals.append((start, started[first_attempt], "queueing"))
@@ -141,7 +144,7 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         if first_step is not None:
             intervals.append((t, first_step, "startup" if attempt == first_attempt else "restart_restore"))
 
-    detected = [e for e in events if e["kind"] == "failure_detected"]
+    detected = [e for e in events if e["kind"] == EventKind.FAILURE_DETECTED]
     failures: list[FailureTiming] = []
     # Indexes so that each failure costs O(log n), not a scan (a 54-day run has ~400 of them).
     ends_by_attempt = {a: [s.end for s in own] for a, own in by_attempt.items()}  # sorted by end above
@@ -149,10 +152,10 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
     attempt_starts = sorted(started.values())
     drills_by_attempt: dict[int, list[float]] = {}
     for e in events:
-        if e["kind"] == "drill_injected":
+        if e["kind"] == EventKind.DRILL_INJECTED:
             drills_by_attempt.setdefault(e["attempt"], []).append(e["time"])
     wait_times = sorted(e["time"] for e in events
-                        if e["kind"] == "decision" and e["detail"].get("action") == "wait")
+                        if e["kind"] == EventKind.DECISION and e["detail"].get("action") == "wait")
     for failure in detected:
         attempt, t_detected = failure["attempt"], failure["time"]
         ends = ends_by_attempt.get(attempt, [])
@@ -225,8 +228,8 @@ def _degraded(events: Sequence[dict[str, Any]], kept: set[StepSpan], by_attempt:
               excess: dict[int, float]) -> dict[int, float]:
     """attempt -> the time of its kept steps that a mesh smaller than the planned one cost (its
     straggler excess aside)."""
-    planned = next((_world(e["detail"].get("mesh")) for e in events if e["kind"] == "planned"), 0)
-    worlds = {e["attempt"]: _world(e["detail"].get("mesh")) for e in events if e["kind"] == "attempt_started"}
+    planned = next((_world(e["detail"].get("mesh")) for e in events if e["kind"] == EventKind.PLANNED), 0)
+    worlds = {e["attempt"]: _world(e["detail"].get("mesh")) for e in events if e["kind"] == EventKind.ATTEMPT_STARTED}
     if not planned and worlds:
         planned = worlds[min(worlds)]
     if not planned or all(w >= planned for w in worlds.values()):
@@ -292,7 +295,7 @@ def _straggler_excess(events: Sequence[dict[str, Any]], kept: set[StepSpan],
     excess: dict[int, float] = {}
     flagged_by_attempt: dict[int, list[int]] = {}
     for e in events:
-        if e["kind"] == "straggler":
+        if e["kind"] == EventKind.STRAGGLER:
             flagged_by_attempt.setdefault(e["attempt"], []).append(e["detail"].get("step", 0))
     for attempt, own in by_attempt.items():
         flagged = flagged_by_attempt.get(attempt)

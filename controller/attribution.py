@@ -11,8 +11,11 @@ process that died under a live actor needs no grace: the actor's answer proves i
 from __future__ import annotations
 
 import re
+from collections import deque
 
+from controller.attempt import PollResult
 from controller.failure_policy import FailureCause, FailureEvent
+from health.hang import hang_verdict
 
 ATTRIBUTION_GRACE_S = 3.0
 NODE_SUSPECT_GRACE_S = 20.0
@@ -69,3 +72,58 @@ def _rank_died(now: float, dead_ranks: set[int], node_of_rank: tuple[str, ...]) 
     nodes = sorted({node_of_rank[r] for r in ranks})
     return FailureEvent(time=now, cause=FailureCause.RANK_DIED, ranks=ranks,
                         message=f"rank(s) {list(ranks)} died on {nodes}; their nodes are alive")
+
+
+HANG_WINDOW = 20
+"""Step times the hang threshold takes its median of (health.hang)."""
+
+
+class AttemptSignals:
+    """What one attempt has shown so far that may end it: rank errors and deaths since the first
+    sign of trouble, and each rank's progress (for a hang verdict when nothing else is wrong)."""
+
+    def __init__(self) -> None:
+        self.errors: dict[int, str] = {}
+        self.dead_ranks: set[int] = set()
+        self.on_live_nodes: set[int] = set()
+        self.since: float | None = None
+        """When the first failure signal of the attempt came (None: none yet)."""
+        self.last_step: dict[int, int] = {}
+        self.last_report_at: dict[int, float] = {}
+        self.step_times: deque[float] = deque(maxlen=HANG_WINDOW)
+        """The newest step times of this attempt (the hang threshold's median)."""
+        self.steps = 0
+        """Steps the attempt has completed."""
+
+    def heard(self, rank: int, step: int, now: float) -> None:
+        """A rank reported finishing `step`."""
+        self.last_step[rank] = step
+        self.last_report_at[rank] = now
+
+    def stepped(self, step_time_s: float) -> None:
+        """The attempt completed one more step (every rank has reported it)."""
+        self.step_times.append(step_time_s)
+        self.steps += 1
+
+    def failure(self, now: float, result: PollResult, node_of_rank: tuple[str, ...], *, hang_factor: float,
+                hang_floor_s: float) -> FailureEvent | None:
+        """Fold a poll's failure signals in; the attempt's failure once it can be attributed, or a hang
+        when no rank has made progress for too long with nothing else wrong."""
+        self.errors.update(result.errors)
+        self.dead_ranks |= result.dead_ranks
+        self.on_live_nodes |= result.on_live_nodes
+        if (self.errors or self.dead_ranks or result.dead_nodes) and self.since is None:
+            self.since = now
+        age = None if self.since is None else now - self.since
+        failure = attribute(now, errors=self.errors, dead_nodes=result.dead_nodes, dead_ranks=self.dead_ranks,
+                            unresponsive=result.unresponsive, node_of_rank=node_of_rank, signal_age_s=age,
+                            on_live_nodes=self.on_live_nodes)
+        if failure is not None or self.since is not None or not self.step_times:
+            return failure
+        verdict = hang_verdict(now, last_step=self.last_step, last_report_at=self.last_report_at,
+                               recent_step_times=list(self.step_times), factor=hang_factor, floor_s=hang_floor_s)
+        if verdict is None:
+            return None
+        ranks = tuple(sorted(result.unresponsive)) or verdict.ranks
+        return FailureEvent(time=now, cause=FailureCause.HANG, ranks=ranks,
+                            message=f"no progress for {verdict.silent_s:.1f} s (limit {verdict.threshold_s:.1f} s)")

@@ -6,12 +6,16 @@ the same figures. A drill comes from the spec's `drills:` list or is requested o
 from __future__ import annotations
 
 import enum
+import hashlib
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
-from controller.events import Event
+from controller.events import Event, EventKind
 from controller.placement import Placement
+
+if TYPE_CHECKING:
+    from controller.spec import DrillSpec
 
 class DrillKind(enum.StrEnum):
     """The one list of drill kinds. Each names what it hits (`target`), what it fails in the failure
@@ -196,7 +200,7 @@ def drill_reports(events: list[Event]) -> list[dict[str, Any]]:
     return [drill_report(events, i) for i, ev in enumerate(events) if ev.kind in DRILL_EVENTS]
 
 
-DRILL_EVENTS = ("drill_injected", "drill_failed")
+DRILL_EVENTS = (EventKind.DRILL_INJECTED, EventKind.DRILL_FAILED)
 FINAL_OUTCOMES = frozenset({"recovered", "failed", "not_injected", "not_detected", "not_recovered"})
 """Outcomes no later event changes (a report with one need not be computed again)."""
 
@@ -204,7 +208,7 @@ FINAL_OUTCOMES = frozenset({"recovered", "failed", "not_injected", "not_detected
 def drill_report(events: list[Event], i: int) -> dict[str, Any]:
     """The report of the drill whose `drill_injected` (or `drill_failed`) is events[i]."""
     ev = events[i]
-    if ev.kind == "drill_failed":
+    if ev.kind == EventKind.DRILL_FAILED:
         return {"id": ev.detail.get("id"), "kind": ev.detail["drill"], "target": ev.detail.get("target"),
                 "at_step": ev.detail.get("step"), "injected_at": None, "detected_at": None,
                 "cause": None, "attributed_to": None, "decision": None, "recovered_at": None,
@@ -254,20 +258,95 @@ class DrillReports:
         return list(self._reports)
 
 
+def spec_drill_id(run_id: str, index: int) -> str:
+    """The spec's drills have ids fixed by run and position, so a restarted service knows them again."""
+    return "drill-" + hashlib.sha256(f"{run_id}/{index}".encode()).hexdigest()[:8]
+
+
+class RunDrills:
+    """One run's drills: those still to inject (the spec's and requested ones, in one schedule), the
+    one being injected, and the reports of those injected, from the run's timeline."""
+
+    def __init__(self, run_id: str, spec_drills: "list[DrillSpec]") -> None:
+        self.schedule = DrillSchedule([
+            DrillRequest(id=spec_drill_id(run_id, i), kind=d.kind, at_step=d.at_step, target=d.target,
+                         factor=d.factor, seconds=d.seconds)
+            for i, d in enumerate(spec_drills)])
+        self._reports = DrillReports()
+        self._injecting: DrillRequest | None = None
+        """The drill being injected (outside the lock): out of the schedule, not yet in the timeline."""
+
+    def pending(self) -> list[DrillRequest]:
+        return self.schedule.pending()
+
+    def find(self, drill_id: str) -> DrillRequest | None:
+        return self.schedule.find(drill_id)
+
+    def restore(self, events: list[dict[str, Any]]) -> None:
+        """After a restart: the drills requested and not injected yet are due again (the spec's too)."""
+        done = {e["detail"].get("id") for e in events if e["kind"] in DRILL_EVENTS}
+        requested = [DrillRequest(id=d["id"], kind=DrillKind(d["drill"]), at_step=d.get("at_step"),
+                                  target=d.get("target"), requested_at=d.get("requested_at"), factor=d.get("factor"),
+                                  seconds=d.get("seconds"))
+                     for e in events if e["kind"] == EventKind.DRILL_REQUESTED and (d := e["detail"]).get("id") not in done]
+        self.schedule = DrillSchedule([r for r in self.schedule.pending() if r.id not in done] + requested)
+
+    def reports(self, events: list[Event]) -> list[dict[str, Any]]:
+        """Every injected (or refused) drill's report, kept up to date incrementally."""
+        return self._reports.of(events)
+
+    def lookup(self, drill_id: str, events: list[Event], *, ended: bool) -> dict[str, Any] | None:
+        """A drill's report once injected; before that, the request with outcome `pending` (being
+        injected) or `scheduled` (`not_injected` if the run ended first). None if no such drill."""
+        report = next((r for r in self.reports(events) if r["id"] == drill_id), None)
+        if report is not None:
+            return report
+        injecting = self._injecting
+        if injecting is not None and injecting.id == drill_id:
+            return {**injecting.to_dict(), "outcome": "pending"}
+        request = self.schedule.find(drill_id)
+        if request is None:
+            return None
+        return {**request.to_dict(), "outcome": "not_injected" if ended else "scheduled"}
+
+    def inject_due(self, step: int, placement: Placement, injector: DrillInjector,
+                   outside_lock: Callable[[], ContextManager[Any]]) -> tuple[EventKind, dict[str, Any]] | None:
+        """Inject the next drill whose step has come, if any: (drill_injected, what was hit) or
+        (drill_failed, why), for the timeline."""
+        drill = self.schedule.pop_due(step)
+        if drill is None:
+            return None
+        target = drill.target or default_target(drill.kind, placement)
+        facts = {"id": drill.id, "drill": drill.kind, "target": target, "step": step,
+                 **{k: v for k, v in drill.to_dict().items() if k in ("factor", "seconds")}}
+        problem = target_problem(drill.kind, target, placement)
+        try:
+            if problem is not None:
+                raise DrillError(problem)
+            self._injecting = drill  # a request for its report while it is injected finds it
+            with outside_lock():
+                detail = injector.inject(drill.kind, target, factor=drill.factor, seconds=drill.seconds)
+        except Exception as e:  # noqa: BLE001 - a drill that cannot be injected is reported, not fatal
+            return EventKind.DRILL_FAILED, {**facts, "error": str(e)}
+        finally:
+            self._injecting = None
+        return EventKind.DRILL_INJECTED, {**facts, **detail}
+
+
 def _first(events: list[Event], kind: str, **match: Any) -> Event | None:
     return next((e for e in events if e.kind == kind and all(e.detail.get(k) == v for k, v in match.items())), None)
 
 
 def _ended(events: list[Event]) -> Event | None:
-    return next((e for e in events if e.kind in ("failed", "cancelled", "succeeded")), None)
+    return next((e for e in events if e.kind in (EventKind.FAILED, EventKind.CANCELLED, EventKind.SUCCEEDED)), None)
 
 
 def _failure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
     """kill-node, kill-rank, hang-rank, bitflip: detected as a failure, decided on, recovered."""
-    detected = _first(later, "failure_detected")
-    decision = _first(later, "decision")
-    recovered = _first(later, "first_step_after_recovery")
-    restored = _first(later, "attempt_started")
+    detected = _first(later, EventKind.FAILURE_DETECTED)
+    decision = _first(later, EventKind.DECISION)
+    recovered = _first(later, EventKind.FIRST_STEP_AFTER_RECOVERY)
+    restored = _first(later, EventKind.ATTEMPT_STARTED)
     ended = _ended(later)
     resumed_from = restored.detail.get("start_step", 0) if restored else None
     return {
@@ -286,12 +365,12 @@ def _slow_rank_report(ev: Event, later: list[Event]) -> dict[str, Any]:
     """Detected by the straggler verdict naming the rank; then either reported only, or its node
     replaced at the next checkpoint (no step lost)."""
     rank = int(ev.detail["target"])
-    verdict = _first(later, "straggler", rank=rank)
+    verdict = _first(later, EventKind.STRAGGLER, rank=rank)
     after = later[later.index(verdict) + 1:] if verdict else []
-    detected = _first(after, "failure_detected", cause="straggler")
-    decision = _first(after, "decision") if detected else None
-    recovered = _first(after, "first_step_after_recovery") if detected else None
-    restored = _first(after, "attempt_started") if detected else None
+    detected = _first(after, EventKind.FAILURE_DETECTED, cause="straggler")
+    decision = _first(after, EventKind.DECISION) if detected else None
+    recovered = _first(after, EventKind.FIRST_STEP_AFTER_RECOVERY) if detected else None
+    restored = _first(after, EventKind.ATTEMPT_STARTED) if detected else None
     ended = _ended(later)
     if verdict is None:
         outcome = "not_detected" if ended else "pending"
@@ -317,8 +396,8 @@ def _outage_report(ev: Event, later: list[Event]) -> dict[str, Any]:
     """The outage shows as failed saves (unless retries outlast it); it is over at the first commit
     after it ends."""
     until = float(ev.detail.get("until", ev.time))
-    failed = [e for e in later if e.kind == "checkpoint_failed"]
-    committed = next((e for e in later if e.kind == "checkpoint_committed" and e.time >= until), None)
+    failed = [e for e in later if e.kind == EventKind.CHECKPOINT_FAILED]
+    committed = next((e for e in later if e.kind == EventKind.CHECKPOINT_COMMITTED and e.time >= until), None)
     ended = _ended(later)
     return {
         "detected_at": failed[0].time if failed else None,
@@ -335,7 +414,7 @@ def _outage_report(ev: Event, later: list[Event]) -> dict[str, Any]:
 def _outcome(recovered: bool, detected: bool, ended: str | None) -> str:
     if recovered:
         return "recovered"
-    if ended in ("failed", "cancelled"):
+    if ended in (EventKind.FAILED, EventKind.CANCELLED):
         return "failed"
     if ended == "succeeded":  # the run ended before it noticed, or resumed at the last step
         return "recovered" if detected else "not_detected"

@@ -2,8 +2,55 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class EventKind(enum.StrEnum):
+    """The one list of event kinds. The ranks report the ones marked (rank) as plain strings (the
+    trainer does not import the controller); the controller names them here when they join the timeline."""
+
+    SUBMITTED = "submitted"
+    RUN_ID_CHOSEN = "run_id_chosen"
+    RESUME_REQUESTED = "resume_requested"
+    PLANNED = "planned"
+    ATTEMPT_STARTED = "attempt_started"
+    RESTORED = "restored"  # (rank) the attempt loaded a checkpoint
+    FIRST_STEP_AFTER_RECOVERY = "first_step_after_recovery"
+    CHECKPOINT_STAGED = "checkpoint_staged"  # (rank)
+    CHECKPOINT_COMMITTED = "checkpoint_committed"  # (rank)
+    CHECKPOINT_FAILED = "checkpoint_failed"  # (rank)
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # (rank)
+    CHECKPOINT_INTERVAL = "checkpoint_interval"  # (rank) checkpoint.every_steps: auto chose an interval
+    RETENTION_DEFERRED = "retention_deferred"  # (rank)
+    CHECKPOINT_UNUSABLE = "checkpoint_unusable"
+    CHECKPOINT_DISCARDED = "checkpoint_discarded"
+    STORE_UNAVAILABLE = "store_unavailable"
+    STORE_AVAILABLE = "store_available"
+    STRAGGLER = "straggler"
+    LOSS_ANOMALY = "loss_anomaly"  # (rank)
+    SDC_SUSPECT = "sdc_suspect"  # (rank)
+    SDC_TRANSIENT = "sdc_transient"  # (rank)
+    BITFLIP_INJECTED = "bitflip_injected"  # (rank)
+    FAILURE_DETECTED = "failure_detected"
+    DECISION = "decision"
+    QUARANTINED = "quarantined"
+    NODE_CORDONED = "node_cordoned"
+    NODE_CORDON_FAILED = "node_cordon_failed"
+    DRILL_REQUESTED = "drill_requested"
+    DRILL_INJECTED = "drill_injected"
+    DRILL_FAILED = "drill_failed"
+    SERVICE_RESTARTED = "service_restarted"
+    SERVICE_STOPPED = "service_stopped"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @classmethod
+    def ending(cls) -> tuple["EventKind", ...]:
+        """The kinds that end a run."""
+        return (cls.SUCCEEDED, cls.FAILED, cls.CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -14,8 +61,8 @@ class Event:
     """Run the event belongs to."""
     attempt: int
     """Attempt number (0 for run-level events before the first launch)."""
-    kind: str
-    """submitted, planned, attempt_started, restored, checkpoint_committed, succeeded, failed, ..."""
+    kind: EventKind
+    """What happened (EventKind)."""
     detail: dict[str, Any] = field(default_factory=dict)
     """Kind-specific facts."""
 
@@ -32,24 +79,25 @@ class EventLog:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self._events: list[Event] = []
-        self._counts: dict[str, int] = {}
+        self._counts: dict[EventKind, int] = {}
 
-    def add(self, now: float, attempt: int, kind: str, **detail: Any) -> Event:
+    def add(self, now: float, attempt: int, kind: EventKind | str, **detail: Any) -> Event:
+        """Append one event; a kind given as a string (a rank's report) must be an EventKind."""
         if self._events and now < self._events[-1].time:
             now = self._events[-1].time
-        event = Event(now, self.run_id, attempt, kind, detail)
+        event = Event(now, self.run_id, attempt, EventKind(kind), detail)
         self._events.append(event)
-        self._counts[kind] = self._counts.get(kind, 0) + 1
+        self._counts[event.kind] = self._counts.get(event.kind, 0) + 1
         return event
 
     def restore(self, rows: list[dict[str, Any]]) -> None:
         """Put back a timeline read from the registry (before anything else is added)."""
-        self._events = [Event(r["time"], self.run_id, r["attempt"], r["kind"], dict(r["detail"])) for r in rows]
+        self._events = [Event(r["time"], self.run_id, r["attempt"], EventKind(r["kind"]), dict(r["detail"])) for r in rows]
         self._counts = {}
         for e in self._events:
             self._counts[e.kind] = self._counts.get(e.kind, 0) + 1
 
-    def count(self, kind: str) -> int:
+    def count(self, kind: EventKind) -> int:
         """How many events of a kind (O(1): kept as they are added)."""
         return self._counts.get(kind, 0)
 
@@ -67,8 +115,8 @@ class EventLog:
     def __len__(self) -> int:
         return len(self._events)
 
-    def kinds(self) -> list[str]:
+    def kinds(self) -> list[EventKind]:
         return [e.kind for e in self._events]
 
-    def of_kind(self, kind: str) -> list[Event]:
+    def of_kind(self, kind: EventKind | str) -> list[Event]:
         return [e for e in self._events if e.kind == kind]

@@ -52,14 +52,9 @@ class Placement:
 @functools.lru_cache(maxsize=8)
 def _rows(mesh: MeshShape, node_of_rank: tuple[str, ...], gpu_of_rank: tuple[int, ...],
           rack_items: tuple[tuple[str, str], ...]) -> tuple[dict, ...]:
-    inner, tp = mesh.pp * mesh.tp, mesh.tp
     racks = dict(rack_items)
-    out = []
-    for rank, (node, gpu) in enumerate(zip(node_of_rank, gpu_of_rank)):
-        rest = rank % inner  # as MeshShape.rank_coords, inline
-        out.append({"rank": rank, "dp": rank // inner, "pp": rest // tp, "tp": rest % tp, "node": node,
-                    "rack": racks[node], "gpu": gpu})
-    return tuple(out)
+    return tuple({"rank": rank, **mesh.rank_coords(rank), "node": node, "rack": racks[node], "gpu": gpu}
+                 for rank, (node, gpu) in enumerate(zip(node_of_rank, gpu_of_rank)))
 
 
 def _tp_slots(node: Node, tp: int) -> list[tuple[str, int]]:

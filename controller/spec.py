@@ -250,11 +250,6 @@ class RunSpec(_Strict):
         except ValueError as e:
             raise SpecError(str(e)) from None
 
-    def local_gpu_slots(self) -> int:
-        """GPU slots the embedded cluster offers to ranks (spare nodes excluded)."""
-        local = self.cluster.local or LocalClusterSpec()
-        return (local.nodes - local.spares) * local.gpus_per_node
-
 
 def _format_validation_error(e: ValidationError) -> str:
     parts = []

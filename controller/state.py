@@ -13,40 +13,28 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import hashlib
-import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
-from checkpointing.manifest import (
-    MANIFEST, IdentityMismatch, check_identity, committed_steps, latest_verified, step_prefix,
-)
+from checkpointing.manifest import ForeignCheckpoints, IdentityMismatch, discard_after, resume_point
 from checkpointing.policy import observed_mtbf_s
-from checkpointing.store import ObjectStore, StoreError
-from controller.accounting import account
+from checkpointing.store import ObjectStore, StoreError, StoreOutage
 from controller.attempt import AttemptSpec, GroupStatus, PollResult, WorkerGroup
-from controller.events import EventLog
+from controller.events import EventKind, EventLog
 from controller.placement import Placement, place
 from controller.planner import MeshPlan, memory_per_gpu, plan_run
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
-from controller.attribution import attribute
-from controller.drills import (
-    DrillError, DrillInjector, DrillKind, DrillReports, DrillRequest, DrillSchedule, default_target, target_problem,
-)
+from controller.attribution import AttemptSignals
+from controller.drills import DrillError, DrillInjector, DrillRequest, RunDrills
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, capacity_decision, decide, grow_decision,
     grow_target,
 )
 from controller.topology import NodeState, Topology, merge_returned
-from health.hang import hang_verdict
+from controller.views import GoodputView, health_view, run_view
 from health.straggler import StragglerConfig, StragglerTracker
 from trainer.config import MeshShape, TrainerConfig, state_fingerprint, state_identity
-
-
-HANG_WINDOW = 20
-"""Step times the hang threshold takes its median of (health.hang)."""
 
 
 class RunState(str, enum.Enum):
@@ -94,21 +82,15 @@ class RunController:
         self._attempt_started_at = now
         self._cancel_requested = False
         self.injector = injector
-        self._event_dicts: list[dict[str, Any]] = []
         self._auto_interval = 0
         """`auto`: the interval the last attempt chose, for the next one to start with (it measures the
         save cost again at its first save); 0 before any was chosen."""
         self._grow_checked: frozenset[str] | None = None
         self._grow_inputs: tuple[Topology, Topology] | None = None
         """The usable nodes the last grow check saw (the same nodes cannot hold a bigger mesh now)."""
-        self._goodput_cache: tuple[float, int, dict[str, Any]] | None = None
-        self._drill_reports = DrillReports()
-        self._injecting: DrillRequest | None = None
-        """The drill being injected (outside the lock): out of the schedule, not yet in the timeline."""
+        self._goodput = GoodputView()
         self.topology_source = topology_source
-        self.drills = DrillSchedule([DrillRequest(id=spec_drill_id(self.run_id, i), kind=d.kind, at_step=d.at_step,
-                                                  target=d.target, factor=d.factor, seconds=d.seconds)
-                                     for i, d in enumerate(spec.drills)])
+        self.drills = RunDrills(self.run_id, spec.drills)
         self.failures: list[FailureEvent] = []
         self.quarantined: list[dict[str, Any]] = []
         """Nodes taken out of the run for good: {node, reason, evidence, time}."""
@@ -129,10 +111,7 @@ class RunController:
         """An SDC rollback's discard the store could not take yet: done before the next launch reads."""
         self._discarded: list[tuple[int, str]] = []
         """Steps discarded before the store went away mid-search (their events are still owed)."""
-        self._store_down_since: float | None = None
-        self._store_backoff_s = 0.0
-        self._store_retry_at = float("-inf")
-        self._store_announced = False
+        self.store_outage = StoreOutage(spec.checkpoint.retry_budget_s)
         self.waiting_for: str | None = None
         """Why a submitted run has not started (set by the service that queues it)."""
         self.outside_lock: Callable[[], ContextManager[Any]] = contextlib.nullcontext
@@ -140,7 +119,7 @@ class RunController:
         drives this controller under a lock releases it here, so its requests never wait behind I/O
         (only the driving thread changes the run's state; requests only set flags and queue drills)."""
         self._reset_attempt_tracking()
-        self.events.add(now, 0, "submitted", name=spec.name)
+        self.events.add(now, 0, EventKind.SUBMITTED, name=spec.name)
         self._handlers: dict[RunState, Callable[[float], None]] = {
             RunState.PENDING: self._on_pending,
             RunState.PLANNING: self._on_planning,
@@ -165,7 +144,7 @@ class RunController:
             return self.state
         if self._cancel_requested:
             self._shutdown()
-            self._finish(now, RunState.CANCELLED, "cancelled")
+            self._finish(now, RunState.CANCELLED)
             return self.state
         self._handlers[self.state](now)
         return self.state
@@ -201,23 +180,19 @@ class RunController:
         count against max_failures) and the drills it still has to inject."""
         self.events.restore(events)
         self.progress.restore(history)
-        intervals = [e["detail"].get("steps", 0) for e in events if e["kind"] == "checkpoint_interval"]
+        intervals = [e["detail"].get("steps", 0) for e in events if e["kind"] == EventKind.CHECKPOINT_INTERVAL]
         self._auto_interval = int(intervals[-1]) if intervals else 0
-        self.attempt = max((e["attempt"] for e in events if e["kind"] == "attempt_started"), default=-1)
-        self.adopted = any(e["kind"] == "resume_requested" for e in events)
+        self.attempt = max((e["attempt"] for e in events if e["kind"] == EventKind.ATTEMPT_STARTED), default=-1)
+        self.adopted = any(e["kind"] == EventKind.RESUME_REQUESTED for e in events)
         self.quarantined = [{"node": e["detail"]["node"], "reason": e["detail"].get("reason"),
                              "evidence": e["detail"].get("evidence") or {}, "time": e["time"]}
-                            for e in events if e["kind"] == "quarantined" and e["detail"].get("reason") != "lost"]
+                            for e in events if e["kind"] == EventKind.QUARANTINED and e["detail"].get("reason") != "lost"]
         self.failures = [FailureEvent(time=e["time"], cause=FailureCause(e["detail"]["cause"]),
                                       nodes=tuple(e["detail"].get("nodes") or ()), ranks=tuple(e["detail"].get("ranks") or ()),
                                       message=e["detail"].get("message", ""))
-                         for e in events if e["kind"] == "failure_detected"
+                         for e in events if e["kind"] == EventKind.FAILURE_DETECTED
                          and e["detail"].get("cause") in {c.value for c in FailureCause}]
-        done = {e["detail"].get("id") for e in events if e["kind"] in ("drill_injected", "drill_failed")}
-        requested = [DrillRequest(id=d["id"], kind=DrillKind(d["drill"]), at_step=d.get("at_step"), target=d.get("target"),
-                                  requested_at=d.get("requested_at"), factor=d.get("factor"), seconds=d.get("seconds"))
-                     for e in events if e["kind"] == "drill_requested" and (d := e["detail"]).get("id") not in done]
-        self.drills = DrillSchedule([r for r in self.drills.pending() if r.id not in done] + requested)
+        self.drills.restore(events)
 
     def attempt_spec(self, attempt: int, placement: Placement, *, start_step: int, cursor: int,
                      resume_step: int | None) -> AttemptSpec:
@@ -241,9 +216,8 @@ class RunController:
         self._attempt_started_at = now
         self._reset_attempt_tracking()
         mesh = self.config.mesh
-        inner, tp = mesh.pp * mesh.tp, mesh.tp  # a rank's pp coordinate (MeshShape.rank_coords), for every rank
         self.stragglers = StragglerTracker(
-            {r: (r % inner) // tp for r in range(mesh.world_size)},
+            {r: mesh.stage_of(r) for r in range(mesh.world_size)},
             StragglerConfig(ratio=self.spec.health.straggler_ratio))
         self._replace_stragglers = set()
 
@@ -257,7 +231,7 @@ class RunController:
         self.finished_at = None
         self.state = RunState.PENDING
         self.adopted = True
-        self.events.add(now, max(self.attempt, 0), "resume_requested", step=step, steps=spec.train.steps)
+        self.events.add(now, max(self.attempt, 0), EventKind.RESUME_REQUESTED, step=step, steps=spec.train.steps)
 
     def _on_pending(self, now: float) -> None:
         self.state = RunState.PLANNING
@@ -270,13 +244,13 @@ class RunController:
             return
         self.config = self.spec.trainer_config(self.plan.mesh)
         mesh = self.plan.mesh
-        self.events.add(now, 0, "planned", mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp},
+        self.events.add(now, 0, EventKind.PLANNED, mesh=mesh.axes(),
                         memory_per_gpu_bytes=self.plan.memory_per_gpu_bytes, explanation=self.plan.explanation)
         self.state = RunState.LAUNCHING
 
     def _on_launching(self, now: float) -> None:
         assert self.config is not None and self.placement is not None
-        if now < self._store_retry_at:
+        if not self.store_outage.due(now):
             return
         try:
             with self.outside_lock():
@@ -291,13 +265,13 @@ class RunController:
             self._fail(now, "checkpoints_in_the_way", str(e))
             return
         for step, reason in discarded:
-            self.events.add(now, self.attempt, "checkpoint_discarded", step=step, reason=reason)
+            self.events.add(now, self.attempt, EventKind.CHECKPOINT_DISCARDED, step=step, reason=reason)
         self._store_reachable(now)
         if self._cancel_requested:
             return  # the next step cancels
         self.attempt += 1
         for reason in unusable:
-            self.events.add(now, self.attempt, "checkpoint_unusable", reason=reason)
+            self.events.add(now, self.attempt, EventKind.CHECKPOINT_UNUSABLE, reason=reason)
         every = self.spec.checkpoint.every_steps
         mtbf_h = self.spec.checkpoint.mtbf_hours
         attempt = AttemptSpec(
@@ -320,14 +294,14 @@ class RunController:
             self._launch_failed(now, f"{type(e).__name__}: {e}")
             return
         mesh = self.config.mesh
-        self.events.add(now, self.attempt, "attempt_started",
-                        mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, dp_replicas=mesh.dp_replicas,
+        self.events.add(now, self.attempt, EventKind.ATTEMPT_STARTED,
+                        mesh=mesh.axes(), dp_replicas=mesh.dp_replicas,
                         placement=list(self.placement.rows()), spares=list(self.placement.spares),
                         start_step=start_step, resume_step=resume_step, cursor=cursor)
         self.progress.committed = start_step
         if start_step >= self.spec.train.steps:
             self._shutdown()
-            self._finish(now, RunState.SUCCEEDED, "succeeded", step=start_step)
+            self._finish(now, RunState.SUCCEEDED, step=start_step)
             return
         self.state = RunState.RUNNING
 
@@ -347,66 +321,38 @@ class RunController:
             discarded += [(s, _SDC_DISCARD.format(step=self._pending_discard))
                           for s in self._discard_after(self._pending_discard)]
             self._pending_discard = None
-        found = latest_verified(self.checkpoint_store, self.run_id)
+        model = self.spec.to_model_config()
+        found = resume_point(self.checkpoint_store, self.run_id, identity=state_fingerprint(model),
+                             identity_detail=state_identity(model),
+                             not_before=self.created_at if self.own_checkpoints_only and not self.adopted else None)
         self._discarded = []
         if found is None:
             return 0, 0, None, [], discarded
         manifest, skipped = found
-        if self.own_checkpoints_only and not self.adopted and manifest.created_at < self.created_at:
-            raise ForeignCheckpoints(
-                f"{self.checkpoint_store.uri}/{self.run_id}/ already holds checkpoints committed before this run "
-                f"was submitted (the newest: step {manifest.step}, attempt {manifest.attempt}, at "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created_at))}): a new run does not "
-                f"carry on another run's work by accident. To continue from them on purpose: goodput resume "
-                f"{self.run_id}; to start afresh: submit again (the service picks an id with an empty prefix) "
-                "or remove them")
-        model = self.spec.to_model_config()
-        check_identity(manifest, state_fingerprint(model), state_identity(model), self.checkpoint_store.uri)
         return manifest.step, manifest.cursor, manifest.step, skipped, discarded
 
-    STORE_BACKOFF_MAX_S = 30.0
-
     def _store_unreachable(self, now: float, error: StoreError) -> None:
-        """The checkpoint store did not answer: try again after a backoff (doubling up to 30 s); once
-        it has been down longer than `checkpoint.retry_budget_s`, say so in the timeline (once)."""
-        if self._store_down_since is None:
-            self._store_down_since, self._store_backoff_s = now, 0.5
-        else:
-            self._store_backoff_s = min(2 * self._store_backoff_s, self.STORE_BACKOFF_MAX_S)
-        self._store_retry_at = now + self._store_backoff_s
-        if not self._store_announced and now - self._store_down_since >= self.spec.checkpoint.retry_budget_s:
-            self._store_announced = True
-            self.events.add(now, max(self.attempt, 0), "store_unavailable", error=str(error),
-                            since=self._store_down_since, retry_in_s=self._store_backoff_s,
+        """The checkpoint store did not answer: try again after a backoff; once it has been down longer
+        than `checkpoint.retry_budget_s`, say so in the timeline (once)."""
+        outage = self.store_outage
+        if outage.failed(now):
+            self.events.add(now, max(self.attempt, 0), EventKind.STORE_UNAVAILABLE, error=str(error),
+                            since=outage.since, retry_in_s=outage.backoff_s,
                             uri=self.checkpoint_store.uri if self.checkpoint_store else None)
 
     def _store_reachable(self, now: float) -> None:
-        if self._store_announced and self._store_down_since is not None:
-            self.events.add(now, max(self.attempt, 0), "store_available", down_s=now - self._store_down_since)
-        self._store_down_since, self._store_announced, self._store_retry_at = None, False, float("-inf")
+        down = self.store_outage.answered(now)
+        if down is not None:
+            self.events.add(now, max(self.attempt, 0), EventKind.STORE_AVAILABLE, down_s=down)
 
     def _discard_after(self, step: int) -> list[int]:
-        """Committed steps newer than `step` may hold corrupted state: make them invisible (manifest
-        first, so a step is never half-visible), then delete them; the steps discarded. Called with
-        every rank stopped. StoreError when the store cannot be reached (the discard stays owed)."""
         assert self.checkpoint_store is not None
-        newer = [s for s in committed_steps(self.checkpoint_store, self.run_id) if s > step]
-        for s in newer:
-            prefix = step_prefix(self.run_id, s)
-            self.checkpoint_store.delete_prefix(f"{prefix}/{MANIFEST}")
-            self.checkpoint_store.delete_prefix(prefix + "/")
-        return newer
+        return discard_after(self.checkpoint_store, self.run_id, step)
 
     def _reset_attempt_tracking(self) -> None:
-        self._errors: dict[int, str] = {}
-        self._dead_ranks: set[int] = set()
-        self._on_live_nodes: set[int] = set()
-        self._signal_since: float | None = None
-        self._last_step: dict[int, int] = {}
-        self._last_report_at: dict[int, float] = {}
-        self._attempt_step_times: deque[float] = deque(maxlen=HANG_WINDOW)
-        """The newest step times of this attempt (the hang threshold's median)."""
-        self._attempt_steps = 0
+        self.signals = AttemptSignals()
+        self._final_save_error: str | None = None
+        """Why the last step's save of this attempt failed (None: it committed, or has not failed)."""
 
     def _launch_failed(self, now: float, message: str) -> None:
         """A first launch that fails ends the run; a relaunch during recovery is one more failure
@@ -425,24 +371,25 @@ class RunController:
             result = self.worker_group.poll()
         for report in result.reports:
             first = not self.progress.history or self.progress.history[-1]["attempt"] != self.attempt
-            self._last_step[report.rank] = report.step
-            self._last_report_at[report.rank] = now
+            self.signals.heard(report.rank, report.step, now)
             if self.stragglers is not None:
                 self.stragglers.add(report.rank, report.step, report.compute_s)
             if self.progress.add(report, heard_at=now):
-                self._attempt_step_times.append(report.step_time_s)
-                self._attempt_steps += 1
+                self.signals.stepped(report.step_time_s)
                 if first:
                     if self.attempt > 0:
-                        self.events.add(now, self.attempt, "first_step_after_recovery", step=report.step)
+                        self.events.add(now, self.attempt, EventKind.FIRST_STEP_AFTER_RECOVERY, step=report.step)
         self._judge_stragglers(now)
-        suspect = next((detail for _, kind, detail in result.events if kind == "sdc_suspect"), None)
+        suspect = next((detail for _, kind, detail in result.events if kind == EventKind.SDC_SUSPECT), None)
         committed = False
         for rank, kind, detail in result.events:  # every event of the poll joins the timeline first
             self.events.add(now, self.attempt, kind, rank=rank, **detail)
-            if kind == "checkpoint_interval":
+            if kind == EventKind.CHECKPOINT_INTERVAL:
                 self._auto_interval = int(detail.get("steps", 0))
-            committed = committed or kind == "checkpoint_committed"
+            committed = committed or kind == EventKind.CHECKPOINT_COMMITTED
+            if kind in (EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_COMMITTED) \
+                    and detail.get("step") == self.spec.train.steps:
+                self._final_save_error = detail.get("error", "failed") if kind == EventKind.CHECKPOINT_FAILED else None
         if suspect is None and committed and (self._maybe_replace_stragglers(now) or self._maybe_grow(now)):
             return
         if suspect is not None:  # the probes' evidence is the cause; the ranks' errors that follow are not
@@ -451,9 +398,16 @@ class RunController:
         failure = self._detect(now, result)
         if failure is not None:
             self._recover(now, failure)
-        elif result.status is GroupStatus.FINISHED and self._signal_since is None:
+        elif result.status is GroupStatus.FINISHED and self.signals.since is None:
             self._shutdown()
-            self._finish(now, RunState.SUCCEEDED, "succeeded", step=self.progress.step)
+            if self._final_save_error is not None:
+                self._recover(now, FailureEvent(
+                    time=now, cause=FailureCause.FINAL_SAVE_FAILED,
+                    message=f"the final checkpoint (step {self.spec.train.steps}) did not commit "
+                            f"({self._final_save_error}); the steps after the last committed one run again "
+                            "so the run's final state is saved"))
+                return
+            self._finish(now, RunState.SUCCEEDED, step=self.progress.step)
         else:
             self._run_due_drills(now)
 
@@ -464,7 +418,7 @@ class RunController:
             return
         for verdict in self.stragglers.evaluate():
             node = self.placement.node_of_rank[verdict.rank]
-            self.events.add(now, self.attempt, "straggler", rank=verdict.rank, node=node, score=round(verdict.score, 3),
+            self.events.add(now, self.attempt, EventKind.STRAGGLER, rank=verdict.rank, node=node, score=round(verdict.score, 3),
                             basis=verdict.basis, step=verdict.step, compute_s=verdict.compute_s,
                             ratio=self.spec.health.straggler_ratio, action=self.spec.health.straggler_action)
             if self.spec.health.straggler_action == "replace" and verdict.basis == "relative":
@@ -500,29 +454,12 @@ class RunController:
 
     def _detect(self, now: float, result: PollResult) -> FailureEvent | None:
         assert self.placement is not None
-        self._errors.update(result.errors)
-        self._dead_ranks |= result.dead_ranks
-        self._on_live_nodes |= result.on_live_nodes
-        if (self._errors or self._dead_ranks or result.dead_nodes) and self._signal_since is None:
-            self._signal_since = now
-        age = None if self._signal_since is None else now - self._signal_since
-        failure = attribute(now, errors=self._errors, dead_nodes=result.dead_nodes, dead_ranks=self._dead_ranks,
-                            unresponsive=result.unresponsive, node_of_rank=self.placement.node_of_rank,
-                            signal_age_s=age, on_live_nodes=self._on_live_nodes)
-        if failure is not None or self._signal_since is not None or not self._attempt_step_times:
-            return failure
-        verdict = hang_verdict(now, last_step=self._last_step, last_report_at=self._last_report_at,
-                               recent_step_times=list(self._attempt_step_times), factor=self.spec.health.hang_factor,
-                               floor_s=self.spec.health.hang_floor_s)
-        if verdict is None:
-            return None
-        ranks = tuple(sorted(result.unresponsive)) or verdict.ranks
-        return FailureEvent(time=now, cause=FailureCause.HANG, ranks=ranks,
-                            message=f"no progress for {verdict.silent_s:.1f} s (limit {verdict.threshold_s:.1f} s)")
+        return self.signals.failure(now, result, self.placement.node_of_rank, hang_factor=self.spec.health.hang_factor,
+                                    hang_floor_s=self.spec.health.hang_floor_s)
 
     def _recover(self, now: float, failure: FailureEvent) -> None:
         assert self.config is not None
-        self.events.add(now, self.attempt, "failure_detected", cause=failure.cause.value, nodes=list(failure.nodes),
+        self.events.add(now, self.attempt, EventKind.FAILURE_DETECTED, cause=failure.cause.value, nodes=list(failure.nodes),
                         ranks=list(failure.ranks), message=failure.message, step=self.progress.step)
         self._last_failure = failure
         self._shutdown()
@@ -535,7 +472,7 @@ class RunController:
                 with self.outside_lock():
                     discarded = self._discard_after(through)
                 for step in discarded:
-                    self.events.add(now, self.attempt, "checkpoint_discarded", step=step,
+                    self.events.add(now, self.attempt, EventKind.CHECKPOINT_DISCARDED, step=step,
                                     reason=_SDC_DISCARD.format(step=through))
                 self._pending_discard = None
             except StoreError:
@@ -552,18 +489,18 @@ class RunController:
     def _apply(self, now: float, decision: Decision) -> None:
         mesh = decision.mesh
         self.stragglers = None  # its scores were of the attempt that just ended
-        self.events.add(now, self.attempt, "decision", action=decision.action.value, code=decision.code,
-                        reason=decision.reason, mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp} if mesh else None,
+        self.events.add(now, self.attempt, EventKind.DECISION, action=decision.action.value, code=decision.code,
+                        reason=decision.reason, mesh=mesh.axes() if mesh else None,
                         dp_replicas=mesh.dp_replicas if mesh else None)
         failure = self._last_failure
         for node in self.topology.nodes:
             new_state = decision.topology.node(node.name).state
             if new_state is NodeState.LOST and node.state is not NodeState.LOST:
-                self.events.add(now, self.attempt, "quarantined", node=node.name, reason="lost")
+                self.events.add(now, self.attempt, EventKind.QUARANTINED, node=node.name, reason="lost")
             if new_state is NodeState.QUARANTINED and node.state is not NodeState.QUARANTINED:
                 reason = failure.cause.value if failure else "quarantined"
                 evidence = dict(failure.evidence) if failure else {}
-                self.events.add(now, self.attempt, "quarantined", node=node.name, reason=reason,
+                self.events.add(now, self.attempt, EventKind.QUARANTINED, node=node.name, reason=reason,
                                 ranks=list(failure.ranks) if failure else [], message=failure.message if failure else "",
                                 evidence=evidence)
                 self.quarantined.append({"node": node.name, "reason": reason, "evidence": evidence, "time": now})
@@ -636,56 +573,28 @@ class RunController:
         """Queue a drill on this live run (`goodput drill`, the REST API); DrillError says what to fix."""
         if self.state.terminal:
             raise DrillError(f"run {self.run_id!r} has {self.state.value}; drills need a live run")
-        request = self.drills.request(now, kind, target=target, at_step=at_step, step=self.progress.step,
+        request = self.drills.schedule.request(now, kind, target=target, at_step=at_step, step=self.progress.step,
                                       placement=self.placement, factor=factor, seconds=seconds)
         detail = request.to_dict()
-        self.events.add(now, max(self.attempt, 0), "drill_requested", drill=detail.pop("kind"), **detail)
+        self.events.add(now, max(self.attempt, 0), EventKind.DRILL_REQUESTED, drill=detail.pop("kind"), **detail)
         return request
 
     def drill_reports(self) -> list[dict[str, Any]]:
-        """Every injected (or refused) drill's report, kept up to date incrementally."""
-        return self._drill_reports.of(self.events.view())
+        return self.drills.reports(self.events.view())
 
     def drill(self, drill_id: str) -> dict[str, Any] | None:
-        """A drill's report once injected; before that, the request with outcome `scheduled`
-        (`not_injected` if the run ended first). None if no such drill."""
-        report = next((r for r in self.drill_reports() if r["id"] == drill_id), None)
-        if report is not None:
-            return report
-        injecting = self._injecting
-        if injecting is not None and injecting.id == drill_id:  # out of the schedule, not yet in the timeline
-            return {**injecting.to_dict(), "outcome": "pending"}
-        request = self.drills.find(drill_id)
-        if request is None:
-            return None
-        return {**request.to_dict(), "outcome": "not_injected" if self.state.terminal else "scheduled"}
+        return self.drills.lookup(drill_id, self.events.view(), ended=self.state.terminal)
 
     def _run_due_drills(self, now: float) -> None:
         if self.injector is None or self.attempt_steps() == 0:
             return
-        drill = self.drills.pop_due(self.progress.step)
-        if drill is None:
-            return
         assert self.placement is not None
-        target = drill.target or default_target(drill.kind, self.placement)
-        facts = {"id": drill.id, "drill": drill.kind, "target": target, "step": self.progress.step,
-                 **{k: v for k, v in drill.to_dict().items() if k in ("factor", "seconds")}}
-        problem = target_problem(drill.kind, target, self.placement)
-        try:
-            if problem is not None:
-                raise DrillError(problem)
-            self._injecting = drill  # a request for its report while it is injected finds it
-            with self.outside_lock():
-                detail = self.injector.inject(drill.kind, target, factor=drill.factor, seconds=drill.seconds)
-        except Exception as e:  # noqa: BLE001 - a drill that cannot be injected is reported, not fatal
-            self.events.add(now, self.attempt, "drill_failed", **facts, error=str(e))
-            return
-        finally:
-            self._injecting = None
-        self.events.add(now, self.attempt, "drill_injected", **{**facts, **detail})
+        outcome = self.drills.inject_due(self.progress.step, self.placement, self.injector, self.outside_lock)
+        if outcome is not None:
+            self.events.add(now, self.attempt, outcome[0], **outcome[1])
 
     def attempt_steps(self) -> int:
-        return self._attempt_steps
+        return self.signals.steps
 
     def _limits(self) -> ElasticLimits:
         e = self.spec.elastic
@@ -693,78 +602,23 @@ class RunController:
 
     def _fail(self, now: float, code: str, message: str) -> None:
         self.error = RunError(code, message)
-        self._finish(now, RunState.FAILED, "failed", code=code, message=message)
+        self._finish(now, RunState.FAILED, code=code, message=message)
 
-    def _finish(self, now: float, state: RunState, kind: str, **detail: Any) -> None:
+    def _finish(self, now: float, state: RunState, **detail: Any) -> None:
         self.state = state
         self.finished_at = now
-        self.events.add(now, max(self.attempt, 0), kind, **detail)
+        self.events.add(now, max(self.attempt, 0), EventKind(state.value), **detail)
 
-    # -- views -----------------------------------------------------------------------------------
-    GOODPUT_REFRESH_S = 1.0
-    """A live run's accounting is recomputed at most this often (it costs O(steps)); an ended run's once."""
-
+    # -- views (controller.views) ------------------------------------------------------------------
     def goodput(self, now: float, *, fresh: bool = False) -> dict[str, Any]:
-        """ETTR and where the rest of the wall time went (controller.accounting), up to now or the end.
-        Views and scrapes in the same second share one computation (its wall_seconds says up to when)."""
-        end = self.finished_at or now
-        cached = self._goodput_cache
-        if (not fresh and cached is not None and cached[1] == len(self.events)
-                and (cached[0] == end or (self.finished_at is None and 0 <= end - cached[0] < self.GOODPUT_REFRESH_S))):
-            return cached[2]
-        if len(self._event_dicts) > len(self.events):  # a restored timeline
-            self._event_dicts = []
-        self._event_dicts.extend(e.to_dict() for e in self.events.since(len(self._event_dicts)))
-        events = self._event_dicts
-        saves = [e["detail"]["step"] for e in events  # a save whose commit a failure cut off stalled too
-                 if e["kind"] in ("checkpoint_staged", "checkpoint_committed", "checkpoint_failed")
-                 and "step" in e["detail"]]
-        result = account(events, self.progress.spans, end=end, save_steps=saves).to_dict()
-        self._goodput_cache = (end, len(self.events), result)
-        return result
+        """ETTR and where the rest of the wall time went, up to now or the end."""
+        return self._goodput.of(self, now, fresh=fresh)
 
     def health(self) -> dict[str, Any]:
-        """Per-rank straggler scores of the current attempt, and the health events so far."""
-        scores = []
-        if self.stragglers is not None and self.placement is not None:
-            for rank, score in sorted(self.stragglers.scores.items()):
-                scores.append({"rank": rank, "node": self.placement.node_of_rank[rank], "stage": score.stage,
-                               "relative": round(score.relative, 4),
-                               "individual": None if score.individual is None else round(score.individual, 4),
-                               "straggler": score.straggler})
-        counts = {kind: self.events.count(kind) for kind in ("straggler", "sdc_suspect", "sdc_transient", "loss_anomaly")}
-        return {"straggler_ratio": self.spec.health.straggler_ratio, "scores": scores, "counts": counts}
+        return health_view(self)
 
     def to_dict(self, now: float, *, full: bool = True) -> dict[str, Any]:
-        mesh = self.config.mesh if self.config else None
-        out: dict[str, Any] = {
-            "id": self.run_id, "name": self.spec.name, "state": self.state.value,
-            "created_at": self.created_at, "finished_at": self.finished_at,
-            "step": self.progress.step, "total_steps": self.spec.train.steps, "loss": self.progress.loss,
-            "attempt": max(self.attempt, 0),
-            "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp} if mesh else None,
-            "placement": list(self.placement.rows()) if self.placement else [],
-            "goodput": self.goodput(now),
-            "checkpoint_uri": self.checkpoint_store.uri if self.checkpoint_store is not None else self.spec.checkpoint.uri,
-            "error": {"code": self.error.code, "message": self.error.message} if self.error else None,
-        }
-        out["waiting_for"] = self.waiting_for if self.state is RunState.PENDING else None
-        out["drills"] = self.drill_reports()
-        out["quarantined"] = list(self.quarantined)
-        out["health"] = self.health()
-        if full:
-            out["history"] = self.progress.history
-            out["events"] = [e.to_dict() for e in self.events]
-        return out
-
-
-class ForeignCheckpoints(Exception):
-    """A new run found checkpoints it did not write under its id: it refuses rather than load them."""
+        return run_view(self, now, full=full)
 
 
 _SDC_DISCARD = "committed after step {step}, when silent data corruption may already have begun"
-
-
-def spec_drill_id(run_id: str, index: int) -> str:
-    """The spec's drills have ids fixed by run and position, so a restarted service knows them again."""
-    return "drill-" + hashlib.sha256(f"{run_id}/{index}".encode()).hexdigest()[:8]

@@ -34,6 +34,12 @@ class Node:
     """Ray's id for the node, when it runs on Ray."""
 
 
+def local_roles(nodes: int, spares: int) -> dict[str, NodeState]:
+    """The one spares rule of a local (embedded) cluster: nodes node-0..N-1, the last `spares` of
+    them held back as spares, the others healthy."""
+    return {f"node-{i}": NodeState.SPARE if i >= nodes - spares else NodeState.HEALTHY for i in range(nodes)}
+
+
 @dataclass(frozen=True)
 class Topology:
     nodes: tuple[Node, ...]
@@ -48,13 +54,13 @@ class Topology:
             raise ValueError(f"cluster.local.racks = {racks} is more than nodes = {nodes}")
         return Topology(tuple(
             Node(
-                name=f"node-{i}",
+                name=name,
                 rack=f"rack-{i % racks}",
                 num_gpus=gpus_per_node,
                 gpu_memory_bytes=int(gpu_memory_gb * 2**30),
-                state=NodeState.SPARE if i >= nodes - spares else NodeState.HEALTHY,
+                state=state,
             )
-            for i in range(nodes)
+            for i, (name, state) in enumerate(local_roles(nodes, spares).items())
         ))
 
     def usable(self, excluded: frozenset[str] = frozenset()) -> list[Node]:

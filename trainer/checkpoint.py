@@ -114,7 +114,7 @@ class Checkpointer:
         mesh = trainer.config.mesh
         manifest = Manifest(
             run_id=self.run_id, step=trainer.step, attempt=self.attempt,
-            mesh={"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, world_size=mesh.world_size,
+            mesh=mesh.axes(), world_size=mesh.world_size,
             cursor=trainer.cursor, seeds={"data": trainer.config.data.seed, "init": trainer.config.train.seed},
             identity=state_fingerprint(trainer.config.model), identity_detail=state_identity(trainer.config.model),
         )

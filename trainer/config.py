@@ -47,14 +47,22 @@ class MeshShape:
     def world_size(self) -> int:
         return self.dp * self.pp * self.tp
 
+    def axes(self) -> dict[str, int]:
+        """{dp, pp, tp} (MeshAxis order): the mesh as events, manifests and the REST API name it."""
+        return {axis.value: getattr(self, axis.value) for axis in MeshAxis}
+
     def rank_coords(self, rank: int) -> dict[str, int]:
         """(dp, pp, tp) coordinates of a global rank in the dp-outermost grid."""
         dp, rest = divmod(rank, self.pp * self.tp)
         pp, tp = divmod(rest, self.tp)
-        return {"dp": dp, "pp": pp, "tp": tp}
+        return {MeshAxis.DP.value: dp, MeshAxis.PP.value: pp, MeshAxis.TP.value: tp}
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage (pp coordinate) of a global rank."""
+        return (rank % (self.pp * self.tp)) // self.tp
 
     def validate(self) -> None:
-        for name in ("dp", "pp", "tp", "dp_replicas"):
+        for name in [axis.value for axis in MeshAxis] + ["dp_replicas"]:
             if getattr(self, name) < 1:
                 raise ValueError(f"parallelism.{name} = {getattr(self, name)} but it must be >= 1")
         if self.dp % self.dp_replicas:

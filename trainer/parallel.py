@@ -57,7 +57,7 @@ def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
         )
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
-    return init_device_mesh(device_type, (shape.dp, shape.pp, shape.tp), mesh_dim_names=("dp", "pp", "tp"))
+    return init_device_mesh(device_type, tuple(shape.axes().values()), mesh_dim_names=tuple(shape.axes()))
 
 
 def stage_layer_ranges(n_layers: int, num_stages: int) -> list[range]:

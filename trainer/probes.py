@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from health.sdc import RankEvidence, Triage, sdc_verdict, step_anomaly, triage
+from trainer.config import MeshAxis
 from trainer.report import ReportSink
 from trainer.switches import DrillSwitches
 
@@ -130,7 +131,7 @@ class Probes:
         """Newest step whose state passed an SDC check (or the attempt's start step)."""
         self.hardware = hardware_name(trainer.choice.device)
         mesh = trainer.mesh
-        self.coords = {name: mesh[name].get_local_rank() for name in ("dp", "pp", "tp")}
+        self.coords = {axis.value: mesh[axis.value].get_local_rank() for axis in MeshAxis}
 
     # -- every step ---------------------------------------------------------------------------------
     def start(self) -> None:

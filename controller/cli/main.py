@@ -13,8 +13,10 @@ from typing import Any, Callable, Iterator
 
 from controller.cli.client import DEFAULT_HOST, DEFAULT_PORT
 from controller.drills import DrillKind
+from controller.events import EventKind
 from controller.ray.cluster import ClusterError
 from controller.spec import SpecError, load_spec
+from trainer.config import MeshAxis
 
 
 DEFAULT_API = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
@@ -114,73 +116,73 @@ def _api_token(host: str) -> tuple[str, Any]:
     return token, path
 
 
-QUIET_KINDS = frozenset({"checkpoint_staged", "restored"})
+QUIET_KINDS = frozenset({EventKind.CHECKPOINT_STAGED, EventKind.RESTORED})
 """Events the live views leave out (`goodput events` shows every one)."""
 
 
 def _describe(event: dict) -> str:
     d = event["detail"]
     kind = event["kind"]
-    if kind == "planned":
+    if kind == EventKind.PLANNED:
         return f"planned mesh {_mesh(d['mesh'])}: {d['explanation']}"
-    if kind == "attempt_started":
+    if kind == EventKind.ATTEMPT_STARTED:
         nodes = sorted({r["node"] for r in d["placement"]})
         src = f"from checkpoint step {d['resume_step']}" if d.get("resume_step") is not None else "from scratch"
         return f"attempt {event['attempt']} started on {nodes} {src}"
-    if kind == "checkpoint_committed":
+    if kind == EventKind.CHECKPOINT_COMMITTED:
         return f"checkpoint committed at step {d['step']} ({d['seconds']:.2f} s)"
-    if kind == "drill_injected":
+    if kind == EventKind.DRILL_INJECTED:
         target = f" on {d['target']}" if d.get("target") is not None else ""
         return f"drill {d['drill']}{target} injected after step {d.get('step')}"
-    if kind == "failure_detected":
+    if kind == EventKind.FAILURE_DETECTED:
         return f"failure detected: {d['cause']}: {d.get('message', '')}"
-    if kind == "decision":
+    if kind == EventKind.DECISION:
         return f"decision: {d['action']}: {d.get('reason', '')}"
-    if kind == "first_step_after_recovery":
+    if kind == EventKind.FIRST_STEP_AFTER_RECOVERY:
         return f"recovered: first step of attempt {event['attempt']} is step {d['step']}"
-    if kind == "checkpoint_staged":
+    if kind == EventKind.CHECKPOINT_STAGED:
         return f"checkpoint of step {d['step']} staged (training blocked {d['blocked_s']:.3f} s)"
-    if kind == "restored":
+    if kind == EventKind.RESTORED:
         return f"rank {d.get('rank')} restored step {d['step']}"
-    if kind == "straggler":
+    if kind == EventKind.STRAGGLER:
         return (f"straggler: rank {d['rank']} on {d['node']} computes {d['score']:.2f}x "
                 f"({d['basis']}) at step {d['step']}; action {d['action']}")
-    if kind == "sdc_suspect":
+    if kind == EventKind.SDC_SUSPECT:
         evidence = "; ".join(f"rank {r}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
                              for r, v in (d.get("evidence") or {}).items())
         return f"silent data corruption suspected on ranks {d['ranks']} at step {d['step']}: {evidence}"
-    if kind == "quarantined":
+    if kind == EventKind.QUARANTINED:
         return f"node {d['node']} quarantined ({d['reason']})"
-    if kind == "checkpoint_failed":
+    if kind == EventKind.CHECKPOINT_FAILED:
         return f"checkpoint at step {d['step']} failed: {d['error']}"
-    if kind == "checkpoint_skipped":
+    if kind == EventKind.CHECKPOINT_SKIPPED:
         return f"checkpoint of step {d['step']} not written: {d['reason']}"
-    if kind == "drill_requested":
+    if kind == EventKind.DRILL_REQUESTED:
         when = f"at step {d['at_step']}" if d.get("at_step") is not None else "at the next step"
         target = f" on {d['target']}" if d.get("target") is not None else ""
         return f"drill {d['drill']}{target} requested ({d.get('id')}), {when}"
-    if kind == "drill_failed":
+    if kind == EventKind.DRILL_FAILED:
         return f"drill {d.get('drill')} could not be injected: {d.get('error')}"
-    if kind == "run_id_chosen":
+    if kind == EventKind.RUN_ID_CHOSEN:
         return f"run id {d['run_id']}: {d['reason']}"
-    if kind == "resume_requested":
+    if kind == EventKind.RESUME_REQUESTED:
         src = f"step {d['step']}" if d.get("step") is not None else "its latest checkpoint"
         return f"resume requested from {src} (to step {d.get('steps')})"
-    if kind == "checkpoint_discarded":
+    if kind == EventKind.CHECKPOINT_DISCARDED:
         return f"checkpoint of step {d['step']} discarded: {d['reason']}"
-    if kind == "checkpoint_unusable":
+    if kind == EventKind.CHECKPOINT_UNUSABLE:
         return f"a checkpoint is unusable: {d['reason']}"
-    if kind == "store_unavailable":
+    if kind == EventKind.STORE_UNAVAILABLE:
         return f"checkpoint store unreachable since {_clock(d.get('since'))}, retrying in {d.get('retry_in_s', 0):.0f} s: {d['error']}"
-    if kind == "store_available":
+    if kind == EventKind.STORE_AVAILABLE:
         return f"checkpoint store reachable again after {d.get('down_s', 0):.0f} s"
-    if kind == "service_restarted":
+    if kind == EventKind.SERVICE_RESTARTED:
         return f"service restarted (run was {d.get('previous_state')}): {d.get('action')}"
     return f"{kind.replace('_', ' ')}: " + ", ".join(f"{k} {_value(k, v)}" for k, v in d.items())
 
 
 def _mesh(mesh: dict | None) -> str:
-    return "-" if not mesh else " x ".join(f"{axis}{mesh[axis]}" for axis in ("dp", "pp", "tp") if axis in mesh)
+    return "-" if not mesh else " x ".join(f"{axis}{mesh[axis]}" for axis in (a.value for a in MeshAxis) if axis in mesh)
 
 
 def _clock(t: float | None) -> str:
@@ -207,7 +209,7 @@ def _summary(run: dict) -> dict:
         "mesh": run["mesh"], "first_loss": history[0]["loss"] if history else None, "final_loss": run["loss"],
         "ettr": run["goodput"]["ettr"],
         "badput_seconds": {k: round(v, 2) for k, v in run["goodput"]["badput_seconds"].items()},
-        "checkpoints": sum(1 for e in run["events"] if e["kind"] == "checkpoint_committed"),
+        "checkpoints": sum(1 for e in run["events"] if e["kind"] == EventKind.CHECKPOINT_COMMITTED),
         "health": {kind: n for kind, n in (run.get("health") or {}).get("counts", {}).items() if n},
         "quarantined": [f"{q['node']} ({q['reason']})" for q in run.get("quarantined", [])],
         **{f"drill {i + 1}": (f"{d['kind']} {d['target']} at step {d['at_step']}: {d['cause']} -> {d['decision']}, "
@@ -236,7 +238,7 @@ def _run_torchrun(spec: Any, opts: argparse.Namespace) -> int:
 
         code = run_with_torchrun(config, on_report)
     summary = {"name": spec.name, "state": "succeeded" if code == 0 else "failed",
-               "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, **progress.summary(),
+               "mesh": mesh.axes(), **progress.summary(),
                "history": progress.history}
     if opts.json:
         _emit_json(summary)
@@ -255,7 +257,7 @@ def cmd_plan(opts: argparse.Namespace) -> int:
         raise CliError("goodput plan reads cluster.local; for a live cluster submit the run instead")
     plan, placement = plan_local(spec)
     mesh = plan.mesh
-    out: dict[str, Any] = {"mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, "ranks": list(placement.rows()),
+    out: dict[str, Any] = {"mesh": mesh.axes(), "ranks": list(placement.rows()),
            "spares": list(placement.spares), "memory_per_gpu_bytes": plan.memory_per_gpu_bytes,
            "explanation": plan.explanation}
     if opts.json:

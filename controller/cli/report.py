@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from controller.events import EventKind
 from controller.accounting import CATEGORIES
 
 COLORS = {"productive": "#2e7d32", "queueing": "#90a4ae", "startup": "#607d8b", "checkpoint_stall": "#8d6e63",
@@ -30,9 +31,9 @@ def build(run: dict[str, Any], events: list[dict[str, Any]], history: list[dict[
         "run": run["id"], "state": run["state"], "step": run["step"], "total_steps": run.get("total_steps"),
         "attempts": run["attempt"] + 1, "ettr": goodput["ettr"], "wall_seconds": wall, "breakdown": rows,
         "per_attempt": goodput.get("attempts", []), "failures": goodput.get("failures", []),
-        "submitted_at": next((e["time"] for e in events if e["kind"] == "submitted"), run.get("created_at")),
-        "events": [e for e in events if e["kind"] in ("drill_injected", "failure_detected", "first_step_after_recovery",
-                                                       "attempt_started", "checkpoint_committed", "quarantined")],
+        "submitted_at": next((e["time"] for e in events if e["kind"] == EventKind.SUBMITTED), run.get("created_at")),
+        "events": [e for e in events if e["kind"] in (EventKind.DRILL_INJECTED, EventKind.FAILURE_DETECTED, EventKind.FIRST_STEP_AFTER_RECOVERY,
+                                                       EventKind.ATTEMPT_STARTED, EventKind.CHECKPOINT_COMMITTED, EventKind.QUARANTINED)],
         "history": history,
     }
 
@@ -83,9 +84,9 @@ def plot(report: dict[str, Any], out: Path) -> Path:
         if f["recovered_at"] is not None:
             top.axvspan(f["detected_at"] - t0, f["recovered_at"] - t0, color=COLORS["restart_restore"], alpha=0.25,
                         lw=0)
-    marks = {"drill_injected": ("#ef6c00", "--", "drill injected"), "failure_detected": ("#d32f2f", "-", "failure detected"),
-             "first_step_after_recovery": ("#2e7d32", "-", "recovered (first step)"),
-             "quarantined": ("#7b1fa2", ":", "node quarantined")}
+    marks = {EventKind.DRILL_INJECTED: ("#ef6c00", "--", "drill injected"), EventKind.FAILURE_DETECTED: ("#d32f2f", "-", "failure detected"),
+             EventKind.FIRST_STEP_AFTER_RECOVERY: ("#2e7d32", "-", "recovered (first step)"),
+             EventKind.QUARANTINED: ("#7b1fa2", ":", "node quarantined")}
     labelled: set[str] = set()
     detailed = len(report["failures"]) <= MAX_DETAILED
     for e in report["events"]:
@@ -94,13 +95,13 @@ def plot(report: dict[str, Any], out: Path) -> Path:
             top.axvline(e["time"] - t0, color=color, linestyle=style, linewidth=1.4,
                         label=None if label in labelled else label)
             labelled.add(label)
-            if e["kind"] == "drill_injected" and detailed:
+            if e["kind"] == EventKind.DRILL_INJECTED and detailed:
                 top.annotate(e["detail"].get("drill", "drill"), (e["time"] - t0, 1.0), xycoords=("data", "axes fraction"),
                              xytext=(3, -12), textcoords="offset points", fontsize=8, color=color)
-            if e["kind"] == "failure_detected" and detailed:
+            if e["kind"] == EventKind.FAILURE_DETECTED and detailed:
                 top.annotate(e["detail"].get("cause", ""), (e["time"] - t0, 1.0), xycoords=("data", "axes fraction"),
                              xytext=(3, -24), textcoords="offset points", fontsize=8, color=color)
-    commits = [e["time"] - t0 for e in report["events"] if e["kind"] == "checkpoint_committed"]
+    commits = [e["time"] - t0 for e in report["events"] if e["kind"] == EventKind.CHECKPOINT_COMMITTED]
     if commits and len(commits) <= 200:
         top.plot(commits, [0.0] * len(commits), linestyle="none", marker="^", color="#455a64", markersize=7,
                  transform=top.get_xaxis_transform(), clip_on=False, label="checkpoint committed")

@@ -20,7 +20,7 @@ import time
 from typing import Any, Iterator
 
 from controller.spec import LocalClusterSpec
-from controller.topology import Node, NodeState, Topology
+from controller.topology import Node, NodeState, Topology, local_roles
 
 # Period x threshold + timeout ~ 2 s from a raylet's death to Ray marking the node dead.
 FAST_HEALTH_CHECK = {
@@ -103,7 +103,7 @@ class LocalRayCluster(_RayClusterBase):
     def add_node(self, index: int) -> str:
         """Start the raylet of node-{index} (also how a replaced node comes back)."""
         name = f"node-{index}"
-        spare = index >= self.local.nodes - self.local.spares
+        spare = local_roles(self.local.nodes, self.local.spares).get(name) is NodeState.SPARE
         labels = {"node": name, "rack": f"rack-{index % self.local.racks}",
                   "gpu_memory_gb": str(self.local.gpu_memory_gb)}
         if spare:

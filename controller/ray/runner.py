@@ -20,7 +20,7 @@ from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
 from controller.spec import LocalClusterSpec, RunSpec, SpecError
 from controller.planner import plan_run
 from controller.state import RunController, RunState
-from controller.topology import NodeState, Topology
+from controller.topology import Topology, local_roles
 
 if TYPE_CHECKING:
     from controller.service.registry import Registry
@@ -60,8 +60,7 @@ def spec_view(topology: Topology, spec: RunSpec) -> Topology:
     local = spec.cluster.local
     if spec.cluster.address or local is None:
         return topology
-    ours = {f"node-{i}": (NodeState.SPARE if i >= local.nodes - local.spares else NodeState.HEALTHY)
-            for i in range(local.nodes)}
+    ours = local_roles(local.nodes, local.spares)
     return Topology(tuple(replace(n, state=ours[n.name]) for n in topology.nodes if n.name in ours))
 
 

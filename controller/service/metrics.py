@@ -24,6 +24,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.registry import Collector
 
 from controller.accounting import CATEGORIES
+from controller.events import EventKind
 from controller.failure_policy import FailureCause
 from controller.state import RunController, RunState
 from controller.topology import NodeState
@@ -36,7 +37,7 @@ FAST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 SLOW_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 """Seconds, for detection, recovery and checkpoint saves."""
 
-SDC_KINDS = ("sdc_suspect", "sdc_transient", "loss_anomaly")
+SDC_KINDS = (EventKind.SDC_SUSPECT, EventKind.SDC_TRANSIENT, EventKind.LOSS_ANOMALY)
 """Health events of the silent-data-corruption probes (`kind` label of goodput_sdc_events_total)."""
 
 
@@ -177,25 +178,25 @@ class _Fold:
         self.spans_seen = len(spans)
         for e in c.events.since(self.events_seen):
             d = e.detail
-            if e.kind == "failure_detected":
+            if e.kind == EventKind.FAILURE_DETECTED:
                 cause = str(d.get("cause", "unknown"))
                 self.failures[cause] = self.failures.get(cause, 0) + 1
             elif e.kind in SDC_KINDS:
                 self.sdc[e.kind] += 1
-            elif e.kind == "straggler":
+            elif e.kind == EventKind.STRAGGLER:
                 key = (str(d.get("rank")), str(d.get("node")))
                 self.stragglers[key] = self.stragglers.get(key, 0) + 1
-            elif e.kind == "checkpoint_committed":
+            elif e.kind == EventKind.CHECKPOINT_COMMITTED:
                 self.last_commit = {"time": e.time, "step": d.get("step", 0), "bytes": d.get("bytes", 0)}
                 if d.get("seconds") is not None:
                     self.save.observe(float(d["seconds"]))
-            elif e.kind == "checkpoint_staged" and d.get("blocked_s") is not None:
+            elif e.kind == EventKind.CHECKPOINT_STAGED and d.get("blocked_s") is not None:
                 self.stall.observe(float(d["blocked_s"]))
-            elif e.kind == "checkpoint_failed":
+            elif e.kind == EventKind.CHECKPOINT_FAILED:
                 self.checkpoint_failures += 1
-            elif e.kind == "checkpoint_interval" and d.get("steps"):
+            elif e.kind == EventKind.CHECKPOINT_INTERVAL and d.get("steps"):
                 self.interval_steps = int(d["steps"])
-            elif e.kind == "attempt_started":
+            elif e.kind == EventKind.ATTEMPT_STARTED:
                 self.attempt_started_at = e.time
         self.events_seen = len(c.events)
 

@@ -3,7 +3,7 @@
 SQLite under the service's state dir by default (one file, WAL, so the API reads while a run's driver
 writes); any SQLAlchemy URL is accepted (`postgresql+psycopg://...`). The schema is created on start.
 What is stored is what a restarted service needs to carry on and what the API shows:
-runs (spec, state, the last Run object), attempts, the event timeline, per-step history, drills, the
+runs (spec, state, the last Run object with its drill reports), attempts, the event timeline, per-step history, the
 checkpoint index, and nodes the service took out of use.
 
 SQLAlchemy because it is the maintained way to speak both SQLite and PostgreSQL from one set of
@@ -13,6 +13,7 @@ table definitions, with pooled connections and transactions that behave alike on
 from __future__ import annotations
 
 import contextlib
+from controller.events import EventKind
 import json
 import os
 import threading
@@ -80,15 +81,6 @@ history = Table(
     Column("ended_at", Float),
 )
 
-drills = Table(
-    "drills", metadata,
-    Column("id", String(64), primary_key=True),
-    Column("run_id", String(128), nullable=False, index=True),
-    Column("kind", String(32), nullable=False),
-    Column("report", JSON, nullable=False),
-    Column("updated_at", Float, nullable=False),
-)
-
 checkpoints = Table(
     "checkpoints", metadata,
     Column("run_id", String(128), primary_key=True),
@@ -121,7 +113,6 @@ class Saved:
 
     events: int = 0
     history: list[tuple[int, int]] | None = None
-    drills: dict[str, str] | None = None
 
 
 class Registry:
@@ -185,26 +176,20 @@ class Registry:
         with self._connect() as conn:
             return [dict(r._mapping) for r in conn.execute(select(runs).order_by(runs.c.seq))]
 
-    def run_row(self, run_id: str) -> dict[str, Any] | None:
-        with self._connect() as conn:
-            row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
-            return dict(row._mapping) if row is not None else None
-
     def set_spec(self, run_id: str, spec: dict) -> None:
         with self._begin() as conn:
             conn.execute(update(runs).where(runs.c.id == run_id).values(spec=spec))
 
     def save(self, run_id: str, view: dict[str, Any], new_events: list[dict[str, Any]],
-             hist: list[dict[str, Any]], drill_reports: list[dict[str, Any]], saved: Saved, now: float) -> None:
+             hist: list[dict[str, Any]], saved: Saved, now: float) -> None:
         """Write what changed in one transaction: the Run object, the events not saved yet (and the
         attempts and checkpoint index they imply), the per-step history from where it last diverged
-        (a rollback redoes steps), and changed drills. Costs what changed, not what the run has done."""
+        (a rollback redoes steps). Costs what changed, not what the run has done (drill reports are in the
+        Run object; a restarted service rebuilds them from the timeline)."""
         old_hist = saved.history if saved.history is not None else []
         same = min(len(old_hist), len(hist))
         while same > 0 and old_hist[same - 1] != (int(hist[same - 1]["step"]), int(hist[same - 1]["attempt"])):
             same -= 1
-        known_drills = saved.drills or {}
-        changed = [d for d in drill_reports if known_drills.get(d["id"]) != json.dumps(d, sort_keys=True, default=str)]
         with self._begin() as conn:
             conn.execute(update(runs).where(runs.c.id == run_id).values(
                 state=view["state"], finished_at=view.get("finished_at"), attempt=view.get("attempt", 0),
@@ -226,28 +211,24 @@ class Registry:
                     conn.execute(delete(history).where(history.c.run_id == run_id,
                                                        history.c.step >= rows[0]["step"]))
                     conn.execute(insert(history), rows)
-            for d in changed:
-                conn.execute(delete(drills).where(drills.c.id == d["id"]))
-                conn.execute(insert(drills).values(id=d["id"], run_id=run_id, kind=d["kind"], report=d, updated_at=now))
         saved.events += len(new_events)
         del old_hist[same:]
         old_hist.extend((int(h["step"]), int(h["attempt"])) for h in hist[same:])
         saved.history = old_hist
-        saved.drills = {**known_drills, **{d["id"]: json.dumps(d, sort_keys=True, default=str) for d in changed}}
 
     def _index(self, conn: Any, run_id: str, e: dict[str, Any]) -> None:
         """Attempts and the checkpoint index, from the events that make them."""
         kind, d, t = e["kind"], e["detail"], e["time"]
-        if kind == "attempt_started":
+        if kind == EventKind.ATTEMPT_STARTED:
             conn.execute(delete(attempts).where(attempts.c.run_id == run_id, attempts.c.attempt == e["attempt"]))
             conn.execute(insert(attempts).values(run_id=run_id, attempt=e["attempt"], started_at=t, mesh=d.get("mesh"),
                                                  placement=d.get("placement"), start_step=d.get("start_step") or 0,
                                                  resume_step=d.get("resume_step")))
-        elif kind in ("failure_detected", "succeeded", "failed", "cancelled", "service_stopped"):
-            ended_by = d.get("cause", kind) if kind == "failure_detected" else kind
+        elif kind in (EventKind.FAILURE_DETECTED, EventKind.SUCCEEDED, EventKind.FAILED, EventKind.CANCELLED, EventKind.SERVICE_STOPPED):
+            ended_by = d.get("cause", kind) if kind == EventKind.FAILURE_DETECTED else kind
             conn.execute(update(attempts).where(attempts.c.run_id == run_id, attempts.c.attempt == e["attempt"],
                                                 attempts.c.ended_at.is_(None)).values(ended_at=t, ended_by=ended_by))
-        elif kind == "checkpoint_committed" and "step" in d:
+        elif kind == EventKind.CHECKPOINT_COMMITTED and "step" in d:
             conn.execute(delete(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == d["step"]))
             conn.execute(insert(checkpoints).values(run_id=run_id, step=d["step"], attempt=e["attempt"], committed_at=t,
                                                     uri=d.get("uri"), bytes=d.get("bytes"), seconds=d.get("seconds"),
@@ -255,7 +236,7 @@ class Registry:
             for old in d.get("removed") or []:
                 conn.execute(update(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == old)
                              .values(state="retired"))
-        elif kind == "checkpoint_discarded" and "step" in d:
+        elif kind == EventKind.CHECKPOINT_DISCARDED and "step" in d:
             conn.execute(update(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == d["step"])
                          .values(state="discarded"))
 
@@ -303,16 +284,6 @@ class Registry:
         with self._begin() as conn:
             conn.execute(update(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == step)
                          .values(state=state))
-
-    def drill(self, drill_id: str) -> dict[str, Any] | None:
-        with self._connect() as conn:
-            row = conn.execute(select(drills).where(drills.c.id == drill_id)).first()
-            return {**row.report, "run_id": row.run_id} if row is not None else None
-
-    def drill_count(self, run_id: str) -> int:
-        with self._connect() as conn:
-            return int(conn.execute(select(func.count()).select_from(drills).where(drills.c.run_id == run_id)).scalar()
-                       or 0)
 
     # -- nodes the service took out of use -----------------------------------------------------------
     def set_node(self, name: str, *, state: str, reason: str, run_id: str | None, time: float) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from checkpointing.store import anchored
+from controller.events import EventKind
 from controller.drills import DrillError, DrillInjector, DrillRequest
 from controller.service.registry import Registry, Saved
 from controller.spec import RunSpec, SpecError, parse_spec
@@ -205,7 +206,7 @@ class Service:
                 if live.closed:
                     continue
                 if not live.controller.state.terminal and live.admitted:
-                    live.controller.events.add(self.clock(), max(live.controller.attempt, 0), "service_stopped")
+                    live.controller.events.add(self.clock(), max(live.controller.attempt, 0), EventKind.SERVICE_STOPPED)
                 self._close(live)
                 self._save(live)
 
@@ -248,7 +249,7 @@ class Service:
                                        topology_source=lambda: self._own_view(run_id),
                                        own_checkpoints_only=self.accept_submissions)
             if occupied:
-                controller.events.add(now, 0, "run_id_chosen", run_id=run_id, name=spec.name,
+                controller.events.add(now, 0, EventKind.RUN_ID_CHOSEN, run_id=run_id, name=spec.name,
                                       reason=f"{', '.join(occupied)} already hold checkpoints in {store.uri}: a "
                                              "submission starts a new run (goodput resume continues an old one)",
                                       occupied=occupied)
@@ -368,7 +369,7 @@ class Service:
             c = live.controller
             if c.state.terminal:
                 raise ServiceError(409, "run_ended", f"run {run_id!r} has {c.state.value}; drills need a live run")
-            if len(c.drills.pending()) + c.events.count("drill_injected") >= MAX_DRILLS_PER_RUN:
+            if len(c.drills.pending()) + c.events.count(EventKind.DRILL_INJECTED) >= MAX_DRILLS_PER_RUN:
                 raise ServiceError(429, "too_many_drills", f"run {run_id!r} has had {MAX_DRILLS_PER_RUN} drills")
             try:
                 request = c.request_drill(self.clock(), kind, target=target, at_step=at_step, factor=factor,
@@ -647,9 +648,9 @@ class Service:
         assert self.node_actions is not None
         try:
             outcome = self.node_actions.quarantine(node, reason)
-            kind, detail = "node_cordoned", {"node": node, "action": outcome.action, "detail": outcome.detail}
+            kind, detail = EventKind.NODE_CORDONED, {"node": node, "action": outcome.action, "detail": outcome.detail}
         except Exception as e:  # noqa: BLE001 - the quarantine stands in goodput; say why Kubernetes did not follow
-            kind, detail = "node_cordon_failed", {"node": node, "error": f"{type(e).__name__}: {e}"}
+            kind, detail = EventKind.NODE_CORDON_FAILED, {"node": node, "error": f"{type(e).__name__}: {e}"}
             print(f"goodput serve: could not cordon {node}: {e}", file=sys.stderr, flush=True)
         with live.lock:
             c = live.controller
@@ -692,8 +693,7 @@ class Service:
             now = self.clock()
             view = self._view(live, now)
             new_events = [e.to_dict() for e in c.events.since(live.saved.events)]
-            drills = list(view["drills"]) + [{**r.to_dict(), "outcome": "scheduled"} for r in c.drills.pending()]
-            self.registry.save(c.run_id, view, new_events, c.progress.history, drills, live.saved, now)
+            self.registry.save(c.run_id, view, new_events, c.progress.history, live.saved, now)
             live.view = view
 
     def _view(self, live: LiveRun, now: float | None = None) -> dict[str, Any]:
@@ -735,7 +735,7 @@ class Service:
                 close = getattr(group, "close", None)
                 if close is not None:
                     close()  # what is left of them must not hold GPU slots
-                c.events.add(now, max(c.attempt, 0), "service_restarted", previous_state=state.value,
+                c.events.add(now, max(c.attempt, 0), EventKind.SERVICE_RESTARTED, previous_state=state.value,
                              action="resume from the latest verified checkpoint as a new attempt")
                 if store is None:
                     c.fail(now, "store_unavailable", f"checkpoint.uri {spec.checkpoint.uri!r} cannot be reached")
@@ -751,7 +751,7 @@ class Service:
         of it still trains (the workers outlive the service on a cluster it joined)."""
         c = live.controller
         attach = getattr(live.group, "attach", None)
-        started = [e for e in events if e["kind"] == "attempt_started"]
+        started = [e for e in events if e["kind"] == EventKind.ATTEMPT_STARTED]
         if attach is None or not started or started[-1]["attempt"] != c.attempt:
             return False
         d = started[-1]["detail"]
@@ -767,7 +767,7 @@ class Service:
             return False
         c.adopt(now, attempt)
         c.confine(set(placement.nodes_used()) | set(placement.spares))
-        c.events.add(now, c.attempt, "service_restarted", previous_state="running",
+        c.events.add(now, c.attempt, EventKind.SERVICE_RESTARTED, previous_state="running",
                      action=f"re-attached to the live workers of attempt {c.attempt}")
         live.admitted = True
         return True

@@ -29,8 +29,9 @@ from typing import Any, Callable
 from checkpointing.manifest import MANIFEST, step_prefix
 from checkpointing.policy import DEFAULT_MTBF_S, interval_steps
 from checkpointing.store import AlreadyExists, ObjectInfo
-from controller.sim.model import CostModel, Incident
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
+from controller.events import EventKind
+from controller.sim.model import CostModel, Incident
 from controller.topology import Topology
 from trainer.report import StepReport
 
@@ -232,7 +233,7 @@ class SimWorkerGroup:
             clean = self.step
             caught = max(t, self.next_start) + self.cost.step_s
             self.stop_at = caught
-            self.signals.append(_Signal(at=caught, events=[(ranks_on[0], "sdc_suspect", {
+            self.signals.append(_Signal(at=caught, events=[(ranks_on[0], EventKind.SDC_SUSPECT, {
                 "ranks": [ranks_on[0]], "step": clean + 1, "clean_through_step": clean, "check": "anomaly",
                 "evidence": {"simulated": True}})]))
         return True
@@ -288,12 +289,12 @@ class SimWorkerGroup:
             if a.checkpoint_uri is not None and (self.step == self.total_steps or self.step % self.every == 0):
                 self.next_start += self.cost.checkpoint_stall_s
                 self.commits.append((end + self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, self.step))
-                self.pending_events.append((0, "checkpoint_staged", {"step": self.step,
+                self.pending_events.append((0, EventKind.CHECKPOINT_STAGED, {"step": self.step,
                                                                      "blocked_s": self.cost.checkpoint_stall_s}))
                 if not self.chosen:
                     self.chosen = True
                     self.every = interval_steps(self.cost.checkpoint_stall_s, a.mtbf_s or DEFAULT_MTBF_S, step_s)
-                    self.pending_events.append((0, "checkpoint_interval", {
+                    self.pending_events.append((0, EventKind.CHECKPOINT_INTERVAL, {
                         "steps": self.every, "save_cost_s": self.cost.checkpoint_stall_s,
                         "mtbf_s": a.mtbf_s or DEFAULT_MTBF_S, "step_time_s": step_s, "rule": "young_daly"}))
         if result is not None and self._held:
@@ -307,7 +308,7 @@ class SimWorkerGroup:
         # The manifest as checkpointing.manifest.commit writes it (the simulated shards have no files),
         # built directly: a 54-day run commits ~100,000 times.
         manifest = {"run_id": a.run_id, "step": step, "attempt": a.attempt,
-                    "mesh": {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}, "world_size": mesh.world_size,
+                    "mesh": mesh.axes(), "world_size": mesh.world_size,
                     "cursor": step * a.config.train.global_batch, "seeds": {}, "files": {}, "created_at": at}
         try:
             self.store.put_bytes(f"{step_prefix(a.run_id, step)}/{MANIFEST}", json.dumps(manifest).encode(),
@@ -322,7 +323,7 @@ class SimWorkerGroup:
             old = self._kept.pop(0)
             self.store.delete_prefix(step_prefix(a.run_id, old) + "/")
             removed.append(old)
-        result.events.append((0, "checkpoint_committed", {
+        result.events.append((0, EventKind.CHECKPOINT_COMMITTED, {
             "step": step, "uri": f"{self.store.uri}/{step_prefix(a.run_id, step)}", "bytes": 0,
             "seconds": self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, "removed": removed}))
 

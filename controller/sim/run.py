@@ -14,6 +14,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
+from controller.events import EventKind
 from controller.drills import DrillKind
 from controller.sim.group import MemoryStore, SimCluster, SimWorkerGroup, VirtualClock, spare_topology
 from controller.sim.model import Incident, cost_model, incidents, mtbf_hours
@@ -112,13 +113,13 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
         "run": spec.name, "state": c.state.value, "seed": seed, "days": horizon / 86400.0,
         "simulated_seconds": end, "steps": c.progress.step, "total_steps": spec.train.steps,
         "gpus": plan.mesh.world_size, "nodes": sim.nodes, "spares": sim.spares,
-        "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp},
+        "mesh": plan.mesh.axes(),
         "params": params, "cost_model": cost.to_dict(), "mtbf_hours": mtbf_hours(failures, sim.nodes),
         "checkpoint_every": _interval(events, spec),
         "incidents": len(planned), "incidents_by_component": dict(Counter(i.component for i in planned)),
         "interruptions_by_component": dict(struck),
-        "failures_by_cause": dict(Counter(e["detail"]["cause"] for e in events if e["kind"] == "failure_detected")),
-        "decisions": dict(Counter(e["detail"]["action"] for e in events if e["kind"] == "decision")),
+        "failures_by_cause": dict(Counter(e["detail"]["cause"] for e in events if e["kind"] == EventKind.FAILURE_DETECTED)),
+        "decisions": dict(Counter(e["detail"]["action"] for e in events if e["kind"] == EventKind.DECISION)),
         "mttr_s": statistics.mean(recoveries) if recoveries else None,
         "attempts": max(c.attempt, 0) + 1,
         "goodput": goodput,
@@ -128,7 +129,7 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
 
 
 def _interval(events: list[dict[str, Any]], spec: RunSpec) -> Any:
-    chosen = [e["detail"]["steps"] for e in events if e["kind"] == "checkpoint_interval"]
+    chosen = [e["detail"]["steps"] for e in events if e["kind"] == EventKind.CHECKPOINT_INTERVAL]
     if spec.checkpoint.every_steps == "auto":
         return {"auto": sorted(set(chosen))}
     return spec.checkpoint.every_steps

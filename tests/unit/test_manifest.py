@@ -139,6 +139,41 @@ def test_controller_resumes_from_latest_verified(tmp_path: Path) -> None:
     assert len(unusable) == 1 and "step-00000020" in unusable[0].detail["reason"]
 
 
+def test_a_run_whose_final_save_failed_is_not_done_until_it_is_saved(tmp_path: Path) -> None:
+    """Every rank finished, but the store refused the last step's save past the retry budget (a chaos
+    soak's storage outage over the end of a run): the run does not end `succeeded` with its final
+    state lost. It trains again from the last committed step and ends once step 20 commits."""
+    store = LocalStore(tmp_path)
+    raw = {**yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()), "name": "run"}
+    spec = parse_spec({**raw, "train": {**raw["train"], "steps": 20},
+                       "checkpoint": {"uri": f"file://{tmp_path}", "every_steps": 10}})
+    group = FakeWorkerGroup()
+    c = RunController(spec, spec.topology(), group, now=0.0, checkpoint_store=store)
+    t = 0.0
+    while c.state is not RunState.RUNNING:
+        t += 1
+        c.step(t)
+    group.finish_steps(1, 20)
+    write_step(store, 10)
+    group.emit(0, "checkpoint_committed", step=10, seconds=1.0)
+    group.emit(0, "checkpoint_failed", step=20, error="upload of run/step-00000020: store unavailable")
+    group.complete()
+    c.step(t + 1)
+    assert c.state is RunState.LAUNCHING, "not succeeded: the final state is not saved"
+    (failure,) = c.events.of_kind("failure_detected")
+    assert failure.detail["cause"] == "final_save_failed" and "step 20" in failure.detail["message"]
+    while c.state is not RunState.RUNNING:
+        t += 1
+        c.step(t)
+    assert group.started[-1].resume_step == 10 and c.attempt == 1
+    group.finish_steps(11, 20)
+    write_step(store, 20)
+    group.emit(0, "checkpoint_committed", step=20, seconds=1.0)
+    group.complete()
+    c.step(t + 1)
+    assert c.state is RunState.SUCCEEDED and c.progress.step == 20
+
+
 def test_checkpoints_command_lists_and_verifies(tmp_path: Path) -> None:
     import json
     import subprocess

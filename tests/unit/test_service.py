@@ -248,10 +248,10 @@ def test_registry_keeps_history_through_a_rollback_and_pages_events() -> None:
     view = {"state": "running", "attempt": 0, "step": 5}
     events = [{"time": float(i), "attempt": 0, "kind": "k", "detail": {"i": i}} for i in range(5)]
     hist = [{"step": s, "loss": 1.0 / s, "attempt": 0, "start": s - 0.5, "end": float(s)} for s in range(1, 6)]
-    r.save("x", view, events, hist, [], saved, 1.0)
+    r.save("x", view, events, hist, saved, 1.0)
     hist2 = hist[:2] + [{"step": s, "loss": 2.0 / s, "attempt": 1, "start": 10 + s - 0.5, "end": 10.0 + s}
                         for s in range(3, 5)]
-    r.save("x", view, [], hist2, [], saved, 2.0)
+    r.save("x", view, [], hist2, saved, 2.0)
     assert saved.events == 5
     assert r.history("x") == hist2
     assert r.history("x", after=2, limit=1) == hist2[2:3]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.spec import SpecError, load_spec, parse_spec
+from controller.spec import RunSpec, SpecError, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
@@ -24,10 +24,15 @@ def with_changes(**sections: dict) -> dict:
     return raw
 
 
+def training_slots(spec: RunSpec) -> int:
+    """GPU slots of the embedded cluster's training nodes (spares held back)."""
+    return sum(n.num_gpus for n in spec.topology().usable())
+
+
 def test_example_spec_is_valid() -> None:
     spec = load_spec(ROOT / "examples" / "tiny-gpt.yaml")
     mesh = spec.fixed_mesh()
-    assert mesh is not None and mesh.world_size == spec.local_gpu_slots() == 8
+    assert mesh is not None and mesh.world_size == training_slots(spec) == 8
     spec.trainer_config(mesh).validate(world_size=8)
 
 
@@ -56,7 +61,7 @@ def test_world_size_mismatch_names_the_numbers() -> None:
     mesh = spec.fixed_mesh()
     assert mesh is not None
     with pytest.raises(ValueError, match=r"dp\*pp\*tp = 1\*2\*2 = 4 but there are 8 GPU slots"):
-        spec.trainer_config(mesh).validate(world_size=spec.local_gpu_slots())
+        spec.trainer_config(mesh).validate(world_size=training_slots(spec))
 
 
 @pytest.mark.parametrize(
