@@ -2,7 +2,7 @@
 inside surviving processes (destroy, re-init under a fresh store prefix, rebuild the model, load)
 versus start fresh processes (spawn, import torch, init, build, load). dp2 x pp2 x tp2, 8 ranks.
 
-This measures the mechanisms alone. What goodput does with it (controller/ray_workers.py): the
+This measures the mechanisms alone. What goodput does with it (controller/ray/worker_group.py): the
 rebuild's speed without its catch (a gloo survivor blocked in a collective cannot be freed in
 place), by forking each attempt's training process from an actor that imported torch once; the
 end-to-end comparison is in benchmarks/recovery_drills.py.

@@ -7,14 +7,18 @@ object store refuses checkpoint writes for `seconds`."""
 
 from __future__ import annotations
 
+import signal
+import time
 from typing import Any
 
 from controller.drills import DEFAULT_FACTOR, DEFAULT_OUTAGE_S, DrillKind
 from controller.ray.cluster import ClusterError, LocalRayCluster, RemoteRayCluster
-from controller.ray.workers import RayWorkerGroup
+from controller.ray.worker_group import RayWorkerGroup
 
 
 class RayDrillInjector:
+    """Every drill verb on a Ray cluster: a node's raylet through the cluster, a rank through its actor."""
+
     def __init__(self, cluster: LocalRayCluster | RemoteRayCluster, group: RayWorkerGroup) -> None:
         self.cluster = cluster
         self.group = group
@@ -25,18 +29,29 @@ class RayDrillInjector:
             self.cluster.kill_node(target)
             return {"node": target}
         if kind is DrillKind.KILL_RANK:
-            return {"rank": int(target), "pid": self.group.kill_rank(int(target))}
-        if kind is DrillKind.HANG_RANK:
-            return {"rank": int(target), "pid": self.group.stop_rank(int(target))}
+            return {"rank": int(target), "pid": self._signal(int(target), signal.SIGKILL)}
+        if kind is DrillKind.HANG_RANK:  # the attempt's end kills the stopped process
+            return {"rank": int(target), "pid": self._signal(int(target), signal.SIGSTOP)}
         if kind is DrillKind.SLOW_RANK:
             factor = factor or DEFAULT_FACTOR
-            self.group.slow_rank(int(target), factor)
+            self._call(self.group.rank_actor(int(target)).slow.remote(factor))
             return {"rank": int(target), "factor": factor}
-        if kind is DrillKind.BITFLIP:
-            self.group.bitflip_rank(int(target))
+        if kind is DrillKind.BITFLIP:  # a high exponent bit of one parameter element, in place
+            self._call(self.group.rank_actor(int(target)).bitflip.remote())
             return {"rank": int(target)}
-        if kind is DrillKind.STORAGE_OUTAGE:
+        if kind is DrillKind.STORAGE_OUTAGE:  # every slot's checkpoint writes are refused until then
             seconds = seconds or DEFAULT_OUTAGE_S
-            until = self.group.storage_outage(seconds)
+            until = time.time() + seconds
+            self._call([actor.outage.remote(until) for actor in self.group.slot_actors()])
             return {"seconds": seconds, "until": until}
         raise ClusterError(f"drill {kind!r} is unknown")
+
+    def _signal(self, rank: int, sig: int) -> int:
+        """Send `sig` to one rank's training process; its pid."""
+        return int(self._call(self.group.rank_actor(rank).signal_rank.remote(sig)))
+
+    @staticmethod
+    def _call(refs: Any) -> Any:
+        import ray
+
+        return ray.get(refs, timeout=30)

@@ -77,7 +77,7 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
     re-raise). `warm_workers=False` starts fresh actors for every attempt (the slower mechanism, kept to be
     measured against: benchmarks/recovery_drills.py)."""
     from controller.ray.drills import RayDrillInjector
-    from controller.ray.workers import RayWorkerGroup
+    from controller.ray.worker_group import RayWorkerGroup
 
     store = checkpoint_store(spec)
     group = RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s, warm=warm_workers)
@@ -147,7 +147,7 @@ def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluste
     Kubernetes, the controller pod's IP). `relative_root`: where submitted relative checkpoint paths
     land (goodput serve: its state dir)."""
     from controller.ray.drills import RayDrillInjector
-    from controller.ray.workers import RayWorkerGroup
+    from controller.ray.worker_group import RayWorkerGroup
     from controller.service.runs import Service
 
     def group(spec: RunSpec, run_id: str) -> RayWorkerGroup:

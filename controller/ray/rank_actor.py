@@ -1,0 +1,238 @@
+"""The rank actor: one per GPU slot. It imports torch once ("warm") and forks the rank's training
+process from that warm image for each attempt, relays its reports and heartbeats, and holds the slot's
+drill switches (trainer/switches.py), which every process forked from it shares.
+
+Why a forked process per attempt, see controller/ray/worker_group.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from trainer.report import StepReport
+from trainer.worker import WorkerArgs, WorkerSummary
+
+
+UNRESPONSIVE_S = 3.0
+"""A rank whose process or actor has shown no sign of life for this long counts as unresponsive."""
+
+HEARTBEAT_S = 0.25
+"""How often a training process says it is alive (a thread of its own: a stopped process goes quiet,
+one blocked in a collective does not)."""
+
+
+class RankProcessDied(RuntimeError):
+    """The rank's training process ended by a signal or without a word: a cause, not a symptom."""
+
+
+class RankActor:
+    """Holds one GPU slot on one node. `warm` imports torch; `run` forks this attempt's training process
+    and relays its reports; `stop` SIGKILLs it. Concurrent calls (max_concurrency=5): `run` waits on
+    the process while `drain` hands reports to the controller, `wait_done` (a re-attached controller)
+    waits for its outcome and `stop` ends it."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        from trainer.switches import SIZE, DrillSwitches
+
+        self._lock = threading.Lock()
+        # Shared with every training process forked from here: drills set on this GPU slot stay with it.
+        self._switches = DrillSwitches(multiprocessing.get_context("fork").Array("d", SIZE, lock=False))
+        self._reports: list[StepReport] = []
+        self._events: list[tuple[str, dict]] = []
+        self._process: Any = None
+        self._beat: Any = None
+        self._identity: dict[str, Any] = {}
+        self._done = threading.Event()
+        self._outcome: tuple[str, Any] | None = None
+
+    def warm(self) -> dict[str, Any]:
+        import torch  # noqa: F401 - the point: pay the import once, before any attempt
+
+        import trainer.checkpoint  # noqa: F401
+        import trainer.train  # noqa: F401
+
+        return self.where()
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        process = self._process
+        return {"node_id": ctx.get_node_id(), "actor_pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
+                "pid": process.pid if process is not None and process.is_alive() else None}
+
+    def run(self, args: WorkerArgs) -> WorkerSummary:
+        """This attempt's training process, start to end; its outcome is kept for `wait_done` (a
+        controller that re-attaches after its predecessor died has no handle on this call)."""
+        done = threading.Event()
+        with self._lock:
+            self._identity = {"run_id": args.run_id, "attempt": args.attempt, "rank": args.rank}
+            self._done, self._outcome = done, None
+        try:
+            summary = self._run(args)
+            self._outcome = ("ok", summary)
+            return summary
+        except BaseException as e:
+            self._outcome = ("error", e)
+            raise
+        finally:
+            done.set()
+
+    def wait_done(self) -> WorkerSummary:
+        """Block until the current attempt's training process ends; its summary, or its error raised."""
+        self._done.wait()
+        assert self._outcome is not None
+        kind, value = self._outcome
+        if kind == "error":
+            raise value
+        return value
+
+    def identity(self) -> dict[str, Any]:
+        """Which run, attempt and rank this slot trains, and whether its training process is alive."""
+        with self._lock:
+            process = self._process
+            return {**self._identity, "alive": process is not None and process.is_alive(),
+                    "done": self._done.is_set()}
+
+    def _run(self, args: WorkerArgs) -> WorkerSummary:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        receive, send = ctx.Pipe(duplex=False)
+        beat = ctx.Value("d", time.time(), lock=False)
+        process = ctx.Process(target=_train_in_child, args=(args, send, beat, os.getpid(), self._switches),
+                              name=f"goodput-rank-{args.rank}", daemon=True)
+        with self._lock:
+            self._beat = beat
+            process.start()
+            self._process = process
+        send.close()
+        summary: WorkerSummary | None = None
+        error: str | None = None
+        while True:
+            try:
+                kind, payload = receive.recv()
+            except (EOFError, OSError):
+                break
+            if kind == "report":
+                self.report(payload)
+            elif kind == "event":
+                self.event(*payload)
+            elif kind == "done":
+                summary = payload
+            elif kind == "error":
+                error = payload
+        process.join()
+        receive.close()
+        if process.exitcode is not None and process.exitcode < 0:
+            name = signal.Signals(-process.exitcode).name
+            raise RankProcessDied(f"rank {args.rank}'s training process (pid {process.pid}) was killed by {name}")
+        if error is not None:
+            raise RuntimeError(error)
+        if summary is None:
+            raise RankProcessDied(f"rank {args.rank}'s training process exited with code {process.exitcode} "
+                                  "without a result")
+        return summary
+
+    def stop(self) -> None:
+        """End this attempt's training process, even a stopped one; returns once it is gone."""
+        with self._lock:
+            process = self._process
+        if process is None or process.pid is None:
+            return
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(process.pid, sig)
+            except ProcessLookupError:
+                break
+        process.join(timeout=10)
+
+    def slow(self, factor: float) -> None:
+        """The slow-rank drill: this GPU slot computes `factor` times slower from now on."""
+        self._switches.slow(factor)
+
+    def bitflip(self) -> None:
+        """The bitflip drill: the training process flips a bit of its parameters before its next step."""
+        self._switches.request_bitflip()
+
+    def outage(self, until: float) -> None:
+        """The storage-outage drill: checkpoint writes from this slot are refused until `until`."""
+        self._switches.outage(until)
+
+    def signal_rank(self, sig: int) -> int:
+        """Send a signal to the training process (the kill-rank and hang-rank drills); its pid."""
+        with self._lock:
+            process = self._process
+        if process is None or not process.is_alive():
+            raise RuntimeError("this rank has no running training process")
+        os.kill(process.pid, sig)
+        return int(process.pid)
+
+    # ReportSink, fed from the pipe
+    def report(self, report: StepReport) -> None:
+        with self._lock:
+            self._reports.append(report)
+
+    def event(self, kind: str, detail: dict) -> None:
+        with self._lock:
+            self._events.append((kind, detail))
+
+    def drain(self) -> tuple[list[StepReport], list[tuple[str, dict]], float | None]:
+        """Reports and events since the last drain, and how long the training process has been quiet
+        (None when none runs)."""
+        with self._lock:
+            out = (self._reports, self._events)
+            self._reports, self._events = [], []
+            process, beat = self._process, self._beat
+        quiet = time.time() - beat.value if process is not None and process.is_alive() and beat else None
+        return out[0], out[1], quiet
+
+
+class _PipeSink:
+    """The training process's ReportSink: everything goes up the pipe to its actor."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._lock = threading.Lock()
+
+    def put(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            self._send.send((kind, payload))
+
+    def report(self, report: StepReport) -> None:
+        self.put("report", report)
+
+    def event(self, kind: str, detail: dict) -> None:
+        self.put("event", (kind, detail))
+
+
+def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, switches: Any) -> None:
+    """Body of the forked training process. It never touches Ray (the fork has none of Ray's threads)
+    and ends with its actor: the heartbeat thread exits the process once the actor is gone."""
+    import traceback
+
+    import torch
+
+    from trainer.worker import run_worker
+
+    def heartbeat() -> None:
+        while True:
+            if os.getppid() != actor_pid:
+                os._exit(1)
+            beat.value = time.time()
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    torch.set_num_threads(1)
+    sink = _PipeSink(send)
+    try:
+        sink.put("done", run_worker(args, sink, switches=switches))
+    except BaseException as e:  # noqa: BLE001 - the error goes to the controller, whatever it is
+        sink.put("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
+    finally:
+        send.close()
