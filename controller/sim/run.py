@@ -128,6 +128,15 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
     }
 
 
+def run_view(result: dict[str, Any]) -> dict[str, Any]:
+    """The Run object of a simulation (events, history, drills, goodput at its end), as the service
+    would show it: what `goodput simulate --out` draws. Built on demand (a 54-day run has long lists)."""
+    c = result["_controller"]
+    view = c.to_dict(result["simulated_seconds"])
+    view["goodput"] = result["goodput"]
+    return view
+
+
 def _interval(events: list[dict[str, Any]], spec: RunSpec) -> Any:
     chosen = [e["detail"]["steps"] for e in events if e["kind"] == EventKind.CHECKPOINT_INTERVAL]
     if spec.checkpoint.every_steps == "auto":

@@ -71,7 +71,7 @@ def simulator_agrees(spec_: RunSpec, real: RunController) -> None:
     decisions, loses the same steps and puts its badput in the same categories."""
     import statistics
 
-    from controller.sim.run import simulate
+    from controller.sim.run import run_view, simulate
 
     g = real.goodput(real.finished_at or 0.0)
     (failure,) = g["failures"]
@@ -90,7 +90,7 @@ def simulator_agrees(spec_: RunSpec, real: RunController) -> None:
     assert sim["decisions"] == {a: real_decisions.count(a) for a in real_decisions}
     assert sim["failures_by_cause"] == {"node_lost": 1} and sim["attempts"] == max(real.attempt, 0) + 1
     (real_drill,) = real.to_dict(0)["drills"]
-    (sim_drill,) = sim["_controller"].to_dict(0)["drills"]
+    (sim_drill,) = run_view(sim)["drills"]
     assert sim_drill["steps_lost"] == real_drill["steps_lost"] and sim_drill["decision"] == real_drill["decision"]
     real_b, sim_b, step_s = g["badput_seconds"], sim["goodput"]["badput_seconds"], raw["cost"]["step_s"]
     # Detection and restart were given this run's own latencies: the same seconds, within one step and

@@ -127,7 +127,7 @@ def test_the_live_view_speaks_in_sentences() -> None:
     times as clock times (before: drill_requested {'drill': ..., 'requested_at': 1795455311.08})."""
     import re
 
-    from controller.cli.main import _describe
+    from controller.cli.render import describe as _describe
 
     at = 1795455311.08
     events = [
@@ -239,7 +239,7 @@ def test_a_lost_node_is_listed_its_spare_promoted_and_the_repaired_node_refills_
     assert "node-1" in {r["node"] for r in service.run(third)["placement"]}
     nodes = {n["name"]: n["state"] for n in service.cluster_view()["nodes"]}
     assert nodes["node-1"] == "healthy" and nodes["node-0"] == "lost" and "spare" not in nodes.values(), nodes
-    from controller.cli.main import _describe
+    from controller.cli.render import describe as _describe
 
     for event in (service.events(first, after=-1, limit=1000) + service.events(second, after=-1, limit=1000)
                   + service.events(third, after=-1, limit=1000)):

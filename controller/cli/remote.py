@@ -1,0 +1,270 @@
+"""Commands that talk to a service over its REST API (GOODPUT_URL): submit, status, watch, list, events,
+cancel, resume, drill, report, nodes and the service's checkpoint index."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+from controller.cli.render import QUIET_KINDS, CliError, clock, describe, emit_json, table, when
+from controller.spec import load_spec
+
+
+@contextlib.contextmanager
+def api() -> Iterator[Any]:
+    """A client of the run's API (GOODPUT_URL); its failures become one-line CLI errors."""
+    from controller.cli.client import ApiClientError, Client
+
+    client = Client()
+    try:
+        yield client
+    except ApiClientError as e:
+        raise CliError(str(e)) from None
+    finally:
+        client.close()
+
+
+def checkpoints_from_service(opts: argparse.Namespace) -> int:
+    with api() as client:
+        rows = client.call("GET", f"/v1/runs/{opts.run}/checkpoints")
+    if opts.json:
+        emit_json(rows)
+        return 0
+    if not rows:
+        print(f"no committed checkpoints for run {opts.run!r}")
+    table(["step", "attempt", "MiB", "save s", "committed", "uri"],
+           [[r["step"], r["attempt"], f"{(r.get('bytes') or 0) / 2**20:.1f}", f"{r.get('seconds') or 0:.2f}",
+             when(r["committed_at"]), r.get("uri") or ""] for r in rows])
+    return 0
+
+
+def cmd_drill(opts: argparse.Namespace) -> int:
+    """Inject a drill into a running run through its API; wait for the report unless --no-wait."""
+    import time
+
+    with api() as client:
+        body = {"kind": opts.kind, "target": opts.target, "at_step": opts.at_step}
+        body |= {k: v for k, v in (("factor", opts.factor), ("seconds", opts.seconds)) if v is not None}
+        drill = client.call("POST", f"/v1/runs/{opts.run}/drills", body)
+        deadline = time.monotonic() + opts.timeout
+        while not opts.no_wait and drill["outcome"] in ("scheduled", "pending"):
+            if time.monotonic() > deadline:
+                raise CliError(f"drill {drill['id']} is still {drill['outcome']} after {opts.timeout:.0f} s; "
+                               f"see `goodput status {opts.run}`")
+            time.sleep(0.5)
+            drill = client.call("GET", f"/v1/drills/{drill['id']}")
+    if opts.json:
+        emit_json(drill)
+    elif drill["outcome"] == "scheduled":
+        when = f"after step {drill['at_step']}" if drill.get("at_step") is not None else "now"
+        print(f"{drill['id']}: {drill['kind']} on run {opts.run} scheduled {when}")
+    else:
+        print(f"{drill['id']}: {drill['kind']} {drill.get('target')} at step {drill.get('at_step')} -> "
+              f"{drill['outcome']}")
+        for key in ("cause", "attributed_to", "decision", "detection_s", "recovery_s", "steps_lost", "error"):
+            if drill.get(key) is not None:
+                value = drill[key]
+                print(f"  {key:<14} {value:.2f} s" if key.endswith("_s") else f"  {key:<14} {value}")
+    if drill["outcome"] not in ("recovered", "scheduled", "detected"):
+        raise CliError(f"drill {drill['id']} ended {drill['outcome']}; see `goodput status {opts.run}`")
+    return 0
+
+
+def cmd_status(opts: argparse.Namespace) -> int:
+    with api() as client:
+        run = client.call("GET", f"/v1/runs/{opts.run}")
+        if opts.watch:
+            run = watch(client, run)
+    if opts.json:
+        emit_json(run)
+        return 0
+    mesh = run["mesh"] or {}
+    print(f"{run['id']}: {run['state']}, step {run['step']}, loss {run['loss']}, attempt {run['attempt']}, "
+          f"mesh dp{mesh.get('dp')} pp{mesh.get('pp')} tp{mesh.get('tp')}, ETTR {run['goodput']['ettr']:.2f}")
+    if run.get("waiting_for"):
+        print(f"  pending: {run['waiting_for']}")
+    goodput = run["goodput"]
+    lost = sorted(((k, v) for k, v in goodput["badput_seconds"].items() if v >= 0.05), key=lambda kv: -kv[1])
+    print(f"  goodput: {goodput['productive_seconds']:.1f} s productive of {goodput['wall_seconds']:.1f} s; badput: "
+          + (", ".join(f"{k} {v:.1f} s" for k, v in lost) or "none"))
+    for d in run.get("drills", []):
+        print(f"  {d['id']}: {d['kind']} {d['target']} at step {d['at_step']} -> {d['outcome']}")
+    if run.get("error"):
+        print(f"  error: {run['error']['message']}")
+    return 0
+
+
+def watch(client: Any, run: dict) -> dict:
+    """Follow a run live (the progress bar of `goodput run`, events as they come) until it ends; the
+    final Run object."""
+    import time
+
+    from controller.cli.ui import ProgressView
+
+    after = -1
+    with ProgressView(run["id"], run.get("total_steps") or 1, quiet=False) as view:
+        while True:
+            for event in client.call("GET", f"/v1/runs/{run['id']}/events", params={"after": after}):
+                after = event["seq"]
+                if event["kind"] not in QUIET_KINDS:
+                    view.note(describe(event))
+            if run["step"]:
+                view.show(run["step"], run.get("total_steps") or run["step"], run["loss"], run["attempt"])
+            if run["state"] in ("succeeded", "failed", "cancelled"):
+                return run
+            time.sleep(0.5)
+            run = client.call("GET", f"/v1/runs/{run['id']}")
+
+
+def cmd_submit(opts: argparse.Namespace) -> int:
+    spec = load_spec(opts.spec)
+    with api() as client:
+        run = client.call("POST", "/v1/runs", spec.model_dump(mode="json", exclude_unset=True))
+        if opts.watch:
+            run = watch(client, run)
+    if opts.json:
+        emit_json(run)
+    else:
+        print(f"{run['id']}: {run['state']}" + (f" ({run['waiting_for']})" if run.get("waiting_for") else "")
+              + (f"; checkpoints in {run['checkpoint_uri']}/{run['id']}" if run.get("checkpoint_uri") else ""))
+    if opts.watch and run["state"] != "succeeded":
+        raise CliError(f"run {run['id']} {run['state']}: {(run.get('error') or {}).get('message', 'see events')}")
+    return 0
+
+
+def cmd_list(opts: argparse.Namespace) -> int:
+    with api() as client:
+        runs = client.call("GET", "/v1/runs")
+    if opts.json:
+        emit_json(runs)
+        return 0
+    if not runs:
+        print("no runs")
+        return 0
+    table(["run", "state", "step", "loss", "attempt", "mesh", "created", "note"],
+           [[r["id"], r["state"], f"{r['step']}/{r.get('total_steps', '?')}",
+             "" if r["loss"] is None else f"{r['loss']:.4f}", r["attempt"],
+             "" if not r["mesh"] else f"dp{r['mesh']['dp']} pp{r['mesh']['pp']} tp{r['mesh']['tp']}",
+             when(r["created_at"]), r.get("waiting_for") or (r.get("error") or {}).get("message", "")]
+            for r in runs])
+    return 0
+
+
+def all_events(client: Any, run: str) -> list[dict]:
+    events: list[dict] = []
+    after = -1
+    while True:
+        page = client.call("GET", f"/v1/runs/{run}/events", params={"after": after})
+        events.extend(page)
+        if len(page) < 1000:
+            return events
+        after = page[-1]["seq"]
+
+
+def cmd_events(opts: argparse.Namespace) -> int:
+    with api() as client:
+        events = all_events(client, opts.run)
+    if opts.json:
+        emit_json(events)
+        return 0
+    for e in events:
+        print(f"{when(e['time'])}  attempt {e['attempt']}  {describe(e)}")
+    return 0
+
+
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+def cmd_cancel(opts: argparse.Namespace) -> int:
+    """Cancel, then wait until the run has stopped (its GPUs free, resumable) unless --no-wait."""
+    import time
+
+    with api() as client:
+        run = client.call("POST", f"/v1/runs/{opts.run}/cancel")  # on an ended run: changes nothing
+        already = run["state"] in ENDED
+        deadline = time.monotonic() + opts.timeout
+        while not already and not opts.no_wait and run["state"] not in ENDED:
+            if time.monotonic() > deadline:
+                raise CliError(f"{run['id']} is still {run['state']} {opts.timeout:.0f} s after the cancel; "
+                               f"see `goodput status {run['id']}`")
+            time.sleep(0.3)
+            run = client.call("GET", f"/v1/runs/{opts.run}")
+    if opts.json:
+        emit_json(run)
+    elif already:
+        raise CliError(f"{run['id']} had already ended ({run['state']}); nothing was cancelled "
+                       f"(goodput resume {run['id']} starts it again)")
+    elif run["state"] in ENDED:
+        print(f"{run['id']}: {run['state']} at step {run['step']}; goodput resume {run['id']} goes on from its "
+              "latest checkpoint")
+    else:
+        print(f"{run['id']}: cancel requested ({run['state']})")
+    return 0
+
+
+def cmd_resume(opts: argparse.Namespace) -> int:
+    body = {k: v for k, v in (("step", opts.step), ("steps", opts.steps)) if v is not None}
+    with api() as client:
+        run = client.call("POST", f"/v1/runs/{opts.run}/resume", body)
+        if opts.watch:
+            run = watch(client, run)
+    if opts.json:
+        emit_json(run)
+    elif opts.watch:
+        print(f"{run['id']}: {run['state']}, step {run['step']}/{run.get('total_steps')}")
+    else:
+        src = f"step {opts.step}" if opts.step is not None else "its latest checkpoint"
+        print(f"{run['id']}: resumes from {src} ({run['state']})")
+    if opts.watch and run["state"] != "succeeded":
+        raise CliError(f"run {run['id']} {run['state']}: {(run.get('error') or {}).get('message', 'see events')}")
+    return 0
+
+
+def cmd_report(opts: argparse.Namespace) -> int:
+    from controller.cli import report
+
+    with api() as client:
+        run = client.call("GET", f"/v1/runs/{opts.run}")
+        events = all_events(client, opts.run)
+        history: list[dict] = []
+        while True:
+            page = client.call("GET", f"/v1/runs/{opts.run}/history",
+                               params={"after": history[-1]["step"] if history else -1})
+            history.extend(page)
+            if len(page) < 10000:
+                break
+    data = report.build(run, events, history)
+    path = report.plot(data, Path(opts.out or f"{opts.run}-timeline.png"))
+    if opts.json:
+        emit_json({**{k: v for k, v in data.items() if k not in ("events", "history")}, "png": str(path)})
+    else:
+        print(report.table(data))
+        print(f"\ntimeline: {path}")
+    return 0
+
+
+def cmd_nodes(opts: argparse.Namespace) -> int:
+    if opts.action == "release" and not opts.node:
+        raise CliError("give the node to release: goodput nodes release NODE")
+    with api() as client:
+        if opts.action == "release":
+            released = client.call("POST", f"/v1/nodes/{opts.node}/release")
+            if opts.json:
+                emit_json(released)
+            else:
+                print(f"{released['name']}: released as a {'spare' if released['state'] == 'spare' else 'training node'} "
+                      f"(was {released['was']['state']}: {released['was']['reason']})")
+                if released.get("kubernetes"):
+                    print(f"  kubernetes: {released['kubernetes']}")
+            return 0
+        view = client.call("GET", "/v1/nodes")
+    if opts.json:
+        emit_json(view)
+        return 0
+    table(["node", "state", "rack", "gpus", "run", "since", "reason"],
+           [[n["name"], n["state"], n["rack"] or "-", n["gpus"], n["run"] or "-", clock(n.get("since"))
+             if n.get("since") else "-", n["reason"] or ""] for n in view["nodes"]])
+    print(f"{view['free_gpus']} of {view['gpus']} GPU(s) free")
+    return 0
