@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 from controller.service.metrics import ServiceCollector  # noqa: E402
 from controller.service.registry import Registry  # noqa: E402
-from controller.service.runs import Service  # noqa: E402
+from controller.service.service import Service  # noqa: E402
 from controller.spec import parse_spec  # noqa: E402
 from controller.state import RunState  # noqa: E402
 from tests.unit.fakes import FakeCluster, FakeWorkerGroup, ManualClock  # noqa: E402

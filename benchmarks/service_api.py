@@ -26,7 +26,7 @@ import yaml  # noqa: E402
 
 from controller.service.app import ApiServer, create_app  # noqa: E402
 from controller.service.registry import Registry, Saved, sqlite_url  # noqa: E402
-from controller.service.runs import Service  # noqa: E402
+from controller.service.service import Service  # noqa: E402
 from controller.spec import parse_spec  # noqa: E402
 from controller.attempt import GroupStatus, PollResult  # noqa: E402
 from controller.topology import Topology  # noqa: E402

@@ -24,7 +24,7 @@ from controller.topology import Topology, local_roles
 
 if TYPE_CHECKING:
     from controller.service.registry import Registry
-    from controller.service.runs import Service
+    from controller.service.service import Service
 
 Tick = Callable[[RunController], None]
 
@@ -148,7 +148,7 @@ def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluste
     land (goodput serve: its state dir)."""
     from controller.ray.drills import RayDrillInjector
     from controller.ray.worker_group import RayWorkerGroup
-    from controller.service.runs import Service
+    from controller.service.service import Service
 
     def group(spec: RunSpec, run_id: str) -> RayWorkerGroup:
         # A long-lived service names its runs' actors so that they outlive it and it can re-attach.

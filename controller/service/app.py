@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controller.service.auth import TOKEN_ENV
 from controller.service.metrics import ServiceCollector
 from controller.drills import DrillKind, rank_target
-from controller.service.runs import MAX_EVENTS_PAGE, MAX_HISTORY_PAGE, MAX_SPEC_BYTES, Service, ServiceError
+from controller.errors import ServiceError
+from controller.service.service import MAX_EVENTS_PAGE, MAX_HISTORY_PAGE, MAX_SPEC_BYTES, Service
 from controller.spec import RunSpec
 
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -111,14 +112,14 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     def authorized(authorization: str | None = Header(None, include_in_schema=False)) -> None:
         if token is not None and not secrets.compare_digest((authorization or "").encode(),
                                                             f"Bearer {token}".encode()):
-            raise ServiceError(401, "unauthorized", f"send 'Authorization: Bearer <token>' (the {TOKEN_ENV} or "
+            raise ServiceError("unauthorized", f"send 'Authorization: Bearer <token>' (the {TOKEN_ENV} or "
                                                     "token file the service was started with)")
 
     app.add_middleware(_BoundedBody, limit=MAX_SPEC_BYTES)
 
     @app.exception_handler(ServiceError)
     def _service_error(_: Request, e: ServiceError) -> JSONResponse:
-        return _envelope(e.status, e.code, e.message)
+        return _envelope(HTTP_STATUS.get(e.code, 400), e.code, e.message)
 
     @app.exception_handler(RequestValidationError)
     def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -216,6 +217,16 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
         return service.cluster_view()
 
     return app
+
+
+HTTP_STATUS = {
+    "drill_rejected": 400, "invalid_request": 422, "invalid_spec": 422, "does_not_fit": 422,
+    "no_such_checkpoint": 422, "spec_too_large": 413, "unauthorized": 401,
+    "run_not_found": 404, "drill_not_found": 404, "node_not_quarantined": 404,
+    "run_ended": 409, "run_not_ended": 409, "submissions_closed": 409, "checkpoint_mismatch": 409,
+    "too_many_drills": 429, "too_many_runs": 429,
+}
+"""The HTTP status of each error code (the only place a status is chosen; the codes are in the errors)."""
 
 
 def _envelope(status: int, code: str, message: str) -> JSONResponse:

@@ -30,7 +30,7 @@ from controller.state import RunController, RunState
 from controller.topology import NodeState
 
 if TYPE_CHECKING:
-    from controller.service.runs import Service
+    from controller.service.service import Service
 
 FAST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """Seconds, for step times and checkpoint stalls (a tiny CPU step is ~0.1 s, a big GPU step ~10 s)."""

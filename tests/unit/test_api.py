@@ -17,7 +17,7 @@ from controller.cli.client import ApiClientError, Client
 from controller.drills import DrillSchedule
 from controller.service.app import ApiBindError, ApiServer, create_app, serve
 from controller.service.registry import Registry
-from controller.service.runs import Service
+from controller.service.service import Service
 from controller.spec import parse_spec
 from controller.state import RunController, RunState
 from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock
@@ -201,7 +201,7 @@ def test_client_reaches_a_real_server_and_explains_failures() -> None:
 
 def test_a_chunked_body_cannot_pass_the_size_limit() -> None:
     """No Content-Length (chunked transfer): the body is counted as it arrives and refused past the limit."""
-    from controller.service.runs import MAX_SPEC_BYTES
+    from controller.service.service import MAX_SPEC_BYTES
 
     _, _, _, service, _ = live_run()
     api = TestClient(create_app(service))
@@ -217,3 +217,16 @@ def test_a_chunked_body_cannot_pass_the_size_limit() -> None:
     assert response.json()["error"]["code"] == "body_too_large"
     small = api.post("/v1/runs", content=iter([b'{"name": 1}']), headers={"Content-Type": "application/json"})
     assert small.status_code == 422, "a small chunked body still reaches validation"
+
+
+def test_every_error_code_the_service_raises_has_its_http_status() -> None:
+    """Codes live with the errors, statuses only in app.py: a new code without a status would answer 400."""
+    import re
+
+    from controller.service.app import HTTP_STATUS
+
+    root = Path(__file__).resolve().parents[2] / "controller"
+    raised = {code for path in root.rglob("*.py")
+              for code in re.findall(r'ServiceError\(\s*"([a-z_]+)"', path.read_text())}
+    assert raised and raised <= set(HTTP_STATUS), sorted(raised - set(HTTP_STATUS))
+    assert HTTP_STATUS["run_not_found"] == 404 and HTTP_STATUS["checkpoint_mismatch"] == 409

@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import status_code_conformance
 
 from controller.service.app import ApiServer, create_app
 from controller.service.registry import Registry
-from controller.service.runs import Service
+from controller.service.service import Service
 from controller.spec import parse_spec
 from controller.topology import Topology
 from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup

@@ -104,7 +104,7 @@ def test_service_down_or_wrong_token_is_one_line(tmp_path: Path) -> None:
     """Every client command against a service that is not there, or that refuses the token."""
     from controller.service.app import ApiServer, create_app
     from controller.service.registry import Registry
-    from controller.service.runs import Service
+    from controller.service.service import Service
     from tests.unit.fakes import FakeCluster
 
     env = {**os.environ, "GOODPUT_URL": f"http://127.0.0.1:{closed_port()}"}

@@ -172,7 +172,7 @@ def test_the_service_cordons_what_a_run_quarantines_and_releases_on_request(kube
 
     from controller.service.app import create_app
     from controller.service.registry import Registry
-    from controller.service.runs import Service
+    from controller.service.service import Service
     from controller.spec import parse_spec
     from controller.state import RunState
     from tests.unit.fakes import FakeCluster, FakeWorkerGroup, ManualClock

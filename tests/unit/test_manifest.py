@@ -294,7 +294,8 @@ def test_goodput_run_refuses_to_start_over_another_models_checkpoints(tmp_path: 
     """`goodput run` resumes its own name's checkpoints: another model's are refused before anything
     starts (goodput serve gives a submission a fresh id instead: tests/unit/test_newcomer.py)."""
     from controller.service.registry import Registry
-    from controller.service.runs import Service, ServiceError
+    from controller.errors import ServiceError
+    from controller.service.service import Service
     from tests.unit.fakes import FakeCluster
 
     store = LocalStore(tmp_path)
@@ -304,6 +305,6 @@ def test_goodput_run_refuses_to_start_over_another_models_checkpoints(tmp_path: 
                       store_factory=lambda _: store, threads=False, accept_submissions=False)
     with pytest.raises(ServiceError) as refused:
         service.add(spec)
-    assert refused.value.status == 409 and refused.value.code == "checkpoint_mismatch"
+    assert refused.value.code == "checkpoint_mismatch"
     assert "d_model 64 there, 128 here" in refused.value.message
     assert service.runs() == []

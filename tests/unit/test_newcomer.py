@@ -14,7 +14,7 @@ from checkpointing.manifest import Manifest, commit
 from checkpointing.store import LocalStore, anchored
 from controller.cli.main import build_parser
 from controller.service.registry import Registry
-from controller.service.runs import Service
+from controller.service.service import Service
 from controller.service.main import EMBEDDED_CLUSTER
 from controller.spec import parse_spec
 from controller.planner import plan_run

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from checkpointing.store import LocalStore, StoreError
 from controller.service.app import create_app
 from controller.service.registry import Registry
-from controller.service.runs import Service
+from controller.service.service import Service
 from controller.spec import RunSpec, SpecError
 from controller.attempt import AttemptSpec
 from controller.topology import Topology

@@ -18,7 +18,8 @@ from checkpointing.manifest import Manifest, commit
 from checkpointing.store import LocalStore
 from controller.service.auth import AuthConfigError, check_bind, ensure_token, read_token_file
 from controller.service.registry import Registry, sqlite_url
-from controller.service.runs import Service, ServiceError
+from controller.errors import ServiceError
+from controller.service.service import Service
 from controller.spec import RunSpec, parse_spec
 from controller.state import RunState
 from controller.topology import Topology
@@ -123,16 +124,16 @@ def test_a_spec_the_service_cannot_hold_is_refused_with_numbers() -> None:
     h = Harness("sqlite://")
     with pytest.raises(ServiceError) as e:
         h.service.add(parse_spec(raw_spec("huge", dp=8, tp=2)))
-    assert e.value.status == 422 and "16" in e.value.message
+    assert e.value.code == "does_not_fit" and "16" in e.value.message
     with pytest.raises(ServiceError) as e:
         h.service.submit({**raw_spec("remote"), "cluster": {"address": "127.0.0.1:6379"}})
-    assert e.value.status == 422 and "cluster.address" in e.value.message
+    assert e.value.code == "invalid_spec" and "cluster.address" in e.value.message
     with pytest.raises(ServiceError) as e:
         h.service.submit({**raw_spec("x"), "notes": "y" * 70_000})
-    assert e.value.status == 413
+    assert e.value.code == "spec_too_large"
     with pytest.raises(ServiceError) as e:
         h.service.submit({**raw_spec("x"), "typo": 1})
-    assert e.value.status == 422 and "typo" in e.value.message
+    assert e.value.code == "invalid_spec" and "typo" in e.value.message
 
 
 def _commit(root: Path, run_id: str, step: int) -> None:
@@ -190,7 +191,7 @@ def test_resume_from_the_latest_or_a_chosen_step(tmp_path: Path) -> None:
     h.until("r", "running")
     with pytest.raises(ServiceError) as e:
         s.resume("r", step=None, steps=None)
-    assert e.value.status == 409
+    assert e.value.code == "run_not_ended"
     h.group("r").finish_steps(1, 30)
     for step in (10, 20, 30):
         _commit(store, "r", step)
@@ -199,7 +200,7 @@ def test_resume_from_the_latest_or_a_chosen_step(tmp_path: Path) -> None:
     h.until("r", "succeeded")
     with pytest.raises(ServiceError) as e:
         s.resume("r", step=15, steps=None)
-    assert e.value.status == 422 and "10, 20, 30" in e.value.message
+    assert e.value.code == "no_such_checkpoint" and "10, 20, 30" in e.value.message
     run = s.resume("r", step=20, steps=60)
     assert run["state"] == "pending" and run["total_steps"] == 60
     h.until("r", "running")
@@ -343,7 +344,7 @@ def test_a_release_that_lands_while_the_driver_notes_quarantines_is_not_undone(t
             noters.append(noter)
             return value
 
-    s._out_of_use = Interleaving(s._out_of_use)  # noqa: SLF001
+    s.nodes.out_of_use = Interleaving(s.nodes.out_of_use)
     s.release_node(node)
     for noter in noters:
         noter.join()

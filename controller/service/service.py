@@ -22,20 +22,22 @@ import sys
 import threading
 import time
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from checkpointing.store import anchored
+from controller.errors import ServiceError
 from controller.events import EventKind
 from controller.drills import DrillError, DrillInjector, DrillRequest
+from controller.service.nodes import NodeBook, free_gpus
 from controller.service.registry import Registry, Saved
 from controller.spec import RunSpec, SpecError, parse_spec
 from controller.attempt import WorkerGroup
 from controller.planner import plan_run
 from controller.state import RunController, RunError, RunState
 from controller.placement import Placement
-from controller.topology import NodeState, Topology
+from controller.topology import Topology
 from trainer.config import MeshShape
 
 MAX_SPEC_BYTES = 64 * 1024
@@ -44,14 +46,6 @@ MAX_RUN_ID = 64
 MAX_EVENTS_PAGE = 1000
 MAX_HISTORY_PAGE = 10000
 MAX_RUNS = 10_000
-
-
-class ServiceError(Exception):
-    """A request the service refuses; `status` is the HTTP status, `code` the machine-readable reason."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 class Cluster(Protocol):
@@ -168,19 +162,7 @@ class Service:
         self._runs: dict[str, LiveRun] = {}
         self._stop = threading.Event()
         self._scheduler: threading.Thread | None = None
-        rows = registry.node_rows()
-        self._out_of_use: dict[str, dict[str, Any]] = {r["name"]: r for r in rows if r["state"] == "quarantined"}
-        self._lost: dict[str, dict[str, Any]] = {r["name"]: r for r in rows if r["state"] == "lost"}
-        """Nodes the cluster stopped showing (a dead raylet or host), until it shows them again."""
-        self._seen: set[str] = set()
-        self._labelled_spares: set[str] = set()
-        """Every node the cluster labels a spare: the pool's intended size."""
-        self._roles: dict[str, NodeState] = {}
-        """Where the service's role for a node differs from its label: a spare a run trains on is
-        promoted (HEALTHY: the pool shrinks until a repair), and a node back from repair (or released)
-        refills the pool (SPARE) while it is short. Kept in memory: a restarted service goes by labels."""
-        self._released: dict[str, float] = {r["name"]: r["time"] for r in rows if r["state"] == "released"}
-        """node -> when an operator released it (a quarantine from before then does not count again)."""
+        self.nodes = NodeBook(registry)
         self.node_actions = node_actions
         """Kubernetes' side of quarantine and release (controller.k8s.nodes), None outside a cluster."""
 
@@ -214,11 +196,11 @@ class Service:
     def submit(self, raw: Any) -> dict[str, Any]:
         """A run submitted through the API (refused by the one-run service of `goodput run`)."""
         if not self.accept_submissions:
-            raise ServiceError(409, "submissions_closed", "this API serves the one run of `goodput run`; "
+            raise ServiceError("submissions_closed", "this API serves the one run of `goodput run`; "
                                                           "submit runs to `goodput serve`")
         spec = self._parse(raw)
         if spec.cluster.address is not None:
-            raise ServiceError(422, "invalid_spec", "cluster.address is for `goodput run`; the service runs every "
+            raise ServiceError("invalid_spec", "cluster.address is for `goodput run`; the service runs every "
                                                     "run on its own cluster: remove it")
         if self.relative_root is not None:  # not the cwd of wherever the service was started
             uri = anchored(spec.checkpoint.uri, self.relative_root)
@@ -236,11 +218,11 @@ class Service:
         store, occupied = self._store(spec, candidates=candidates, fresh=self.accept_submissions)
         with self.lock:
             if len(self._runs) >= MAX_RUNS:
-                raise ServiceError(429, "too_many_runs", f"the service holds {MAX_RUNS} runs")
+                raise ServiceError("too_many_runs", f"the service holds {MAX_RUNS} runs")
             try:
                 plan_run(spec, self._total_view())
             except SpecError as e:
-                raise ServiceError(422, "does_not_fit", f"this service's cluster cannot hold the run: {e}") from None
+                raise ServiceError("does_not_fit", f"this service's cluster cannot hold the run: {e}") from None
             run_id = self._new_id(spec.name, skip=occupied)
             now = self.clock()
             group = self.group_factory(spec, run_id)
@@ -341,18 +323,18 @@ class Service:
         with self.lock, live.lock:
             c = live.controller
             if not c.state.terminal or (live.thread is not None and live.thread.is_alive()):
-                raise ServiceError(409, "run_not_ended", f"run {run_id!r} is {c.state.value}; only a succeeded, "
+                raise ServiceError("run_not_ended", f"run {run_id!r} is {c.state.value}; only a succeeded, "
                                                          "failed or cancelled run can be resumed")
             spec = c.spec
             if steps is not None:
                 if steps < c.progress.step:
-                    raise ServiceError(422, "invalid_request", f"steps = {steps} is below the run's step "
+                    raise ServiceError("invalid_request", f"steps = {steps} is below the run's step "
                                                                f"{c.progress.step}")
                 spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": steps})})
             if step is not None:
                 if step not in committed:
                     known = sorted(committed)
-                    raise ServiceError(422, "no_such_checkpoint", f"run {run_id!r} has no committed step {step}; "
+                    raise ServiceError("no_such_checkpoint", f"run {run_id!r} has no committed step {step}; "
                                                                   f"committed: {known or 'none'}")
             c.resume(self.clock(), step=step, steps=steps, spec=spec)
             self.registry.set_spec(run_id, spec.model_dump(mode="json"))
@@ -368,14 +350,14 @@ class Service:
         with live.lock:
             c = live.controller
             if c.state.terminal:
-                raise ServiceError(409, "run_ended", f"run {run_id!r} has {c.state.value}; drills need a live run")
+                raise ServiceError("run_ended", f"run {run_id!r} has {c.state.value}; drills need a live run")
             if len(c.drills.pending()) + c.events.count(EventKind.DRILL_INJECTED) >= MAX_DRILLS_PER_RUN:
-                raise ServiceError(429, "too_many_drills", f"run {run_id!r} has had {MAX_DRILLS_PER_RUN} drills")
+                raise ServiceError("too_many_drills", f"run {run_id!r} has had {MAX_DRILLS_PER_RUN} drills")
             try:
                 request = c.request_drill(self.clock(), kind, target=target, at_step=at_step, factor=factor,
                                           seconds=seconds)
             except DrillError as e:
-                raise ServiceError(400, "drill_rejected", str(e)) from None
+                raise ServiceError("drill_rejected", str(e)) from None
         self._save(live)
         return request
 
@@ -385,7 +367,7 @@ class Service:
                 report = live.controller.drill(drill_id)
             if report is not None:
                 return {**report, "run_id": live.controller.run_id}
-        raise ServiceError(404, "drill_not_found", f"no drill {drill_id!r} on this service")
+        raise ServiceError("drill_not_found", f"no drill {drill_id!r} on this service")
 
     def cluster_view(self) -> dict[str, Any]:
         """Every node with its state for the service (healthy, spare, quarantined, lost) and the run on it."""
@@ -394,15 +376,7 @@ class Service:
                 live_nodes = {n.name: n for n in self._cluster_topology().nodes}
             except Exception:  # noqa: BLE001 - a cluster that does not answer shows no live node
                 live_nodes = {}
-            holder = self._holders()
-            rows = []
-            for name in sorted(set(live_nodes) | set(self._out_of_use) | set(self._lost)):
-                node = live_nodes.get(name)
-                out = self._out_of_use.get(name) or (self._lost.get(name) if node is None else None)
-                state = out["state"] if out else (node.state.value if node else NodeState.LOST.value)
-                rows.append({"name": name, "state": state, "rack": node.rack if node else None,
-                             "gpus": node.num_gpus if node else 0, "run": holder.get(name),
-                             "reason": out["reason"] if out else None, "since": out["time"] if out else None})
+            rows = self.nodes.rows(live_nodes, self._holders())
         return {"nodes": rows, "gpus": sum(r["gpus"] for r in rows),
                 "free_gpus": sum(r["gpus"] for r in rows if r["run"] is None and r["state"] == "healthy")}
 
@@ -558,7 +532,7 @@ class Service:
 
     def _total_view(self) -> Topology:
         """Every node the service may use, held or not (what a run could ever get)."""
-        nodes = [n for n in self._cluster_topology().nodes if n.name not in self._out_of_use]
+        nodes = [n for n in self._cluster_topology().nodes if n.name not in self.nodes.out_of_use]
         return Topology(tuple(nodes))
 
     def _free_view(self) -> Topology:
@@ -573,72 +547,28 @@ class Service:
 
     def _cluster_topology(self) -> Topology:
         """The nodes the cluster shows this service, each in the service's role for it."""
-        return self._in_roles(self.view(self.cluster.topology()))
-
-    def _in_roles(self, live: Topology) -> Topology:
-        roles = self._roles
-        return Topology(tuple(replace(n, state=roles[n.name])
-                              if n.name in roles and n.state in (NodeState.HEALTHY, NodeState.SPARE) else n
-                              for n in live.nodes))
+        return self.nodes.in_roles(self.view(self.cluster.topology()))
 
     def track_nodes(self) -> None:
-        """Notice nodes the cluster lost and got back, and keep the spare pool honest: a spare a run
-        trains on is no longer a spare (promoted); a node back from repair refills the pool while it is
-        short, else it is a training node again. Called by the scheduler every pass."""
+        """Notice nodes the cluster lost and got back, and keep the spare pool honest (NodeBook.track).
+        Called by the scheduler every pass."""
         try:
             raw = self.view(self.cluster.topology())
         except Exception:  # noqa: BLE001 - a cluster that does not answer changes nothing here
             return
-        now = self.clock()
         with self.lock:
-            self._labelled_spares |= raw.names_in(NodeState.SPARE)
-            for name in raw.names & set(self._lost):
-                row = self._lost.pop(name)
-                role = self._refill(name, raw)
-                reason = (f"back after {now - row['time']:.0f} s; "
-                          + ("refills the spare pool" if role is NodeState.SPARE else "a training node again"))
-                self.registry.set_node(name, state="returned", reason=reason, run_id=None, time=now)
-                print(f"goodput serve: node {name} is {reason}", file=sys.stderr, flush=True)
-            for name in self._seen - raw.names - set(self._lost) - set(self._out_of_use):
-                holder = self._holders().get(name)
-                row = {"name": name, "state": "lost", "reason": "the cluster no longer shows it (its raylet or host "
-                       "died); listed until it comes back", "run_id": holder, "time": now}
-                self._lost[name] = row
-                self.registry.set_node(name, state="lost", reason=row["reason"], run_id=holder, time=now)
-            self._seen = set(raw.names)
-            spares = self._in_roles(raw).names_in(NodeState.SPARE)
-            for live in self._runs.values():  # promotion: a spare that took a lost or quarantined node's place
-                if not live.admitted or live.closed or live.view is None:
-                    continue
-                for row in live.view.get("placement") or []:
-                    if row["node"] in spares:
-                        self._set_role(row["node"], NodeState.HEALTHY)
-
-    def _refill(self, name: str, raw: Topology) -> NodeState:
-        """The role of a node that is usable again: a spare while the pool is short of its labelled size."""
-        spares = self._in_roles(raw).names_in(NodeState.SPARE) - {name}
-        role = NodeState.SPARE if len(spares) < len(self._labelled_spares) else NodeState.HEALTHY
-        self._set_role(name, role)
-        return role
-
-    def _set_role(self, name: str, role: NodeState) -> None:
-        labelled = NodeState.SPARE if name in self._labelled_spares else NodeState.HEALTHY
-        if role is labelled:
-            self._roles.pop(name, None)
-        else:
-            self._roles[name] = role
+            placed = {row["node"] for live in self._runs.values()
+                      if live.admitted and not live.closed and live.view is not None
+                      for row in live.view.get("placement") or []}
+            self.nodes.track(raw, self.clock(), self._holders(), placed)
 
     def _note_out_of_use(self, live: LiveRun) -> None:
         """A node a run quarantined is out of use for every run until an operator releases it; on
         Kubernetes it is also cordoned and tainted (not a lost node: its pod died, not the node)."""
         for q in list(live.controller.quarantined):
             with self.lock:  # checked and set in one go: a release in between must not be undone
-                if q["node"] in self._out_of_use or q["time"] <= self._released.get(q["node"], float("-inf")):
+                if not self.nodes.quarantine(q["node"], q["reason"], live.controller.run_id, q["time"]):
                     continue
-                self._out_of_use[q["node"]] = {"name": q["node"], "state": "quarantined", "reason": q["reason"],
-                                               "run_id": live.controller.run_id, "time": q["time"]}
-                self.registry.set_node(q["node"], state="quarantined", reason=q["reason"],
-                                       run_id=live.controller.run_id, time=q["time"])
             if self.node_actions is not None and q["reason"] != "lost":
                 threading.Thread(target=self._cordon, args=(live, q["node"], str(q["reason"])),
                                  name=f"goodput-cordon-{q['node']}", daemon=True).start()
@@ -661,22 +591,14 @@ class Service:
         """An operator's explicit release of a quarantined node: usable by new runs again; on
         Kubernetes its taint goes (and the cordon, if goodput made it). Runs that quarantined it keep
         it out of their own topology."""
-        now = self.clock()
-        with self.lock:
-            row = self._out_of_use.pop(name, None)
-            if row is not None:  # every quarantine of it so far is answered by this release
-                self._released[name] = max([now] + [q["time"] for live in self._runs.values()
-                                                    for q in list(live.controller.quarantined) if q["node"] == name])
-                now = self._released[name]
-                self.registry.set_node(name, state="released", reason=f"released by an operator (was: {row['reason']})",
-                                       run_id=row.get("run_id"), time=now)
-                try:
-                    role = self._refill(name, self.view(self.cluster.topology())).value
-                except Exception:  # noqa: BLE001 - no answer from the cluster: its label decides
-                    role = "spare" if name in self._labelled_spares else "healthy"
-        if row is None:
-            raise ServiceError(404, "node_not_quarantined", f"node {name!r} is not quarantined on this service; "
-                                                            "`goodput nodes` lists the nodes and their states")
+        try:
+            raw: Topology | None = self.view(self.cluster.topology())
+        except Exception:  # noqa: BLE001 - no answer from the cluster: its label decides the role
+            raw = None
+        with self.lock:  # every quarantine of it so far is answered by this release
+            when = max([self.clock()] + [q["time"] for live in self._runs.values()
+                                         for q in list(live.controller.quarantined) if q["node"] == name])
+            row, role = self.nodes.release(name, when, raw)
         kubernetes = None
         if self.node_actions is not None:
             try:
@@ -776,7 +698,7 @@ class Service:
     def _live(self, run_id: str) -> LiveRun:
         live = self._runs.get(run_id)
         if live is None:
-            raise ServiceError(404, "run_not_found", f"no run {run_id!r} on this service (`goodput list` shows its runs)")
+            raise ServiceError("run_not_found", f"no run {run_id!r} on this service (`goodput list` shows its runs)")
         return live
 
     def _parse(self, raw: Any) -> RunSpec:
@@ -785,17 +707,17 @@ class Service:
         try:
             size = len(json.dumps(raw))
         except (TypeError, ValueError):
-            raise ServiceError(422, "invalid_spec", "the run spec must be a JSON object") from None
+            raise ServiceError("invalid_spec", "the run spec must be a JSON object") from None
         if size > MAX_SPEC_BYTES:
-            raise ServiceError(413, "spec_too_large", f"the run spec is {size} bytes; at most {MAX_SPEC_BYTES}")
+            raise ServiceError("spec_too_large", f"the run spec is {size} bytes; at most {MAX_SPEC_BYTES}")
         try:
             spec = parse_spec(raw)
         except SpecError as e:
-            raise ServiceError(422, "invalid_spec", str(e)) from None
+            raise ServiceError("invalid_spec", str(e)) from None
         if len(spec.name) > MAX_RUN_ID - 8:
-            raise ServiceError(422, "invalid_spec", f"name is {len(spec.name)} characters; at most {MAX_RUN_ID - 8}")
+            raise ServiceError("invalid_spec", f"name is {len(spec.name)} characters; at most {MAX_RUN_ID - 8}")
         if len(spec.drills) > MAX_DRILLS_PER_RUN:
-            raise ServiceError(422, "invalid_spec", f"{len(spec.drills)} drills; at most {MAX_DRILLS_PER_RUN} per run")
+            raise ServiceError("invalid_spec", f"{len(spec.drills)} drills; at most {MAX_DRILLS_PER_RUN} per run")
         return spec
 
     STORE_PROBE_WAIT_S = 0.5
@@ -817,7 +739,7 @@ class Service:
         try:
             store = self.store_factory(spec)
         except SpecError as e:
-            raise ServiceError(422, "invalid_spec", str(e)) from None
+            raise ServiceError("invalid_spec", str(e)) from None
         if not candidates:
             return store, {}
         from checkpointing.manifest import IdentityMismatch, check_identity, committed_steps, read_manifest
@@ -842,9 +764,9 @@ class Service:
 
         error = _within(self.STORE_PROBE_WAIT_S, ask)
         if isinstance(error, SpecError):
-            raise ServiceError(422, "invalid_spec", str(error)) from None
+            raise ServiceError("invalid_spec", str(error)) from None
         if isinstance(error, IdentityMismatch):
-            raise ServiceError(409, "checkpoint_mismatch", str(error)) from None
+            raise ServiceError("checkpoint_mismatch", str(error)) from None
         return store, dict(occupied)
 
     def _injector(self, group: WorkerGroup) -> DrillInjector | None:
@@ -875,10 +797,6 @@ def placement_from_rows(rows: list[dict[str, Any]], mesh: dict[str, int], spares
     return Placement(mesh=shape, node_of_rank=tuple(r["node"] for r in ordered),
                      gpu_of_rank=tuple(int(r["gpu"]) for r in ordered),
                      rack_of_node={r["node"]: r["rack"] for r in ordered}, spares=tuple(spares))
-
-
-def free_gpus(topology: Topology) -> int:
-    return sum(n.num_gpus for n in topology.nodes if n.state is NodeState.HEALTHY)
 
 
 def _within(seconds: float, fn: Callable[[], None]) -> BaseException | None:

@@ -1,0 +1,17 @@
+"""Coded errors: what went wrong as a stable, machine-readable `code` and a sentence that says what to
+do. Transports choose how to show them (the REST API maps codes to HTTP statuses in service/app.py,
+the CLI prints one line); nothing here knows about HTTP."""
+
+from __future__ import annotations
+
+
+class GoodputError(Exception):
+    """An error with a code (snake_case, stable: clients branch on it) and a message for a person."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class ServiceError(GoodputError):
+    """A request the service refuses (unknown run, bad spec, wrong state, over a limit)."""
