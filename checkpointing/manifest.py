@@ -260,6 +260,20 @@ def discard_after(store: ObjectStore, run_id: str, step: int) -> list[int]:
     return newer
 
 
+def index_changes(store: ObjectStore, run_id: str, indexed: set[int]) -> tuple[list[Manifest], list[int]]:
+    """What an index of a run's checkpoints (a service's registry) is missing and what it lists that
+    the store no longer holds: (manifests of committed steps not indexed, indexed steps gone). A step
+    whose manifest cannot be read is left out (it is not a checkpoint). StoreError propagates."""
+    in_store = set(committed_steps(store, run_id))
+    missing = []
+    for step in sorted(in_store - indexed):
+        try:
+            missing.append(read_manifest(store, run_id, step))
+        except CheckpointError:
+            continue
+    return missing, sorted(indexed - in_store)
+
+
 def apply_retention(store: ObjectStore, run_id: str, keep: int) -> list[int]:
     """Delete all but the newest `keep` committed steps, and uncommitted leftovers older than the
     newest commit (crashed saves). Called only after a commit, so the last good step survives."""

@@ -42,6 +42,14 @@ class Placement:
         return iter(_rows(self.mesh, self.node_of_rank, self.gpu_of_rank,
                           tuple(sorted(self.rack_of_node.items()))))
 
+    @classmethod
+    def from_rows(cls, rows: list[dict], mesh: MeshShape, spares: list[str]) -> "Placement":
+        """The Placement whose `rows()` these are (as an `attempt_started` event records them)."""
+        ordered = sorted(rows, key=lambda r: r["rank"])
+        return cls(mesh=mesh, node_of_rank=tuple(r["node"] for r in ordered),
+                   gpu_of_rank=tuple(int(r["gpu"]) for r in ordered),
+                   rack_of_node={r["node"]: r["rack"] for r in ordered}, spares=tuple(spares))
+
     def nodes_used(self) -> list[str]:
         return sorted(set(self.node_of_rank))
 

@@ -170,6 +170,25 @@ class RunController:
             self._shutdown()
             self._fail(now, code, message)
 
+    def record(self, now: float, kind: EventKind, **detail: Any) -> None:
+        """An event from outside the machine (the service's restarts, a node's cordon) in the timeline."""
+        self.events.add(now, max(self.attempt, 0), kind, **detail)
+
+    def admit(self, free: Topology) -> None:
+        """A service admits the run onto these free nodes: it plans on them (then `confine`s itself)."""
+        self.topology = free
+        self.waiting_for = None
+
+    def wait_for(self, reason: str) -> bool:
+        """Queued by a service for `reason` (shown in the Run object); True when the reason changed."""
+        changed, self.waiting_for = self.waiting_for != reason, reason
+        return changed
+
+    def ended_as(self, state: RunState, finished_at: float | None, error: RunError | None) -> None:
+        """A restored run that had already ended (the registry says how)."""
+        assert state.terminal
+        self.state, self.finished_at, self.error = state, finished_at, error
+
     def confine(self, nodes: set[str]) -> None:
         """This run may use only these nodes from now on (a service shares its cluster among runs)."""
         self.topology = Topology(tuple(n for n in self.topology.nodes if n.name in nodes))
@@ -221,10 +240,13 @@ class RunController:
             StragglerConfig(ratio=self.spec.health.straggler_ratio))
         self._replace_stragglers = set()
 
-    def resume(self, now: float, *, step: int | None, steps: int | None, spec: RunSpec) -> None:
-        """Start an ended run again (a new attempt) from its latest or the given committed step."""
+    def resume(self, now: float, *, step: int | None, steps: int | None, spec: RunSpec, worker_group: WorkerGroup,
+               injector: DrillInjector | None) -> None:
+        """Start an ended run again (a new attempt, on a fresh worker group) from its latest or the given
+        committed step."""
         assert self.state.terminal
         self.spec = spec
+        self.worker_group, self.injector = worker_group, injector
         self._resume_at = step
         self._cancel_requested = False
         self.error = None

@@ -110,6 +110,3 @@ class NodeBook:
                          "reason": out["reason"] if out else None, "since": out["time"] if out else None})
         return rows
 
-
-def free_gpus(topology: Topology) -> int:
-    return sum(n.num_gpus for n in topology.nodes if n.state is NodeState.HEALTHY)

@@ -8,10 +8,8 @@ nodes of its placement and the spares free when it was admitted (first come, fir
 it lost while it lives; a node one run quarantines is out of use for every run, and stays so across
 restarts.
 
-Restart: runs the registry shows unfinished are built again from their spec and timeline. Their
-workers went with the old service's driver, so each goes back through the queue and starts a new
-attempt from its latest verified checkpoint (`service_restarted` in its timeline says so). Nothing
-committed is lost: checkpoints are in the object store, the timeline in the database.
+Admission is service/scheduler.py's rule, node bookkeeping service/nodes.py's, and what a restarted
+service does with the runs its registry shows service/restore.py's.
 """
 
 from __future__ import annotations
@@ -30,15 +28,15 @@ from checkpointing.store import anchored
 from controller.errors import ServiceError
 from controller.events import EventKind
 from controller.drills import DrillError, DrillInjector, DrillRequest
-from controller.service.nodes import NodeBook, free_gpus
+from controller.service.nodes import NodeBook
 from controller.service.registry import Registry, Saved
+from controller.service.restore import Carried, carry_on
+from controller.service.scheduler import BEHIND_EARLIER, Verdict, admission
 from controller.spec import RunSpec, SpecError, parse_spec
 from controller.attempt import WorkerGroup
 from controller.planner import plan_run
-from controller.state import RunController, RunError, RunState
-from controller.placement import Placement
+from controller.state import RunController, RunState
 from controller.topology import Topology
-from trainer.config import MeshShape
 
 MAX_SPEC_BYTES = 64 * 1024
 MAX_DRILLS_PER_RUN = 64
@@ -188,7 +186,7 @@ class Service:
                 if live.closed:
                     continue
                 if not live.controller.state.terminal and live.admitted:
-                    live.controller.events.add(self.clock(), max(live.controller.attempt, 0), EventKind.SERVICE_STOPPED)
+                    live.controller.record(self.clock(), EventKind.SERVICE_STOPPED)
                 self._close(live)
                 self._save(live)
 
@@ -231,7 +229,7 @@ class Service:
                                        topology_source=lambda: self._own_view(run_id),
                                        own_checkpoints_only=self.accept_submissions)
             if occupied:
-                controller.events.add(now, 0, EventKind.RUN_ID_CHOSEN, run_id=run_id, name=spec.name,
+                controller.record(now, EventKind.RUN_ID_CHOSEN, run_id=run_id, name=spec.name,
                                       reason=f"{', '.join(occupied)} already hold checkpoints in {store.uri}: a "
                                              "submission starts a new run (goodput resume continues an old one)",
                                       occupied=occupied)
@@ -286,25 +284,20 @@ class Service:
         return self.registry.checkpoints(run_id)
 
     def _reconcile_checkpoints(self, live: LiveRun) -> None:
-        from checkpointing.manifest import CheckpointError, committed_steps, read_manifest, step_prefix
+        from checkpointing.manifest import index_changes, step_prefix
         from checkpointing.store import StoreError
 
         run_id, store = live.controller.run_id, live.controller.checkpoint_store
         assert store is not None
         try:
-            in_store = set(committed_steps(store, run_id))
-            indexed = {r["step"] for r in self.registry.checkpoints(run_id)}
-            for step in sorted(in_store - indexed):
-                try:
-                    m = read_manifest(store, run_id, step)
-                except CheckpointError:
-                    continue
-                self.registry.index_checkpoint(run_id, step=step, attempt=m.attempt, committed_at=m.created_at,
-                                               uri=f"{store.uri}/{step_prefix(run_id, step)}", size=m.total_bytes())
-            for step in sorted(indexed - in_store):
-                self.registry.set_checkpoint_state(run_id, step, "retired")
+            missing, gone = index_changes(store, run_id, {r["step"] for r in self.registry.checkpoints(run_id)})
         except StoreError:
-            pass  # the index as it stands; the store answers again later
+            return  # the index as it stands; the store answers again later
+        for m in missing:
+            self.registry.index_checkpoint(run_id, step=m.step, attempt=m.attempt, committed_at=m.created_at,
+                                           uri=f"{store.uri}/{step_prefix(run_id, m.step)}", size=m.total_bytes())
+        for step in gone:
+            self.registry.set_checkpoint_state(run_id, step, "retired")
 
     def cancel(self, run_id: str) -> dict[str, Any]:
         """Ask a run to stop: a flag its driver acts on at its next step (a launch in progress gives up
@@ -336,10 +329,10 @@ class Service:
                     known = sorted(committed)
                     raise ServiceError("no_such_checkpoint", f"run {run_id!r} has no committed step {step}; "
                                                                   f"committed: {known or 'none'}")
-            c.resume(self.clock(), step=step, steps=steps, spec=spec)
+            live.group = self.group_factory(spec, run_id)
+            c.resume(self.clock(), step=step, steps=steps, spec=spec, worker_group=live.group,
+                     injector=self._injector(live.group))
             self.registry.set_spec(run_id, spec.model_dump(mode="json"))
-            live.group = c.worker_group = self.group_factory(spec, run_id)
-            c.injector = self._injector(live.group)
             live.admitted, live.closed, live.thread = False, False, None
             self._save(live)
             return self._view(live)
@@ -430,36 +423,31 @@ class Service:
                     self._close(live)
                     self._save(live)
                     continue
-                if blocked:
-                    self._wait(live, "runs submitted earlier wait for capacity first")
+                if blocked:  # no overtaking
+                    self._wait(live, BEHIND_EARLIER)
                     continue
                 free = self._free_view()
-                try:
-                    plan_run(c.spec, free)
-                except SpecError as e:
-                    try:
-                        plan_run(c.spec, self._total_view())
-                    except SpecError as never:
-                        with live.lock:
-                            c.fail(self.clock(), "no_capacity", f"the service's cluster can no longer hold the run: {never}")
-                        self._close(live)
-                        self._save(live)
-                        continue
-                    self._wait(live, f"waiting for capacity: {free_gpus(free)} free GPU(s) now; {e}")
+                verdict, reason = admission(c.spec, free, self._total_view())
+                if verdict is Verdict.REFUSE:
+                    with live.lock:
+                        c.fail(self.clock(), "no_capacity", reason)
+                    self._close(live)
+                    self._save(live)
+                    continue
+                if verdict is Verdict.WAIT:
+                    self._wait(live, reason)
                     blocked = True
                     continue
                 self._admit(live, free)
 
     def _wait(self, live: LiveRun, reason: str) -> None:
-        if live.controller.waiting_for != reason:
-            live.controller.waiting_for = reason
+        if live.controller.wait_for(reason):
             self._save(live)
 
     def _admit(self, live: LiveRun, free: Topology) -> None:
         c = live.controller
         with live.lock:
-            c.topology = free
-            c.waiting_for = None
+            c.admit(free)
             now = self.clock()
             while c.state in (RunState.PENDING, RunState.PLANNING):
                 c.step(now)
@@ -583,8 +571,7 @@ class Service:
             kind, detail = EventKind.NODE_CORDON_FAILED, {"node": node, "error": f"{type(e).__name__}: {e}"}
             print(f"goodput serve: could not cordon {node}: {e}", file=sys.stderr, flush=True)
         with live.lock:
-            c = live.controller
-            c.events.add(self.clock(), max(c.attempt, 0), kind, **detail)
+            live.controller.record(self.clock(), kind, **detail)
         self._save(live)
 
     def release_node(self, name: str) -> dict[str, Any]:
@@ -624,6 +611,7 @@ class Service:
         return out
 
     def _restore(self) -> None:
+        """Build every run of the registry again and carry it on (service/restore.py says how)."""
         now = self.clock()
         for row in self.registry.run_rows():
             run_id = row["id"]
@@ -639,60 +627,17 @@ class Service:
                               own_checkpoints_only=self.accept_submissions)
             events = self.registry.all_events(run_id)
             c.restore(events=events, history=self.registry.history(run_id))
-            launched = c.attempt >= 0
             live = LiveRun(c, int(row["seq"]), group)
             live.saved.events = len(events)
             live.saved.history = [(int(h["step"]), int(h["attempt"])) for h in c.progress.history]
-            state = RunState(row["state"])
-            if state.terminal:
-                c.state = state
-                c.finished_at = row["finished_at"]
-                if row["error"]:
-                    c.error = RunError(row["error"]["code"], row["error"]["message"])
-                live.admitted, live.closed = True, True
-            elif state is RunState.RUNNING and self._reattach(live, events, now):
-                pass
-            elif state is not RunState.PENDING or launched:
-                # It ran under the previous service and its workers are gone (or not all there).
-                close = getattr(group, "close", None)
-                if close is not None:
-                    close()  # what is left of them must not hold GPU slots
-                c.events.add(now, max(c.attempt, 0), EventKind.SERVICE_RESTARTED, previous_state=state.value,
-                             action="resume from the latest verified checkpoint as a new attempt")
-                if store is None:
-                    c.fail(now, "store_unavailable", f"checkpoint.uri {spec.checkpoint.uri!r} cannot be reached")
-                    live.admitted, live.closed = True, True
+            carried = carry_on(c, row, events, store_reachable=store is not None, now=now)
+            live.admitted = carried in (Carried.ENDED, Carried.REATTACHED, Carried.FAILED)
+            live.closed = carried in (Carried.ENDED, Carried.FAILED)
             self._runs[run_id] = live
             self._save(live)
         for live in self._runs.values():
             if live.admitted and not live.closed and self.threads:
                 self._start_driver(live)
-
-    def _reattach(self, live: LiveRun, events: list[dict[str, Any]], now: float) -> bool:
-        """A run that was training when the previous service died: take over its attempt if every rank
-        of it still trains (the workers outlive the service on a cluster it joined)."""
-        c = live.controller
-        attach = getattr(live.group, "attach", None)
-        started = [e for e in events if e["kind"] == EventKind.ATTEMPT_STARTED]
-        if attach is None or not started or started[-1]["attempt"] != c.attempt:
-            return False
-        d = started[-1]["detail"]
-        try:
-            mesh = {**(d.get("mesh") or {}), "dp_replicas": d.get("dp_replicas", 1)}
-            placement = placement_from_rows(d["placement"], mesh, d.get("spares") or [])
-            attempt = c.attempt_spec(c.attempt, placement, start_step=int(d.get("start_step") or 0),
-                                     cursor=int(d.get("cursor") or 0), resume_step=d.get("resume_step"))
-            if not attach(attempt):
-                return False
-        except Exception as e:  # noqa: BLE001 - not attachable: the caller resumes from a checkpoint
-            print(f"goodput: run {c.run_id}: cannot re-attach ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-            return False
-        c.adopt(now, attempt)
-        c.confine(set(placement.nodes_used()) | set(placement.spares))
-        c.events.add(now, c.attempt, EventKind.SERVICE_RESTARTED, previous_state="running",
-                     action=f"re-attached to the live workers of attempt {c.attempt}")
-        live.admitted = True
-        return True
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _live(self, run_id: str) -> LiveRun:
@@ -787,16 +732,6 @@ class Service:
                 out.append(run_id)
             n += 1
         return out
-
-
-def placement_from_rows(rows: list[dict[str, Any]], mesh: dict[str, int], spares: list[str]) -> Placement:
-    """The Placement an `attempt_started` event recorded."""
-    ordered = sorted(rows, key=lambda r: r["rank"])
-    shape = MeshShape(dp=mesh.get("dp", 1), pp=mesh.get("pp", 1), tp=mesh.get("tp", 1),
-                      dp_replicas=mesh.get("dp_replicas", 1))
-    return Placement(mesh=shape, node_of_rank=tuple(r["node"] for r in ordered),
-                     gpu_of_rank=tuple(int(r["gpu"]) for r in ordered),
-                     rack_of_node={r["node"]: r["rack"] for r in ordered}, spares=tuple(spares))
 
 
 def _within(seconds: float, fn: Callable[[], None]) -> BaseException | None:

@@ -308,3 +308,17 @@ def test_goodput_run_refuses_to_start_over_another_models_checkpoints(tmp_path: 
     assert refused.value.code == "checkpoint_mismatch"
     assert "d_model 64 there, 128 here" in refused.value.message
     assert service.runs() == []
+
+
+def test_index_changes_names_the_commits_an_index_lacks_and_the_steps_the_store_lost(tmp_path: Path) -> None:
+    """The store holds steps 10 and 20 (and 40 with an unreadable manifest); the index lists 20 and 30:
+    10 is missing from the index, 30 is gone from the store, 40 is no checkpoint at all."""
+    from checkpointing.manifest import index_changes, step_prefix
+
+    store = LocalStore(tmp_path)
+    for step in (10, 20, 40):
+        _commit_of_model(store, "r", step, d_model=64)
+    (tmp_path / step_prefix("r", 40) / "manifest.json").write_text("{not json")
+    missing, gone = index_changes(store, "r", {20, 30})
+    assert [m.step for m in missing] == [10] and missing[0].cursor == 160
+    assert gone == [30]

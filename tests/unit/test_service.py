@@ -351,3 +351,19 @@ def test_a_release_that_lands_while_the_driver_notes_quarantines_is_not_undone(t
     state = {n["name"]: n["state"] for n in s.cluster_view()["nodes"]}[node]
     assert state != "quarantined", "the release was undone by a concurrent note"
     assert [r["state"] for r in h.registry.node_rows() if r["name"] == node] == ["released"]
+
+
+def test_admission_admits_what_fits_waits_for_what_could_and_refuses_what_never_can() -> None:
+    """The scheduler's rule on hand-made topologies: 8 GPUs free of 12 admit a dp4 x tp2 run; 4 free
+    make it wait (saying how many are free); 4 in all refuse it."""
+    from controller.service.scheduler import Verdict, admission
+    from controller.topology import Topology
+
+    spec = parse_spec(raw_spec("a", dp=4, tp=2))
+    six = Topology.from_local(nodes=6, gpus_per_node=2, racks=2, spares=0)
+    four, two = Topology(six.nodes[:4]), Topology(six.nodes[:2])
+    assert admission(spec, four, six) == (Verdict.ADMIT, "")
+    verdict, reason = admission(spec, two, six)
+    assert verdict is Verdict.WAIT and "4 free GPU(s)" in reason
+    verdict, reason = admission(spec, two, two)
+    assert verdict is Verdict.REFUSE and "can no longer hold" in reason

@@ -1,0 +1,39 @@
+"""Admission: which queued run starts now. Runs are admitted in submission order (first come, first
+served), each when its plan fits the nodes no other run holds; a run that does not fit blocks the ones
+behind it (no overtaking: a big run is never starved by small ones), and a run the whole cluster can no
+longer hold (nodes quarantined or lost since it was queued) is refused. Pure: the service's scheduler
+thread applies the verdicts."""
+
+from __future__ import annotations
+
+import enum
+
+from controller.planner import plan_run
+from controller.spec import RunSpec, SpecError
+from controller.topology import NodeState, Topology
+
+BEHIND_EARLIER = "runs submitted earlier wait for capacity first"
+
+
+class Verdict(enum.Enum):
+    ADMIT = "admit"
+    WAIT = "wait"
+    REFUSE = "refuse"
+
+
+def admission(spec: RunSpec, free: Topology, total: Topology) -> tuple[Verdict, str]:
+    """The verdict on the first queued run and why: `free` are the nodes no run holds, `total` every
+    node the service may use. Every run queued behind one that waits waits too (BEHIND_EARLIER)."""
+    try:
+        plan_run(spec, free)
+        return Verdict.ADMIT, ""
+    except SpecError as e:
+        try:
+            plan_run(spec, total)
+        except SpecError as never:
+            return Verdict.REFUSE, f"the service's cluster can no longer hold the run: {never}"
+        return Verdict.WAIT, f"waiting for capacity: {free_gpus(free)} free GPU(s) now; {e}"
+
+
+def free_gpus(topology: Topology) -> int:
+    return sum(n.num_gpus for n in topology.nodes if n.state is NodeState.HEALTHY)
