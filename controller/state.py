@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 from checkpointing.manifest import ForeignCheckpoints, IdentityMismatch, discard_after, resume_point
-from checkpointing.policy import observed_mtbf_s
+from checkpointing.schedule import observed_mtbf_s
 from checkpointing.store import ObjectStore, StoreError, StoreOutage
 from controller.attempt import AttemptSpec, GroupStatus, PollResult, WorkerGroup
 from controller.events import EventKind, EventLog

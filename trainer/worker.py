@@ -17,7 +17,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from checkpointing.manifest import read_manifest
-from checkpointing.policy import DEFAULT_MTBF_S, interval_steps
+from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import OutageGate, open_store
 from trainer.config import TrainerConfig, config_from_dict
 from trainer.parallel import build_mesh, choose_device, init_process_group
@@ -118,7 +118,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                                         keep=args.checkpoint_keep, sink=sink, use_async=args.checkpoint_async,
                                         staging_dir=Path(args.staging_dir),
                                         retry_budget_s=args.store_retry_budget_s)
-        interval = _Interval(args)
+        interval = CheckpointInterval(args.checkpoint_every, auto=args.checkpoint_auto, mtbf_s=args.mtbf_s)
         last: StepReport | None = None
         while trainer.step < args.config.train.steps:
             last = trainer.train_step()
@@ -130,40 +130,15 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                 if timing.skipped is None:
                     if args.rank == 0:
                         sink.event("checkpoint_staged", {"step": timing.step, "blocked_s": timing.blocked_s})
-                    interval.measured(timing.blocked_s, last.step_time_s, sink)
+                    chosen = interval.measured(timing.blocked_s, last.step_time_s)
+                    if chosen is not None:
+                        sink.event("checkpoint_interval", chosen)
         return WorkerSummary(rank=args.rank, step=trainer.step, cursor=trainer.cursor,
                              last_loss=last.loss if last else None)
     finally:
         if checkpointer is not None:
             checkpointer.close()
         dist.destroy_process_group()
-
-
-class _Interval:
-    """Fixed every-N steps, or Young/Daly from the measured blocking cost of the first save."""
-
-    FIRST_AUTO_STEP = 10
-
-    def __init__(self, args: WorkerArgs) -> None:
-        # auto: the interval an earlier attempt chose (the controller passes it), else a first save at
-        # step 10; either way the first save's cost sets it again (the MTBF may have changed)
-        self.every = args.checkpoint_every if not args.checkpoint_auto else (args.checkpoint_every or
-                                                                              self.FIRST_AUTO_STEP)
-        self.auto = args.checkpoint_auto
-        self.mtbf_s = args.mtbf_s or DEFAULT_MTBF_S
-        self.chosen = False
-
-    def due(self, step: int, last_step: int) -> bool:
-        return step == last_step or step % self.every == 0
-
-    def measured(self, blocked_s: float, step_time_s: float, sink: ReportSink) -> None:
-        if not self.auto or self.chosen:
-            return
-        self.every = interval_steps(blocked_s, self.mtbf_s, step_time_s)
-        self.chosen = True
-        sink.event("checkpoint_interval", {"steps": self.every, "save_cost_s": blocked_s,
-                                           "mtbf_s": self.mtbf_s, "step_time_s": step_time_s,
-                                           "rule": "young_daly"})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,7 @@ The worker group behaves as the Ray one does, seen from the controller: a launch
 model's restart (plus its restore when resuming), then steps end every `step_s`; a save blocks the
 loop for the staging stall and commits a real manifest `checkpoint_save_s` later (retention as the
 trainer applies it); the interval is every N steps or, for `auto`, the Young/Daly interval from the
-first save's stall, with the MTBF the controller passes (checkpointing.policy, the trainer's rule).
+first save's stall, with the MTBF the controller passes (checkpointing.schedule, the trainer's rule).
 An incident stops the group at its time and shows up in a poll as what the Ray edge would report,
 after the latency it would take: a lost node (GPU or host) as a dead node after the detection
 latency; a network fault as collective errors after the collective timeout (unless the
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from checkpointing.manifest import MANIFEST, step_prefix
-from checkpointing.policy import DEFAULT_MTBF_S, interval_steps
+from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import AlreadyExists, ObjectInfo
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
@@ -35,8 +35,6 @@ from controller.sim.model import CostModel, Incident
 from controller.topology import Topology
 from trainer.report import StepReport
 
-FIRST_AUTO_STEP = 10
-"""As the trainer: an `auto` interval saves at step 10 first, then follows Young/Daly."""
 CHUNK_STEPS = 2000
 HANG_POLL_S = 5.0
 """How often a stopped group is polled (as the service polls a live one: its silence is evidence)."""
@@ -154,9 +152,8 @@ class SimWorkerGroup:
         self.stop_at: float | None = None
         self.signals: list[_Signal] = []
         self.commits: list[tuple[float, int]] = []
-        self.every = attempt.checkpoint_every if not attempt.checkpoint_auto else (attempt.checkpoint_every or
-                                                                                   FIRST_AUTO_STEP)
-        self.chosen = not attempt.checkpoint_auto
+        self.interval = CheckpointInterval(attempt.checkpoint_every, auto=attempt.checkpoint_auto,
+                                           mtbf_s=attempt.mtbf_s)
         self.nodes = set(attempt.placement.node_of_rank)
         self.loss_rank = attempt.config.mesh.world_size - 1
         self.full_world = self.full_world or attempt.config.mesh.world_size
@@ -247,7 +244,7 @@ class SimWorkerGroup:
                 chunk = min(chunk, self.wake_at_step - self.step)  # a drill waits for this step
             if self.attempt is not None and self.attempt.checkpoint_uri is not None:
                 # the next save's commit: the controller acts on commits (growing back, replacing stragglers)
-                save = min((self.step // self.every + 1) * self.every, self.total_steps)
+                save = min((self.step // self.interval.every + 1) * self.interval.every, self.total_steps)
                 times.append(self.next_start + (save - self.step) * self._step_s(self.next_start)
                              + self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s)
             times.append(self.next_start + chunk * self._step_s(self.next_start))
@@ -286,17 +283,14 @@ class SimWorkerGroup:
             else:
                 self._held.append(report)
             self.next_start = end
-            if a.checkpoint_uri is not None and (self.step == self.total_steps or self.step % self.every == 0):
+            if a.checkpoint_uri is not None and self.interval.due(self.step, self.total_steps):
                 self.next_start += self.cost.checkpoint_stall_s
                 self.commits.append((end + self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, self.step))
                 self.pending_events.append((0, EventKind.CHECKPOINT_STAGED, {"step": self.step,
                                                                      "blocked_s": self.cost.checkpoint_stall_s}))
-                if not self.chosen:
-                    self.chosen = True
-                    self.every = interval_steps(self.cost.checkpoint_stall_s, a.mtbf_s or DEFAULT_MTBF_S, step_s)
-                    self.pending_events.append((0, EventKind.CHECKPOINT_INTERVAL, {
-                        "steps": self.every, "save_cost_s": self.cost.checkpoint_stall_s,
-                        "mtbf_s": a.mtbf_s or DEFAULT_MTBF_S, "step_time_s": step_s, "rule": "young_daly"}))
+                chosen = self.interval.measured(self.cost.checkpoint_stall_s, step_s)
+                if chosen is not None:
+                    self.pending_events.append((0, EventKind.CHECKPOINT_INTERVAL, chosen))
         if result is not None and self._held:
             result.reports[:0] = self._held
             self._held = []

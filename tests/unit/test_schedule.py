@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from checkpointing.policy import DEFAULT_MTBF_S, interval_steps, observed_mtbf_s, young_daly_interval_s
+from checkpointing.schedule import DEFAULT_MTBF_S, interval_steps, observed_mtbf_s, young_daly_interval_s
 
 
 @pytest.mark.parametrize("cost, mtbf, expected", [(2.0, 3600.0, 120.0), (0.5, 10_800.0, math.sqrt(10_800.0)),
