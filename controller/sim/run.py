@@ -16,7 +16,8 @@ from typing import Any
 
 from controller.events import EventKind
 from controller.drills import DrillKind
-from controller.sim.group import MemoryStore, SimCluster, SimWorkerGroup, VirtualClock, spare_topology
+from checkpointing.store import MemoryStore
+from controller.sim.group import SimCluster, SimWorkerGroup, VirtualClock, spare_topology
 from controller.sim.model import Incident, cost_model, incidents, mtbf_hours
 from controller.spec import FailureModelSpec, RunSpec, SpecError, parse_spec
 from controller.planner import plan_run
