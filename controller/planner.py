@@ -153,3 +153,8 @@ def plan_run(spec: RunSpec, topology: Topology) -> tuple[MeshPlan, Placement]:
         return plan, place(plan.mesh, topology)
     except (PlanError, PlacementError) as e:
         raise SpecError(str(e)) from None
+
+
+def plan_local(spec: RunSpec) -> tuple[MeshPlan, Placement]:
+    """Plan and place on the spec's `cluster.local`; SpecError says what does not fit."""
+    return plan_run(spec, spec.topology())

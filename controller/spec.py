@@ -6,12 +6,14 @@ turns a spec into the trainer's frozen config for one attempt's mesh. Imports no
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from checkpointing.store import ObjectStore, StoreError, open_store
 from controller.drills import DrillKind, params_problem
 from trainer.config import (
     DataConfig, MeshShape, ModelConfig, ProbeConfig, Schedule, TrainConfig, TrainerConfig,
@@ -281,3 +283,28 @@ def load_spec(path: str | Path) -> RunSpec:
     except yaml.YAMLError as e:
         raise SpecError(f"spec {path} is not valid YAML: {e}") from None
     return parse_spec(raw)
+
+
+def checkpoint_store(spec: RunSpec, *, probe: bool = True) -> ObjectStore:
+    """The spec's checkpoint store (a local path made absolute: actors do not share our cwd), proven
+    writable by a probe object unless told not to (the service probes on its own, with a deadline)."""
+    uri = spec.checkpoint.uri
+    try:
+        store = open_store(uri)
+    except StoreError as e:
+        raise SpecError(f"checkpoint.uri {uri!r}: {e}") from None
+    if probe:
+        probe_store(store, uri)
+    return store
+
+
+def probe_store(store: ObjectStore, uri: str) -> None:
+    """Write and delete a probe object; SpecError says why the store cannot be written."""
+    try:
+        key = f".goodput-write-test-{time.time_ns()}"
+        store.put_bytes(key, b"ok")
+        store.delete_prefix(key)
+    except StoreError as e:
+        raise SpecError(f"checkpoint.uri {uri!r} cannot be written: {e}") from None
+    except OSError as e:
+        raise SpecError(f"checkpoint.uri {uri!r} cannot be written: {e.strerror}") from None

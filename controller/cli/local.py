@@ -23,7 +23,7 @@ def cmd_run(opts: argparse.Namespace) -> int:
     spec = load_spec(opts.spec)
     if opts.launcher == "torchrun":
         return _run_torchrun(spec, opts)
-    from controller.ray.runner import run_foreground
+    from controller.service.main import run_foreground
     from controller.service.app import ApiBindError
     from controller.state import RunController
     from controller.cli.ui import ProgressView
@@ -135,7 +135,7 @@ def _run_torchrun(spec: Any, opts: argparse.Namespace) -> int:
 
 
 def cmd_plan(opts: argparse.Namespace) -> int:
-    from controller.ray.runner import plan_local
+    from controller.planner import plan_local
 
     spec = load_spec(opts.spec)
     if spec.cluster.address:

@@ -264,3 +264,11 @@ def _kill_own_raylet() -> int | str:
     os.kill(parent, signal.SIGKILL)
     time.sleep(5)  # the raylet's death takes this worker with it
     return parent
+
+
+def make_cluster(address: str | None, local: LocalClusterSpec | None, *, log_dir: str | None = None,
+                 repair_after_s: float | None = None) -> LocalRayCluster | RemoteRayCluster:
+    """A Ray cluster to join at `address`, else an embedded one of `local` (default: LocalClusterSpec())."""
+    if address:
+        return RemoteRayCluster(address)
+    return LocalRayCluster(local or LocalClusterSpec(), log_dir=log_dir, repair_after_s=repair_after_s)

@@ -1,4 +1,8 @@
-"""`goodput serve`: the long-lived service. One Ray cluster (embedded, or joined with --address), the
+"""Where Ray and the service meet: `goodput serve` (the long-lived service) and `goodput run` (one run
+in the foreground, as the one run of a service that takes no submissions), each on an embedded or joined
+Ray cluster.
+
+`goodput serve`: the long-lived service. One Ray cluster (embedded, or joined with --address), the
 registry under --state-dir (or --db), the REST API on --host:--port, until SIGTERM or Ctrl-C.
 
 Stopping (or dying) leaves unfinished runs unfinished in the registry; the next `goodput serve` on the
@@ -12,7 +16,20 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from checkpointing.store import StoreError
+from controller.planner import plan_local
+from controller.spec import RunSpec, SpecError, checkpoint_store, probe_store
+from controller.topology import Topology
+
+if TYPE_CHECKING:
+    from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
+    from controller.service.registry import Registry
+    from controller.service.service import Service
+    from controller.state import RunController
 
 
 EMBEDDED_CLUSTER = {"nodes": 5, "gpus_per_node": 2, "racks": 2, "spares": 1}
@@ -49,8 +66,7 @@ def log(message: str) -> None:
 
 def serve_forever(opts: ServeOptions) -> int:
     from controller.service.auth import TOKEN_ENV
-    from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
-    from controller.ray.runner import ray_service
+    from controller.ray.cluster import LocalRayCluster, make_cluster
     from controller.service.app import ApiServer, create_app
     from controller.service.auth import check_bind, ensure_token
     from controller.service.registry import Registry, sqlite_url
@@ -69,14 +85,11 @@ def serve_forever(opts: ServeOptions) -> int:
         log(f"API token from {TOKEN_ENV}")
     registry = Registry(opts.db or sqlite_url(opts.state_dir))
     log(f"registry {_safe_url(registry.url)}")
-    cluster: LocalRayCluster | RemoteRayCluster
-    if opts.address:
-        cluster = RemoteRayCluster(opts.address)
-    else:
-        cluster = LocalRayCluster(LocalClusterSpec(nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node,
-                                                   racks=opts.racks, spares=opts.spares,
-                                                   gpu_memory_gb=opts.gpu_memory_gb),
-                                  log_dir=os.path.join(state, "logs"), repair_after_s=opts.repair_after_s)
+    cluster = make_cluster(opts.address, LocalClusterSpec(nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node,
+                                                           racks=opts.racks, spares=opts.spares,
+                                                           gpu_memory_gb=opts.gpu_memory_gb),
+                           log_dir=os.path.join(state, "logs"), repair_after_s=opts.repair_after_s)
+    if isinstance(cluster, LocalRayCluster):
         log(f"the embedded Ray cluster's own logs: {cluster.processes_log}; a killed node "
             + (f"comes back after {opts.repair_after_s:g} s" if opts.repair_after_s is not None else "stays lost"))
     if not opts.address:
@@ -126,6 +139,95 @@ def serve_forever(opts: ServeOptions) -> int:
         cluster.shutdown()
         (state / PIDS_FILE).unlink(missing_ok=True)
     return 0
+
+
+def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluster, *,
+                view: Callable[[Topology], Topology] | None = None, accept_submissions: bool = True,
+                poll_s: float = 0.2, node_actions: Any = None, store_host: str = "127.0.0.1",
+                relative_root: Path | None = None) -> "Service":
+    """A service whose runs train on `cluster` with Ray worker groups (goodput serve, goodput run).
+    `store_host`: the address of this process the ranks reach for their rendezvous store (on
+    Kubernetes, the controller pod's IP). `relative_root`: where submitted relative checkpoint paths
+    land (goodput serve: its state dir)."""
+    from controller.ray.drills import RayDrillInjector
+    from controller.ray.worker_group import RayWorkerGroup
+    from controller.service.service import Service
+
+    def group(spec: RunSpec, run_id: str) -> RayWorkerGroup:
+        # A long-lived service names its runs' actors so that they outlive it and it can re-attach.
+        return RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s,
+                              name=run_id if accept_submissions else None, store_host=store_host)
+
+    def injector(g: Any) -> RayDrillInjector:
+        return RayDrillInjector(cluster, g)
+
+    return Service(registry, cluster, group_factory=group, injector_factory=injector,
+                   store_factory=lambda spec: checkpoint_store(spec, probe=False), store_probe=probe_store, view=view,
+                   accept_submissions=accept_submissions, poll_s=poll_s,
+                   node_actions=node_actions, relative_root=relative_root)
+
+
+def preflight(spec: RunSpec) -> None:
+    """Everything that can be checked without a cluster, so bad input starts nothing: among it, that
+    the checkpoints already under the run's name (which it resumes) are of its model."""
+    from checkpointing.manifest import CheckpointError, IdentityMismatch, check_identity, committed_steps, read_manifest
+    from trainer.config import state_fingerprint, state_identity
+
+    store = checkpoint_store(spec)
+    try:
+        steps = committed_steps(store, spec.name)
+        if steps:
+            model = spec.to_model_config()
+            check_identity(read_manifest(store, spec.name, steps[-1]), state_fingerprint(model),
+                           state_identity(model), store.uri)
+    except IdentityMismatch as e:
+        raise SpecError(str(e)) from None
+    except (CheckpointError, StoreError):
+        pass  # unreadable or unreachable now: the run's own checkpoint search decides, with retries
+    if spec.cluster.address is None:
+        plan_local(spec)
+    elif (fixed := spec.fixed_mesh()) is not None:
+        spec.trainer_config(fixed)
+
+
+def run_foreground(spec: RunSpec, *, on_tick: "Callable[[RunController], None] | None" = None, api: tuple[str, int] | None = None,
+                   api_any_port: bool = False, on_api: Callable[[str], None] | None = None,
+                   token: str | None = None, log_dir: str | None = None) -> dict[str, Any]:
+    """Start the cluster, run, stop the cluster; the final Run object. The run is the one run of a
+    service that takes no submissions; with `api` (host, port) its REST API serves the run while it
+    lasts (its URL goes to `on_api`); `api_any_port`: if that port is taken, a free one; `log_dir`:
+    where an embedded cluster's processes write their own output."""
+    from controller.ray.cluster import make_cluster
+    from controller.ray.runner import spec_view
+    from controller.service.app import create_app, serve
+    from controller.service.registry import Registry
+
+    preflight(spec)
+    cluster = make_cluster(spec.cluster.address, spec.cluster.local, log_dir=log_dir)
+    cluster.start()
+    server = None
+    registry = Registry("sqlite://")
+    service = ray_service(registry, cluster, view=lambda t: spec_view(t, spec), accept_submissions=False)
+    try:
+        service.start()
+        run_id = service.add(spec)["id"]
+        if api is not None:
+            server = serve(create_app(service, token=token), *api, any_port=api_any_port)
+            if on_api is not None:
+                on_api(server.url)
+        try:
+            service.wait(run_id, on_tick=on_tick)
+        except BaseException:
+            service.cancel(run_id)
+            service.wait(run_id, timeout_s=60)
+            raise
+        return service.controller(run_id).to_dict(time.time())
+    finally:
+        if server is not None:
+            server.stop()
+        service.stop()
+        registry.close()
+        cluster.shutdown()
 
 
 def _kubernetes_enabled(mode: str) -> bool:

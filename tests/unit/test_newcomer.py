@@ -104,7 +104,7 @@ def test_a_new_run_refuses_at_launch_checkpoints_it_could_not_see_at_submission(
 def test_a_relative_checkpoint_uri_lands_under_the_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """file://./goodput-runs, the example's, resolves against the service's state dir, not against the
     directory the service happened to be started in; the Run object says where."""
-    from controller.ray.runner import checkpoint_store
+    from controller.spec import checkpoint_store
 
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
