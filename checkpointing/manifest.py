@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from checkpointing.store import AlreadyExists, NotFound, ObjectStore
+from checkpointing.store import AlreadyExists, NotFound, ObjectStore, StoreError
 
 MANIFEST = "manifest.json"
 RANKS = "_ranks"
@@ -258,6 +258,54 @@ def discard_after(store: ObjectStore, run_id: str, step: int) -> list[int]:
         store.delete_prefix(f"{prefix}/{MANIFEST}")
         store.delete_prefix(prefix + "/")
     return newer
+
+
+SDC_DISCARD = "committed after step {step}, when silent data corruption may already have begun"
+
+
+class Discards:
+    """The discards a run owes its store before its next attempt reads it: a resume to an older step
+    (`resume_to`), an SDC rollback (`roll_back`: commits after the last step the probes vouch for). A
+    store that does not answer loses none of them: each is owed until the store took it, and the steps
+    it removed (with why) are kept until `take_done` hands them over for the timeline."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.resume_at: int | None = None
+        self.rollback: int | None = None
+        self._done: list[tuple[int, str]] = []
+
+    def resume_to(self, step: int | None) -> None:
+        self.resume_at = step
+
+    def roll_back(self, store: ObjectStore | None, through: int) -> list[tuple[int, str]]:
+        """Discard commits after `through` now if the store answers (the steps and why), else owe it
+        (the next `settle` does it, before any checkpoint is chosen). Call it with every rank stopped."""
+        if store is None:
+            return []
+        self.rollback = min(through, self.rollback if self.rollback is not None else through)
+        try:
+            steps = discard_after(store, self.run_id, self.rollback)
+        except StoreError:
+            return []
+        reason, self.rollback = SDC_DISCARD.format(step=self.rollback), None
+        return [(step, reason) for step in steps]
+
+    def settle(self, store: ObjectStore) -> None:
+        """Do every discard still owed; StoreError when the store cannot be reached (what was done stays done)."""
+        if self.resume_at is not None:
+            reason = f"the run was resumed from step {self.resume_at}"
+            self._done += [(s, reason) for s in discard_after(store, self.run_id, self.resume_at)]
+            self.resume_at = None
+        if self.rollback is not None:
+            reason = SDC_DISCARD.format(step=self.rollback)
+            self._done += [(s, reason) for s in discard_after(store, self.run_id, self.rollback)]
+            self.rollback = None
+
+    def take_done(self) -> list[tuple[int, str]]:
+        """The steps `settle` discarded, with why, since the last call."""
+        done, self._done = self._done, []
+        return done
 
 
 def index_changes(store: ObjectStore, run_id: str, indexed: set[int]) -> tuple[list[Manifest], list[int]]:

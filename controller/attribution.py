@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from typing import Any
 
 from controller.attempt import PollResult
+from controller.events import EventKind
 from controller.failure_policy import FailureCause, FailureEvent
 from health.hang import hang_verdict
 
@@ -127,3 +129,38 @@ class AttemptSignals:
         ranks = tuple(sorted(result.unresponsive)) or verdict.ranks
         return FailureEvent(time=now, cause=FailureCause.HANG, ranks=ranks,
                             message=f"no progress for {verdict.silent_s:.1f} s (limit {verdict.threshold_s:.1f} s)")
+
+
+def sdc_failure(now: float, detail: dict[str, Any], node_of_rank: tuple[str, ...]) -> tuple[FailureEvent, int]:
+    """An `sdc_suspect` event as the failure it is, and the last step the probes vouch for (commits after
+    it are discarded: they may hold corrupted state)."""
+    ranks = tuple(int(r) for r in detail.get("ranks", []))
+    nodes = tuple(sorted({node_of_rank[r] for r in ranks}))
+    clean = int(detail.get("clean_through_step", 0))
+    return FailureEvent(time=now, cause=FailureCause.SDC, nodes=nodes, ranks=ranks,
+                        message=f"silent data corruption suspected on rank(s) {list(ranks)} ({detail.get('check')} "
+                                f"check at step {detail.get('step')}); state known clean through step {clean}",
+                        evidence=detail.get("evidence") or {}), clean
+
+
+def final_save_failure(now: float, last_step: int, error: str) -> FailureEvent:
+    """The workers finished but the last step's checkpoint did not commit: not done until it is saved."""
+    return FailureEvent(time=now, cause=FailureCause.FINAL_SAVE_FAILED,
+                        message=f"the final checkpoint (step {last_step}) did not commit ({error}); the steps after "
+                                "the last committed one run again so the run's final state is saved")
+
+
+def failures_from(events: list[dict[str, Any]]) -> list[FailureEvent]:
+    """The failures a timeline records (a restored run's count against max_failures)."""
+    causes = {c.value for c in FailureCause}
+    return [FailureEvent(time=e["time"], cause=FailureCause(e["detail"]["cause"]),
+                         nodes=tuple(e["detail"].get("nodes") or ()), ranks=tuple(e["detail"].get("ranks") or ()),
+                         message=e["detail"].get("message", ""))
+            for e in events if e["kind"] == EventKind.FAILURE_DETECTED and e["detail"].get("cause") in causes]
+
+
+def quarantines_from(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The nodes a timeline quarantined for good (not merely lost): {node, reason, evidence, time}."""
+    return [{"node": e["detail"]["node"], "reason": e["detail"].get("reason"),
+             "evidence": e["detail"].get("evidence") or {}, "time": e["time"]}
+            for e in events if e["kind"] == EventKind.QUARANTINED and e["detail"].get("reason") != "lost"]

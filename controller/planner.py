@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from controller.placement import Placement, PlacementError, place
 from controller.spec import RunSpec, SpecError
-from controller.topology import Topology
+from controller.topology import NodeState, Topology
 from trainer.config import DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig
 
 _DUMMY_DATA = DataConfig()
@@ -153,6 +153,18 @@ def plan_run(spec: RunSpec, topology: Topology) -> tuple[MeshPlan, Placement]:
         return plan, place(plan.mesh, topology)
     except (PlanError, PlacementError) as e:
         raise SpecError(str(e)) from None
+
+
+def memory_problem(spec: RunSpec, topology: Topology, mesh: MeshShape) -> str | None:
+    """Why `mesh` does not fit the smallest healthy GPU of `topology` by the memory model (None: it fits)."""
+    gpus = [n.gpu_memory_bytes for n in topology.nodes if n.state in (NodeState.HEALTHY, NodeState.SPARE)]
+    if not gpus:
+        return None
+    static, act = memory_per_gpu(spec.to_model_config(), spec.to_train_config(), mesh)
+    need = static + act
+    if need > min(gpus):
+        return f"{need / 2**30:.1f} GiB per GPU > {min(gpus) / 2**30:.1f} GiB"
+    return None
 
 
 def plan_local(spec: RunSpec) -> tuple[MeshPlan, Placement]:

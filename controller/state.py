@@ -16,16 +16,16 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
-from checkpointing.manifest import ForeignCheckpoints, IdentityMismatch, discard_after, resume_point
+from checkpointing.manifest import Discards, ForeignCheckpoints, IdentityMismatch, resume_point
 from checkpointing.schedule import observed_mtbf_s
 from checkpointing.store import ObjectStore, StoreError, StoreOutage
 from controller.attempt import AttemptSpec, GroupStatus, PollResult, WorkerGroup
 from controller.events import EventKind, EventLog
 from controller.placement import Placement, place
-from controller.planner import MeshPlan, memory_per_gpu, plan_run
+from controller.planner import MeshPlan, memory_problem, plan_run
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
-from controller.attribution import AttemptSignals
+from controller.attribution import AttemptSignals, failures_from, final_save_failure, quarantines_from, sdc_failure
 from controller.drills import DrillError, DrillInjector, DrillRequest, RunDrills
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, capacity_decision, decide, grow_decision,
@@ -100,17 +100,13 @@ class RunController:
         """SDC: the last step the probes vouch for; newer commits are discarded once the attempt is down."""
         self._waiting_since: float | None = None
         self._last_failure: FailureEvent | None = None
-        self._resume_at: int | None = None
-        """A resume request's step: the next launch loads it (newer commits are discarded first)."""
+        self.discards = Discards(self.run_id)
+        """Discards owed before the next launch reads: a resume's step (newer commits go), an SDC rollback."""
         self.own_checkpoints_only = own_checkpoints_only
         """A submitted run (goodput serve) is a new run: it never loads a checkpoint committed before it
         was submitted (another run's, under the same id) unless resumed on purpose (`adopted`)."""
         self.adopted = False
         """Resumed on purpose (goodput resume): the checkpoints under its id are its to load, whoever wrote them."""
-        self._pending_discard: int | None = None
-        """An SDC rollback's discard the store could not take yet: done before the next launch reads."""
-        self._discarded: list[tuple[int, str]] = []
-        """Steps discarded before the store went away mid-search (their events are still owed)."""
         self.store_outage = StoreOutage(spec.checkpoint.retry_budget_s)
         self.waiting_for: str | None = None
         """Why a submitted run has not started (set by the service that queues it)."""
@@ -203,14 +199,8 @@ class RunController:
         self._auto_interval = int(intervals[-1]) if intervals else 0
         self.attempt = max((e["attempt"] for e in events if e["kind"] == EventKind.ATTEMPT_STARTED), default=-1)
         self.adopted = any(e["kind"] == EventKind.RESUME_REQUESTED for e in events)
-        self.quarantined = [{"node": e["detail"]["node"], "reason": e["detail"].get("reason"),
-                             "evidence": e["detail"].get("evidence") or {}, "time": e["time"]}
-                            for e in events if e["kind"] == EventKind.QUARANTINED and e["detail"].get("reason") != "lost"]
-        self.failures = [FailureEvent(time=e["time"], cause=FailureCause(e["detail"]["cause"]),
-                                      nodes=tuple(e["detail"].get("nodes") or ()), ranks=tuple(e["detail"].get("ranks") or ()),
-                                      message=e["detail"].get("message", ""))
-                         for e in events if e["kind"] == EventKind.FAILURE_DETECTED
-                         and e["detail"].get("cause") in {c.value for c in FailureCause}]
+        self.quarantined = quarantines_from(events)
+        self.failures = failures_from(events)
         self.drills.restore(events)
 
     def attempt_spec(self, attempt: int, placement: Placement, *, start_step: int, cursor: int,
@@ -247,7 +237,7 @@ class RunController:
         assert self.state.terminal
         self.spec = spec
         self.worker_group, self.injector = worker_group, injector
-        self._resume_at = step
+        self.discards.resume_to(step)
         self._cancel_requested = False
         self.error = None
         self.finished_at = None
@@ -334,20 +324,12 @@ class RunController:
         decided from an outage."""
         if self.checkpoint_store is None:
             return 0, 0, None, [], []
-        discarded = self._discarded  # kept across tries: an outage after a discard loses no event
-        if self._resume_at is not None:
-            reason = f"the run was resumed from step {self._resume_at}"
-            discarded += [(s, reason) for s in self._discard_after(self._resume_at)]
-            self._resume_at = None
-        if self._pending_discard is not None:
-            discarded += [(s, _SDC_DISCARD.format(step=self._pending_discard))
-                          for s in self._discard_after(self._pending_discard)]
-            self._pending_discard = None
+        self.discards.settle(self.checkpoint_store)
         model = self.spec.to_model_config()
         found = resume_point(self.checkpoint_store, self.run_id, identity=state_fingerprint(model),
                              identity_detail=state_identity(model),
                              not_before=self.created_at if self.own_checkpoints_only and not self.adopted else None)
-        self._discarded = []
+        discarded = self.discards.take_done()  # kept across tries: an outage after a discard loses no event
         if found is None:
             return 0, 0, None, [], discarded
         manifest, skipped = found
@@ -366,10 +348,6 @@ class RunController:
         down = self.store_outage.answered(now)
         if down is not None:
             self.events.add(now, max(self.attempt, 0), EventKind.STORE_AVAILABLE, down_s=down)
-
-    def _discard_after(self, step: int) -> list[int]:
-        assert self.checkpoint_store is not None
-        return discard_after(self.checkpoint_store, self.run_id, step)
 
     def _reset_attempt_tracking(self) -> None:
         self.signals = AttemptSignals()
@@ -415,7 +393,9 @@ class RunController:
         if suspect is None and committed and (self._maybe_replace_stragglers(now) or self._maybe_grow(now)):
             return
         if suspect is not None:  # the probes' evidence is the cause; the ranks' errors that follow are not
-            self._recover(now, self._sdc_failure(now, suspect))
+            assert self.placement is not None
+            sdc, self._rollback_through = sdc_failure(now, suspect, self.placement.node_of_rank)
+            self._recover(now, sdc)
             return
         failure = self._detect(now, result)
         if failure is not None:
@@ -423,11 +403,7 @@ class RunController:
         elif result.status is GroupStatus.FINISHED and self.signals.since is None:
             self._shutdown()
             if self._final_save_error is not None:
-                self._recover(now, FailureEvent(
-                    time=now, cause=FailureCause.FINAL_SAVE_FAILED,
-                    message=f"the final checkpoint (step {self.spec.train.steps}) did not commit "
-                            f"({self._final_save_error}); the steps after the last committed one run again "
-                            "so the run's final state is saved"))
+                self._recover(now, final_save_failure(now, self.spec.train.steps, self._final_save_error))
                 return
             self._finish(now, RunState.SUCCEEDED, step=self.progress.step)
         else:
@@ -463,17 +439,6 @@ class RunController:
                     "checkpoint"))
         return True
 
-    def _sdc_failure(self, now: float, detail: dict[str, Any]) -> FailureEvent:
-        assert self.placement is not None
-        ranks = tuple(int(r) for r in detail.get("ranks", []))
-        nodes = tuple(sorted({self.placement.node_of_rank[r] for r in ranks}))
-        clean = int(detail.get("clean_through_step", 0))
-        self._rollback_through = clean
-        return FailureEvent(time=now, cause=FailureCause.SDC, nodes=nodes, ranks=ranks,
-                            message=f"silent data corruption suspected on rank(s) {list(ranks)} ({detail.get('check')} "
-                                    f"check at step {detail.get('step')}); state known clean through step {clean}",
-                            evidence=detail.get("evidence") or {})
-
     def _detect(self, now: float, result: PollResult) -> FailureEvent | None:
         assert self.placement is not None
         return self.signals.failure(now, result, self.placement.node_of_rank, hang_factor=self.spec.health.hang_factor,
@@ -485,20 +450,13 @@ class RunController:
                         ranks=list(failure.ranks), message=failure.message, step=self.progress.step)
         self._last_failure = failure
         self._shutdown()
-        if self._rollback_through is not None and self.checkpoint_store is not None:
+        if self._rollback_through is not None:
             # Whatever is decided next (even to fail), a later resume must not load suspect state;
             # a store that does not answer now gets the discard before the next launch reads it.
-            through = min(self._rollback_through, self._pending_discard or self._rollback_through)
-            self._pending_discard = through
-            try:
-                with self.outside_lock():
-                    discarded = self._discard_after(through)
-                for step in discarded:
-                    self.events.add(now, self.attempt, EventKind.CHECKPOINT_DISCARDED, step=step,
-                                    reason=_SDC_DISCARD.format(step=through))
-                self._pending_discard = None
-            except StoreError:
-                pass
+            with self.outside_lock():
+                discarded = self.discards.roll_back(self.checkpoint_store, self._rollback_through)
+            for step, reason in discarded:
+                self.events.add(now, self.attempt, EventKind.CHECKPOINT_DISCARDED, step=step, reason=reason)
         self._rollback_through = None
         decision = decide(
             now, event=failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
@@ -555,15 +513,7 @@ class RunController:
             self._apply(now, decision)
 
     def _fits(self, mesh: MeshShape) -> str | None:
-        """None when the mesh's memory per GPU (the planner's model) fits the smallest healthy GPU."""
-        gpus = [n.gpu_memory_bytes for n in self.topology.nodes if n.state in (NodeState.HEALTHY, NodeState.SPARE)]
-        if not gpus:
-            return None
-        static, act = memory_per_gpu(self.spec.to_model_config(), self.spec.to_train_config(), mesh)
-        need = static + act
-        if need > min(gpus):
-            return f"{need / 2**30:.1f} GiB per GPU > {min(gpus) / 2**30:.1f} GiB"
-        return None
+        return memory_problem(self.spec, self.topology, mesh)
 
     def _maybe_grow(self, now: float) -> bool:
         """At a checkpoint boundary, grow back towards the spec's mesh if lost nodes returned."""
@@ -642,5 +592,3 @@ class RunController:
     def to_dict(self, now: float, *, full: bool = True) -> dict[str, Any]:
         return run_view(self, now, full=full)
 
-
-_SDC_DISCARD = "committed after step {step}, when silent data corruption may already have begun"
