@@ -18,6 +18,7 @@ from controller.attempt import PollResult
 from controller.events import EventKind
 from controller.failure_policy import FailureCause, FailureEvent
 from health.hang import hang_verdict
+from health.straggler import RankScore, StragglerVerdict
 
 ATTRIBUTION_GRACE_S = 3.0
 NODE_SUSPECT_GRACE_S = 20.0
@@ -164,3 +165,27 @@ def quarantines_from(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"node": e["detail"]["node"], "reason": e["detail"].get("reason"),
              "evidence": e["detail"].get("evidence") or {}, "time": e["time"]}
             for e in events if e["kind"] == EventKind.QUARANTINED and e["detail"].get("reason") != "lost"]
+
+
+def straggler_events(verdicts: list[StragglerVerdict], node_of_rank: tuple[str, ...], *, ratio: float,
+                     action: str) -> list[dict[str, Any]]:
+    """The `straggler` event detail of each verdict (the rank, its node, its score and on what basis)."""
+    return [{"rank": v.rank, "node": node_of_rank[v.rank], "score": round(v.score, 3), "basis": v.basis, "step": v.step,
+             "compute_s": v.compute_s, "ratio": ratio, "action": action} for v in verdicts]
+
+
+def straggler_replacement(now: float, candidates: set[int], scores: dict[int, RankScore],
+                          node_of_rank: tuple[str, ...], *, spare: bool, ratio: float, step: int
+                          ) -> tuple[FailureEvent | None, set[int]]:
+    """At a checkpoint (no step is lost), the ranks flagged for replacement that are still stragglers
+    become a `straggler` failure, if a spare can take their place; (the failure or None, the ranks still
+    to replace)."""
+    still = sorted(r for r in candidates if (score := scores.get(r)) is not None and score.straggler)
+    if not still or not spare:
+        return None, set(still)
+    nodes = tuple(sorted({node_of_rank[r] for r in still}))
+    relative = {r: round(scores[r].relative, 3) for r in still}
+    return FailureEvent(
+        time=now, cause=FailureCause.STRAGGLER, nodes=nodes, ranks=tuple(still),
+        message=f"rank(s) {still} on {list(nodes)} compute {relative} x their stage peers' median "
+                f"(straggler_ratio {ratio}); replaced at the step-{step} checkpoint"), set(still)

@@ -25,7 +25,10 @@ from controller.placement import Placement, place
 from controller.planner import MeshPlan, memory_problem, plan_run
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
-from controller.attribution import AttemptSignals, failures_from, final_save_failure, quarantines_from, sdc_failure
+from controller.attribution import (
+    AttemptSignals, failures_from, final_save_failure, quarantines_from, sdc_failure, straggler_events,
+    straggler_replacement,
+)
 from controller.drills import DrillError, DrillInjector, DrillRequest, RunDrills
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, capacity_decision, decide, grow_decision,
@@ -414,29 +417,22 @@ class RunController:
         their peers are replaced at the next checkpoint (no step is lost) when a spare exists."""
         if self.stragglers is None or self.placement is None:
             return
-        for verdict in self.stragglers.evaluate():
-            node = self.placement.node_of_rank[verdict.rank]
-            self.events.add(now, self.attempt, EventKind.STRAGGLER, rank=verdict.rank, node=node, score=round(verdict.score, 3),
-                            basis=verdict.basis, step=verdict.step, compute_s=verdict.compute_s,
-                            ratio=self.spec.health.straggler_ratio, action=self.spec.health.straggler_action)
-            if self.spec.health.straggler_action == "replace" and verdict.basis == "relative":
-                self._replace_stragglers.add(verdict.rank)
+        h = self.spec.health
+        for detail in straggler_events(self.stragglers.evaluate(), self.placement.node_of_rank, ratio=h.straggler_ratio,
+                                       action=h.straggler_action):
+            self.events.add(now, self.attempt, EventKind.STRAGGLER, **detail)
+            if h.straggler_action == "replace" and detail["basis"] == "relative":
+                self._replace_stragglers.add(detail["rank"])
 
     def _maybe_replace_stragglers(self, now: float) -> bool:
         if not self._replace_stragglers or self.stragglers is None or self.placement is None:
             return False
-        still = sorted(r for r in self._replace_stragglers
-                       if (score := self.stragglers.scores.get(r)) is not None and score.straggler)
-        self._replace_stragglers = set(still)
-        if not still or not self.topology.spares():
+        failure, self._replace_stragglers = straggler_replacement(
+            now, self._replace_stragglers, self.stragglers.scores, self.placement.node_of_rank,
+            spare=bool(self.topology.spares()), ratio=self.spec.health.straggler_ratio, step=self.progress.step)
+        if failure is None:
             return False
-        nodes = tuple(sorted({self.placement.node_of_rank[r] for r in still}))
-        scores = {r: round(self.stragglers.scores[r].relative, 3) for r in still}
-        self._recover(now, FailureEvent(
-            time=now, cause=FailureCause.STRAGGLER, nodes=nodes, ranks=tuple(still),
-            message=f"rank(s) {still} on {list(nodes)} compute {scores} x their stage peers' median "
-                    f"(straggler_ratio {self.spec.health.straggler_ratio}); replaced at the step-{self.progress.step} "
-                    "checkpoint"))
+        self._recover(now, failure)
         return True
 
     def _detect(self, now: float, result: PollResult) -> FailureEvent | None:
