@@ -15,3 +15,14 @@ class GoodputError(Exception):
 
 class ServiceError(GoodputError):
     """A request the service refuses (unknown run, bad spec, wrong state, over a limit)."""
+
+
+class ClusterError(GoodputError):
+    """The cluster cannot be started or reached; the message says what to fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("cluster_error", message)
+
+
+class ApiBindError(OSError):
+    """The API's address cannot be bound (busy port, foreign address)."""

@@ -24,7 +24,7 @@ def cmd_run(opts: argparse.Namespace) -> int:
     if opts.launcher == "torchrun":
         return _run_torchrun(spec, opts)
     from controller.service.main import run_foreground
-    from controller.service.app import ApiBindError
+    from controller.errors import ApiBindError
     from controller.state import RunController
     from controller.cli.ui import ProgressView
 

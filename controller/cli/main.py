@@ -15,7 +15,7 @@ from controller.cli.remote import (checkpoints_from_service, cmd_cancel, cmd_dri
                                    cmd_report, cmd_resume, cmd_status, cmd_submit)
 from controller.cli.render import CliError
 from controller.drills import DrillKind
-from controller.ray.cluster import ClusterError
+from controller.errors import ClusterError
 from controller.spec import SpecError
 
 

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+from controller.errors import ClusterError
 from controller.spec import LocalClusterSpec
 from controller.topology import Node, NodeState, Topology, local_roles
 
@@ -30,10 +31,6 @@ FAST_HEALTH_CHECK = {
     "health_check_initial_delay_ms": 0,
 }
 DEFAULT_GPU_MEMORY_GB = 80.0
-
-
-class ClusterError(Exception):
-    """The cluster cannot be started or reached; the message says what to fix."""
 
 
 def _ray():  # type: ignore[no-untyped-def]

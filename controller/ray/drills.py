@@ -12,7 +12,8 @@ import time
 from typing import Any
 
 from controller.drills import DEFAULT_FACTOR, DEFAULT_OUTAGE_S, DrillKind
-from controller.ray.cluster import ClusterError, LocalRayCluster, RemoteRayCluster
+from controller.errors import ClusterError
+from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
 from controller.ray.worker_group import RayWorkerGroup
 
 

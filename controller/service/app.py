@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controller.service.auth import TOKEN_ENV
 from controller.service.metrics import ServiceCollector
 from controller.drills import DrillKind, rank_target
-from controller.errors import ServiceError
+from controller.errors import ApiBindError, ServiceError
 from controller.service.service import MAX_EVENTS_PAGE, MAX_HISTORY_PAGE, MAX_SPEC_BYTES, Service
 from controller.spec import RunSpec
 
@@ -32,10 +32,6 @@ RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 DRILL_ID = r"^drill-[0-9a-f]{8}$"
 NODE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
 """A Kubernetes node name (DNS subdomain) or a Ray node's `node` label."""
-
-
-class ApiBindError(OSError):
-    """The API's address cannot be bound (busy port, foreign address)."""
 
 
 class ErrorBody(BaseModel):

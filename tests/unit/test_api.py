@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 
 from controller.cli.client import ApiClientError, Client
 from controller.drills import DrillSchedule
-from controller.service.app import ApiBindError, ApiServer, create_app, serve
+from controller.errors import ApiBindError
+from controller.service.app import ApiServer, create_app, serve
 from controller.service.registry import Registry
 from controller.service.service import Service
 from controller.spec import parse_spec

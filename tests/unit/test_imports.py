@@ -59,3 +59,46 @@ def test_pure_modules_load_without_heavy_libraries() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+EDGES = ("controller.ray", "controller.service", "controller.cli", "controller.k8s")
+EDGE_IMPORTS_ALLOWED = {
+    # The one place Ray (and Kubernetes) are wired into the service: `goodput serve` and `goodput run`.
+    "controller.service.main": ("controller.ray", "controller.k8s"),
+    # The CLI is the composition root of its commands: it calls the service's entry points (serve, run),
+    # reads the token file the service writes, and runs the Kubernetes label helper of the deployment.
+    "controller.cli": ("controller.service.main", "controller.service.auth", "controller.k8s.labels",
+                       "controller.k8s.nodes"),
+}
+
+
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_the_core_imports_no_edge_and_edges_import_each_other_only_through_the_wiring() -> None:
+    """The core (controller/*.py: state machine, policy, planner, views, …) imports no edge; controller/ray
+    imports neither the service nor the CLI; an edge imports another only where EDGE_IMPORTS_ALLOWED says."""
+    bad = []
+    for path in sorted((ROOT / "controller").rglob("*.py")):
+        module = _module_of(path)
+        if module == "controller.__main__":
+            continue  # `python -m controller` is the CLI
+        mine = next((e for e in EDGES if _within(module, e)), None)
+        allowed = next((v for k, v in EDGE_IMPORTS_ALLOWED.items() if _within(module, k)), ())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                edge = next((e for e in EDGES if _within(name, e)), None)
+                if edge is not None and edge != mine and not any(_within(name, a) for a in allowed):
+                    bad.append(f"{module} ({mine or 'core'}) imports {name}")
+    assert not bad, bad
