@@ -29,17 +29,19 @@ PURE_MODULES = [
 ]
 
 
-def project_imports(path: Path) -> set[str]:
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports by absolute name."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        else:
-            continue
-        found.update(n.split(".")[0] for n in names if n.split(".")[0] in PACKAGES)
+            found.add(node.module)
     return found
+
+
+def project_imports(path: Path) -> set[str]:
+    return {name.split(".")[0] for name in imported_modules(path) if name.split(".")[0] in PACKAGES}
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -90,15 +92,8 @@ def test_the_core_imports_no_edge_and_edges_import_each_other_only_through_the_w
             continue  # `python -m controller` is the CLI
         mine = next((e for e in EDGES if _within(module, e)), None)
         allowed = next((v for k, v in EDGE_IMPORTS_ALLOWED.items() if _within(module, k)), ())
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            else:
-                continue
-            for name in names:
-                edge = next((e for e in EDGES if _within(name, e)), None)
-                if edge is not None and edge != mine and not any(_within(name, a) for a in allowed):
-                    bad.append(f"{module} ({mine or 'core'}) imports {name}")
+        for name in imported_modules(path):
+            edge = next((e for e in EDGES if _within(name, e)), None)
+            if edge is not None and edge != mine and not any(_within(name, a) for a in allowed):
+                bad.append(f"{module} ({mine or 'core'}) imports {name}")
     assert not bad, bad
