@@ -14,13 +14,11 @@ service does with the runs its registry shows service/restore.py's.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -28,8 +26,9 @@ from checkpointing.store import anchored
 from controller.errors import ServiceError
 from controller.events import EventKind
 from controller.drills import DrillError, DrillInjector, DrillRequest
+from controller.service.live import LiveRun, RunLock
 from controller.service.nodes import NodeBook
-from controller.service.registry import Registry, Saved
+from controller.service.registry import Registry
 from controller.service.restore import Carried, carry_on
 from controller.service.scheduler import BEHIND_EARLIER, Verdict, admission
 from controller.spec import RunSpec, SpecError, parse_spec
@@ -62,72 +61,6 @@ class NodeActions(Protocol):
     def quarantine(self, node: str, reason: str) -> Any: ...
 
     def release(self, node: str) -> Any: ...
-
-
-class RunLock:
-    """A run's lock: re-entrant, and it steps aside while its holder does slow I/O. The controller
-    enters `released()` (its `outside_lock`) around store calls, launches, polls, shutdowns and drill
-    injections, so a cancel, a drill request or a scrape never waits behind them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._owner: int | None = None
-        self._depth = 0
-
-    def acquire(self, timeout: float = -1) -> bool:
-        if not self._lock.acquire(timeout=timeout):
-            return False
-        self._owner, self._depth = threading.get_ident(), self._depth + 1
-        return True
-
-    def release(self) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self._owner = None
-        self._lock.release()
-
-    def __enter__(self) -> "RunLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    @contextlib.contextmanager
-    def released(self) -> Iterator[None]:
-        """Let go entirely for the block (a no-op for a thread that does not hold it)."""
-        if self._owner != threading.get_ident():
-            yield
-            return
-        depth = self._depth
-        self._owner, self._depth = None, 0
-        for _ in range(depth):
-            self._lock.release()
-        try:
-            yield
-        finally:
-            for _ in range(depth):
-                self._lock.acquire()
-            self._owner, self._depth = threading.get_ident(), depth
-
-
-@dataclass
-class LiveRun:
-    controller: RunController
-    seq: int
-    group: WorkerGroup
-    lock: RunLock = field(default_factory=RunLock)
-    saved: Saved = field(default_factory=Saved)
-    thread: threading.Thread | None = None
-    admitted: bool = False
-    closed: bool = False
-    view: dict[str, Any] | None = None
-    """The Run object as of the last save (what reads return)."""
-    reconciling: threading.Thread | None = None
-    """The checkpoint index being reconciled with the store, if it is."""
-
-    def __post_init__(self) -> None:
-        self.controller.outside_lock = self.lock.released
 
 
 class Service:
