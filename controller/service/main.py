@@ -168,11 +168,16 @@ def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluste
 
 
 def preflight(spec: RunSpec) -> None:
-    """Everything that can be checked without a cluster, so bad input starts nothing: among it, that
-    the checkpoints already under the run's name (which it resumes) are of its model."""
+    """Everything that can be checked without a cluster, so bad input starts nothing: the spec itself
+    first (its own errors are the ones to fix), then that the checkpoints already under the run's name
+    (which it resumes) are of its model."""
     from checkpointing.manifest import CheckpointError, IdentityMismatch, check_identity, committed_steps, read_manifest
     from trainer.config import state_fingerprint, state_identity
 
+    if spec.cluster.address is None:
+        plan_local(spec)
+    elif (fixed := spec.fixed_mesh()) is not None:
+        spec.trainer_config(fixed)
     store = checkpoint_store(spec)
     try:
         steps = committed_steps(store, spec.name)
@@ -184,10 +189,6 @@ def preflight(spec: RunSpec) -> None:
         raise SpecError(str(e)) from None
     except (CheckpointError, StoreError):
         pass  # unreadable or unreachable now: the run's own checkpoint search decides, with retries
-    if spec.cluster.address is None:
-        plan_local(spec)
-    elif (fixed := spec.fixed_mesh()) is not None:
-        spec.trainer_config(fixed)
 
 
 def run_foreground(spec: RunSpec, *, on_tick: "Callable[[RunController], None] | None" = None, api: tuple[str, int] | None = None,
