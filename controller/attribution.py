@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from controller.attempt import PollResult
 from controller.events import EventKind
 from controller.failure_policy import FailureCause, FailureEvent
+from controller.progress import RunProgress
 from health.hang import hang_verdict
-from health.straggler import RankScore, StragglerVerdict
+from health.straggler import RankScore, StragglerConfig, StragglerTracker
+from trainer.config import MeshShape
 
 ATTRIBUTION_GRACE_S = 3.0
 NODE_SUSPECT_GRACE_S = 20.0
@@ -167,25 +170,133 @@ def quarantines_from(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for e in events if e["kind"] == EventKind.QUARANTINED and e["detail"].get("reason") != "lost"]
 
 
-def straggler_events(verdicts: list[StragglerVerdict], node_of_rank: tuple[str, ...], *, ratio: float,
-                     action: str) -> list[dict[str, Any]]:
-    """The `straggler` event detail of each verdict (the rank, its node, its score and on what basis)."""
-    return [{"rank": v.rank, "node": node_of_rank[v.rank], "score": round(v.score, 3), "basis": v.basis, "step": v.step,
-             "compute_s": v.compute_s, "ratio": ratio, "action": action} for v in verdicts]
+class StragglerWatch:
+    """One attempt's straggler judgement: each rank's compute time against its stage peers'. Verdicts
+    become `straggler` events; under `straggler_action: replace` the ranks slower than their peers are
+    replaced at the next checkpoint (no step is lost) when a spare can take their place."""
+
+    def __init__(self, mesh: MeshShape, node_of_rank: tuple[str, ...], *, ratio: float, action: str) -> None:
+        self.tracker = StragglerTracker({r: mesh.stage_of(r) for r in range(mesh.world_size)},
+                                        StragglerConfig(ratio=ratio))
+        self.node_of_rank = node_of_rank
+        self.ratio = ratio
+        self.action = action
+        self.to_replace: set[int] = set()
+
+    @property
+    def scores(self) -> dict[int, RankScore]:
+        return self.tracker.scores
+
+    def add(self, rank: int, step: int, compute_s: float) -> None:
+        self.tracker.add(rank, step, compute_s)
+
+    def judge(self) -> list[dict[str, Any]]:
+        """The `straggler` event detail of each new verdict (the rank, its node, its score, on what basis)."""
+        details: list[dict[str, Any]] = [{"rank": v.rank, "node": self.node_of_rank[v.rank], "score": round(v.score, 3), "basis": v.basis,
+                    "step": v.step, "compute_s": v.compute_s, "ratio": self.ratio, "action": self.action}
+                   for v in self.tracker.evaluate()]
+        if self.action == "replace":
+            self.to_replace |= {int(d["rank"]) for d in details if d["basis"] == "relative"}
+        return details
+
+    def replacement(self, now: float, *, spare: bool, step: int) -> FailureEvent | None:
+        """At a checkpoint, the ranks flagged for replacement that are still stragglers as a `straggler`
+        failure, if a spare can take their place (the others are forgotten)."""
+        scores = self.tracker.scores
+        still = sorted(r for r in self.to_replace if (score := scores.get(r)) is not None and score.straggler)
+        self.to_replace = set(still)
+        if not still or not spare:
+            return None
+        nodes = tuple(sorted({self.node_of_rank[r] for r in still}))
+        relative = {r: round(scores[r].relative, 3) for r in still}
+        return FailureEvent(
+            time=now, cause=FailureCause.STRAGGLER, nodes=nodes, ranks=tuple(still),
+            message=f"rank(s) {still} on {list(nodes)} compute {relative} x their stage peers' median "
+                    f"(straggler_ratio {self.ratio}); replaced at the step-{step} checkpoint")
 
 
-def straggler_replacement(now: float, candidates: set[int], scores: dict[int, RankScore],
-                          node_of_rank: tuple[str, ...], *, spare: bool, ratio: float, step: int
-                          ) -> tuple[FailureEvent | None, set[int]]:
-    """At a checkpoint (no step is lost), the ranks flagged for replacement that are still stragglers
-    become a `straggler` failure, if a spare can take their place; (the failure or None, the ranks still
-    to replace)."""
-    still = sorted(r for r in candidates if (score := scores.get(r)) is not None and score.straggler)
-    if not still or not spare:
-        return None, set(still)
-    nodes = tuple(sorted({node_of_rank[r] for r in still}))
-    relative = {r: round(scores[r].relative, 3) for r in still}
-    return FailureEvent(
-        time=now, cause=FailureCause.STRAGGLER, nodes=nodes, ranks=tuple(still),
-        message=f"rank(s) {still} on {list(nodes)} compute {relative} x their stage peers' median "
-                f"(straggler_ratio {ratio}); replaced at the step-{step} checkpoint"), set(still)
+@dataclass
+class Seen:
+    """What one poll of an attempt showed, for the controller to record and act on."""
+
+    first_step: int | None = None
+    """The attempt's first completed step, when this poll completed it."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """`straggler` event details of the poll's new verdicts."""
+    committed: bool = False
+    """A checkpoint committed (a boundary where no step is lost)."""
+    interval: int | None = None
+    """`auto`: the save interval the attempt chose."""
+    failure: FailureEvent | None = None
+    """The attempt's failure: an SDC the probes caught (their evidence is the cause; the ranks' errors
+    that follow are not), else one attributed from the ranks' errors, deaths and silence."""
+
+
+class AttemptWatch:
+    """One attempt as the controller watches it: the signals that may end it, its straggler
+    judgement, whether its final save failed, and an SDC's last clean step."""
+
+    def __init__(self, attempt: int, mesh: MeshShape, node_of_rank: tuple[str, ...], *, last_step: int,
+                 straggler_ratio: float, straggler_action: str, hang_factor: float, hang_floor_s: float) -> None:
+        self.attempt = attempt
+        self.signals = AttemptSignals()
+        self.stragglers = StragglerWatch(mesh, node_of_rank, ratio=straggler_ratio, action=straggler_action)
+        self.node_of_rank = node_of_rank
+        self.last_step = last_step
+        self.hang_factor, self.hang_floor_s = hang_factor, hang_floor_s
+        self.final_save_error: str | None = None
+        """Why the last step's save failed (None: it committed, or has not failed)."""
+        self.rollback_through: int | None = None
+        """SDC: the last step the probes vouch for; newer commits are discarded once the attempt is down."""
+
+    @property
+    def steps(self) -> int:
+        """Steps the attempt has completed."""
+        return self.signals.steps
+
+    def fold(self, now: float, result: PollResult, progress: RunProgress) -> Seen:
+        """Fold one poll in: reports into progress, signals and straggler scores; its events and
+        signals into what they mean."""
+        seen = Seen()
+        for report in result.reports:
+            first = not progress.history or progress.history[-1]["attempt"] != self.attempt
+            self.signals.heard(report.rank, report.step, now)
+            self.stragglers.add(report.rank, report.step, report.compute_s)
+            if progress.add(report, heard_at=now):
+                self.signals.stepped(report.step_time_s)
+                if first:
+                    seen.first_step = report.step
+        seen.stragglers = self.stragglers.judge()
+        suspect = None
+        for _, kind, detail in result.events:
+            if kind == EventKind.CHECKPOINT_INTERVAL:
+                seen.interval = int(detail.get("steps", 0))
+            seen.committed = seen.committed or kind == EventKind.CHECKPOINT_COMMITTED
+            if kind in (EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_COMMITTED) and detail.get("step") == self.last_step:
+                self.final_save_error = detail.get("error", "failed") if kind == EventKind.CHECKPOINT_FAILED else None
+            if kind == EventKind.SDC_SUSPECT and suspect is None:
+                suspect = detail
+        if suspect is not None:
+            seen.failure, self.rollback_through = sdc_failure(now, suspect, self.node_of_rank)
+        else:
+            seen.failure = self.signals.failure(now, result, self.node_of_rank, hang_factor=self.hang_factor,
+                                                hang_floor_s=self.hang_floor_s)
+        return seen
+
+    def finished(self, now: float) -> FailureEvent | None:
+        """The workers finished with no sign of trouble: None when done, or the failed final save."""
+        if self.final_save_error is None:
+            return None
+        return final_save_failure(now, self.last_step, self.final_save_error)
+
+    def take_rollback(self) -> int | None:
+        through, self.rollback_through = self.rollback_through, None
+        return through
+
+
+def relaunch_failure(now: float, message: str, node_of_rank: tuple[str, ...], live: set[str]) -> FailureEvent:
+    """A relaunch during recovery failed: a node may have died without Ray saying so yet (nodes missing
+    from the cluster are lost), else the workers' error is the cause."""
+    missing = tuple(sorted(set(node_of_rank) - live))
+    return FailureEvent(time=now, cause=FailureCause.NODE_LOST if missing else FailureCause.WORKER_ERROR,
+                        nodes=missing, message=f"relaunch failed: {message}")

@@ -282,6 +282,14 @@ class RunDrills:
     def find(self, drill_id: str) -> DrillRequest | None:
         return self.schedule.find(drill_id)
 
+    def request(self, now: float, kind: str, *, step: int, placement: Placement | None,
+                **params: Any) -> tuple[DrillRequest, dict[str, Any]]:
+        """Validate and queue a drill on a live run at `step` (DrillError says what to fix): the request
+        and its `drill_requested` event detail."""
+        request = self.schedule.request(now, kind, step=step, placement=placement, **params)
+        detail = request.to_dict()
+        return request, {"drill": detail.pop("kind"), **detail}
+
     def restore(self, events: list[dict[str, Any]]) -> None:
         """After a restart: the drills requested and not injected yet are due again (the spec's too)."""
         done = {e["detail"].get("id") for e in events if e["kind"] in DRILL_EVENTS}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from controller.placement import Placement, PlacementError, place
-from controller.topology import NodeState, Topology
+from controller.topology import NodeState, Topology, merge_returned
 from trainer.config import MeshShape
 
 
@@ -211,7 +211,82 @@ def grow_target(mesh: MeshShape, spec_mesh: MeshShape, topology: Topology, globa
     return None
 
 
-def grow_decision(mesh: MeshShape, target: MeshShape, topology: Topology, *, step: int) -> Decision:
-    """Grow back at a checkpoint boundary: nodes returned, the run takes them (no step is lost)."""
+def grow_decision(mesh: MeshShape, spec_mesh: MeshShape, topology: Topology, *, global_batch: int, micro_batch: int,
+                  fits: Fits | None, step: int) -> Decision | None:
+    """Grow back at a checkpoint boundary when the healthy nodes hold a larger mesh (up to the spec's):
+    nodes returned, the run takes them (no step is lost). None when there is nothing to grow into."""
+    target = grow_target(mesh, spec_mesh, topology, global_batch, micro_batch, fits)
+    if target is None:
+        return None
     return Decision(action=Action.GROW, mesh=target, topology=topology, code="grown",
                     reason=f"capacity returned: dp {mesh.dp} -> {target.dp} at the step-{step} checkpoint")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPolicy:
+    """One run's decisions, given what they depend on besides the failure: its elastic limits, its
+    batch, the mesh its spec fixes (None: the planner's), and the memory model."""
+
+    limits: ElasticLimits
+    global_batch: int
+    micro_batch: int
+    spec_mesh: MeshShape | None
+    fits: Fits | None = None
+
+    def on_failure(self, now: float, event: FailureEvent, *, failures_so_far: int, mesh: MeshShape,
+                   topology: Topology, waiting_since: float | None) -> Decision:
+        return decide(now, event=event, failures_so_far=failures_so_far, mesh=mesh, spec_mesh=self.spec_mesh or mesh,
+                      topology=topology, limits=self.limits, global_batch=self.global_batch,
+                      micro_batch=self.micro_batch, waiting_since=waiting_since, fits=self.fits)
+
+    def on_capacity(self, now: float, *, mesh: MeshShape, topology: Topology, waiting_since: float | None) -> Decision:
+        """Waiting for capacity: launch once the healthy nodes hold dp >= min_dp again; fail once the wait is over."""
+        return capacity_decision(now, mesh=mesh, topology=topology, limits=self.limits, global_batch=self.global_batch,
+                                 micro_batch=self.micro_batch, waiting_since=waiting_since, fits=self.fits,
+                                 target=self.spec_mesh or mesh,
+                                 cause=f"after waiting {now - (waiting_since or now):.0f} s")
+
+    def may_grow(self, mesh: MeshShape) -> bool:
+        return mesh.dp < (self.spec_mesh or mesh).dp
+
+    def on_commit(self, mesh: MeshShape, topology: Topology, *, step: int) -> Decision | None:
+        """At a checkpoint boundary: grow back towards the spec's mesh if the nodes allow it."""
+        return grow_decision(mesh, self.spec_mesh or mesh, topology, global_batch=self.global_batch,
+                             micro_batch=self.micro_batch, fits=self.fits, step=step)
+
+
+class GrowWatch:
+    """Whether a shrunk run's nodes changed since it last looked: the same usable nodes cannot hold a
+    bigger mesh now than they did then (a grow check costs a planning pass; runs check at every commit)."""
+
+    def __init__(self) -> None:
+        self._inputs: tuple[Topology, Topology] | None = None
+        self._usable: frozenset[str] | None = None
+
+    def changed(self, topology: Topology, live: Topology) -> Topology | None:
+        """The run's nodes with those returned from the `live` cluster, when their usable nodes differ
+        from the last call that returned them; else None."""
+        if self._inputs is not None and self._inputs[0] is topology and self._inputs[1] is live:
+            return None  # the same objects: the same answer
+        self._inputs = (topology, live)
+        merged = merge_returned(topology, live)
+        usable = merged.names_in(NodeState.HEALTHY) | merged.names_in(NodeState.SPARE)
+        if usable == self._usable:
+            return None
+        self._usable = usable
+        return merged
+
+
+def taken_out(before: Topology, decision: Decision, failure: FailureEvent | None) -> list[dict]:
+    """The `quarantined` event detail of each node the decision takes out of the run: lost nodes, and
+    nodes quarantined on the failure's evidence."""
+    out: list[dict] = []
+    for node in before.nodes:
+        new = decision.topology.node(node.name).state
+        if new is NodeState.LOST and node.state is not NodeState.LOST:
+            out.append({"node": node.name, "reason": "lost"})
+        if new is NodeState.QUARANTINED and node.state is not NodeState.QUARANTINED:
+            out.append({"node": node.name, "reason": failure.cause.value if failure else "quarantined",
+                        "ranks": list(failure.ranks) if failure else [], "message": failure.message if failure else "",
+                        "evidence": dict(failure.evidence) if failure else {}})
+    return out

@@ -16,28 +16,23 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
-from checkpointing.manifest import Discards, ForeignCheckpoints, IdentityMismatch, resume_point
-from checkpointing.schedule import observed_mtbf_s
-from checkpointing.store import ObjectStore, StoreError, StoreOutage
-from controller.attempt import AttemptSpec, GroupStatus, PollResult, WorkerGroup
+from checkpointing.manifest import ForeignCheckpoints, IdentityMismatch
+from checkpointing.store import ObjectStore, StoreError
+from controller.attempt import AttemptSpec, GroupStatus, WorkerGroup
+from controller.checkpoints import RunCheckpoints
 from controller.events import EventKind, EventLog
 from controller.placement import Placement, place
 from controller.planner import MeshPlan, memory_problem, plan_run
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
-from controller.attribution import (
-    AttemptSignals, failures_from, final_save_failure, quarantines_from, sdc_failure, straggler_events,
-    straggler_replacement,
-)
+from controller.attribution import AttemptWatch, StragglerWatch, failures_from, quarantines_from, relaunch_failure
 from controller.drills import DrillError, DrillInjector, DrillRequest, RunDrills
 from controller.failure_policy import (
-    Action, Decision, ElasticLimits, FailureCause, FailureEvent, capacity_decision, decide, grow_decision,
-    grow_target,
+    Action, Decision, ElasticLimits, FailureCause, FailureEvent, GrowWatch, RunPolicy, taken_out,
 )
-from controller.topology import NodeState, Topology, merge_returned
+from controller.topology import Topology, merge_returned
 from controller.views import GoodputView, health_view, run_view
-from health.straggler import StragglerConfig, StragglerTracker
-from trainer.config import MeshShape, TrainerConfig, state_fingerprint, state_identity
+from trainer.config import TrainerConfig
 
 
 class RunState(str, enum.Enum):
@@ -71,7 +66,8 @@ class RunController:
         self.run_id = run_id or spec.name
         self._topology = topology.with_racks(spec.cluster.racks)
         self.worker_group = worker_group
-        self.checkpoint_store = checkpoint_store
+        self.checkpoints = RunCheckpoints(self.run_id, checkpoint_store, retry_budget_s=spec.checkpoint.retry_budget_s,
+                                          created_at=now, own_only=own_checkpoints_only)
         self.state = RunState.PENDING
         self.attempt = -1
         self.plan: MeshPlan | None = None
@@ -85,47 +81,25 @@ class RunController:
         self._attempt_started_at = now
         self._cancel_requested = False
         self.injector = injector
-        self._auto_interval = 0
-        """`auto`: the interval the last attempt chose, for the next one to start with (it measures the
-        save cost again at its first save); 0 before any was chosen."""
-        self._grow_checked: frozenset[str] | None = None
-        self._grow_inputs: tuple[Topology, Topology] | None = None
-        """The usable nodes the last grow check saw (the same nodes cannot hold a bigger mesh now)."""
+        self._grow = GrowWatch()
         self._goodput = GoodputView()
         self.topology_source = topology_source
         self.drills = RunDrills(self.run_id, spec.drills)
         self.failures: list[FailureEvent] = []
         self.quarantined: list[dict[str, Any]] = []
         """Nodes taken out of the run for good: {node, reason, evidence, time}."""
-        self.stragglers: StragglerTracker | None = None
-        self._replace_stragglers: set[int] = set()
-        self._rollback_through: int | None = None
-        """SDC: the last step the probes vouch for; newer commits are discarded once the attempt is down."""
+        self.stragglers: StragglerWatch | None = None
         self._waiting_since: float | None = None
         self._last_failure: FailureEvent | None = None
-        self.discards = Discards(self.run_id)
-        """Discards owed before the next launch reads: a resume's step (newer commits go), an SDC rollback."""
-        self.own_checkpoints_only = own_checkpoints_only
-        """A submitted run (goodput serve) is a new run: it never loads a checkpoint committed before it
-        was submitted (another run's, under the same id) unless resumed on purpose (`adopted`)."""
-        self.adopted = False
-        """Resumed on purpose (goodput resume): the checkpoints under its id are its to load, whoever wrote them."""
-        self.store_outage = StoreOutage(spec.checkpoint.retry_budget_s)
         self.waiting_for: str | None = None
         """Why a submitted run has not started (set by the service that queues it)."""
         self.outside_lock: Callable[[], ContextManager[Any]] = contextlib.nullcontext
         """Entered around every slow call: store I/O, launch, shutdown, drill injection. A service that
         drives this controller under a lock releases it here, so its requests never wait behind I/O
         (only the driving thread changes the run's state; requests only set flags and queue drills)."""
-        self._reset_attempt_tracking()
+        self.watch: AttemptWatch | None = None
+        """The attempt being driven, as watched (None before the first launch)."""
         self.events.add(now, 0, EventKind.SUBMITTED, name=spec.name)
-        self._handlers: dict[RunState, Callable[[float], None]] = {
-            RunState.PENDING: self._on_pending,
-            RunState.PLANNING: self._on_planning,
-            RunState.LAUNCHING: self._on_launching,
-            RunState.RUNNING: self._on_running,
-            RunState.RECOVERING: self._on_recovering,
-        }
 
     @property
     def topology(self) -> Topology:
@@ -145,7 +119,7 @@ class RunController:
             self._shutdown()
             self._finish(now, RunState.CANCELLED)
             return self.state
-        self._handlers[self.state](now)
+        getattr(self, f"_on_{self.state.value}")(now)  # _on_pending, _on_planning, ... _on_recovering
         return self.state
 
     def cancel(self) -> None:
@@ -198,20 +172,11 @@ class RunController:
         count against max_failures) and the drills it still has to inject."""
         self.events.restore(events)
         self.progress.restore(history)
-        intervals = [e["detail"].get("steps", 0) for e in events if e["kind"] == EventKind.CHECKPOINT_INTERVAL]
-        self._auto_interval = int(intervals[-1]) if intervals else 0
+        self.checkpoints.restore(events)
         self.attempt = max((e["attempt"] for e in events if e["kind"] == EventKind.ATTEMPT_STARTED), default=-1)
-        self.adopted = any(e["kind"] == EventKind.RESUME_REQUESTED for e in events)
         self.quarantined = quarantines_from(events)
         self.failures = failures_from(events)
         self.drills.restore(events)
-
-    def attempt_spec(self, attempt: int, placement: Placement, *, start_step: int, cursor: int,
-                     resume_step: int | None) -> AttemptSpec:
-        """The AttemptSpec an attempt was launched with (for re-attaching to its live workers)."""
-        config = self.spec.trainer_config(placement.mesh)
-        return AttemptSpec(run_id=self.run_id, attempt=attempt, config=config, placement=placement,
-                           start_step=start_step, cursor=cursor, resume_step=resume_step)
 
     def adopt(self, now: float, attempt: AttemptSpec) -> None:
         """Go on driving an attempt whose workers run on (a restarted service re-attached to them)."""
@@ -224,14 +189,14 @@ class RunController:
 
     def _track_attempt(self, now: float) -> None:
         """Fresh per-attempt bookkeeping: failure signals, progress timestamps, straggler scores."""
-        assert self.config is not None
+        assert self.config is not None and self.placement is not None
         self._attempt_started_at = now
-        self._reset_attempt_tracking()
-        mesh = self.config.mesh
-        self.stragglers = StragglerTracker(
-            {r: mesh.stage_of(r) for r in range(mesh.world_size)},
-            StragglerConfig(ratio=self.spec.health.straggler_ratio))
-        self._replace_stragglers = set()
+        h = self.spec.health
+        self.watch = AttemptWatch(self.attempt, self.config.mesh, self.placement.node_of_rank,
+                                  last_step=self.spec.train.steps, straggler_ratio=h.straggler_ratio,
+                                  straggler_action=h.straggler_action, hang_factor=h.hang_factor,
+                                  hang_floor_s=h.hang_floor_s)
+        self.stragglers = self.watch.stragglers
 
     def resume(self, now: float, *, step: int | None, steps: int | None, spec: RunSpec, worker_group: WorkerGroup,
                injector: DrillInjector | None) -> None:
@@ -240,12 +205,12 @@ class RunController:
         assert self.state.terminal
         self.spec = spec
         self.worker_group, self.injector = worker_group, injector
-        self.discards.resume_to(step)
+        self.checkpoints.discards.resume_to(step)
         self._cancel_requested = False
         self.error = None
         self.finished_at = None
         self.state = RunState.PENDING
-        self.adopted = True
+        self.checkpoints.adopted = True
         self.events.add(now, max(self.attempt, 0), EventKind.RESUME_REQUESTED, step=step, steps=spec.train.steps)
 
     def _on_pending(self, now: float) -> None:
@@ -265,39 +230,29 @@ class RunController:
 
     def _on_launching(self, now: float) -> None:
         assert self.config is not None and self.placement is not None
-        if not self.store_outage.due(now):
+        if not self.checkpoints.outage.due(now):
             return
         try:
             with self.outside_lock():
-                start_step, cursor, resume_step, unusable, discarded = self._checkpoint_to_load()
+                point = self.checkpoints.load_point(self.spec)
         except StoreError as e:
             self._store_unreachable(now, e)
             return
-        except IdentityMismatch as e:
-            self._fail(now, "checkpoint_mismatch", str(e))
+        except (IdentityMismatch, ForeignCheckpoints) as e:
+            self._fail(now, "checkpoint_mismatch" if isinstance(e, IdentityMismatch) else "checkpoints_in_the_way", str(e))
             return
-        except ForeignCheckpoints as e:
-            self._fail(now, "checkpoints_in_the_way", str(e))
-            return
-        for step, reason in discarded:
-            self.events.add(now, self.attempt, EventKind.CHECKPOINT_DISCARDED, step=step, reason=reason)
+        self._discarded(now, point.discarded)
         self._store_reachable(now)
         if self._cancel_requested:
             return  # the next step cancels
         self.attempt += 1
-        for reason in unusable:
+        for reason in point.unusable:
             self.events.add(now, self.attempt, EventKind.CHECKPOINT_UNUSABLE, reason=reason)
-        every = self.spec.checkpoint.every_steps
-        mtbf_h = self.spec.checkpoint.mtbf_hours
+        start_step = point.start_step
         attempt = AttemptSpec(
             run_id=self.run_id, attempt=self.attempt, config=self.config, placement=self.placement,
-            start_step=start_step, cursor=cursor, resume_step=resume_step,
-            checkpoint_uri=self.checkpoint_store.uri if self.checkpoint_store else None,
-            checkpoint_every=every if isinstance(every, int) else self._auto_interval,
-            checkpoint_auto=every == "auto",
-            checkpoint_keep=self.spec.checkpoint.keep, store_retry_budget_s=self.spec.checkpoint.retry_budget_s,
-            mtbf_s=observed_mtbf_s(now - self.created_at, len(self.failures), mtbf_h * 3600 if mtbf_h else None),
-        )
+            start_step=start_step, cursor=point.cursor, resume_step=point.resume_step,
+            **self.checkpoints.attempt_settings(self.spec, run_s=now - self.created_at, failures=len(self.failures)))
         self._track_attempt(now)
         try:
             with self.outside_lock():
@@ -312,7 +267,7 @@ class RunController:
         self.events.add(now, self.attempt, EventKind.ATTEMPT_STARTED,
                         mesh=mesh.axes(), dp_replicas=mesh.dp_replicas,
                         placement=list(self.placement.rows()), spares=list(self.placement.spares),
-                        start_step=start_step, resume_step=resume_step, cursor=cursor)
+                        start_step=start_step, resume_step=point.resume_step, cursor=point.cursor)
         self.progress.committed = start_step
         if start_step >= self.spec.train.steps:
             self._shutdown()
@@ -320,125 +275,66 @@ class RunController:
             return
         self.state = RunState.RUNNING
 
-    def _checkpoint_to_load(self) -> tuple[int, int, int | None, list[str], list[tuple[int, str]]]:
-        """(start step, cursor, step to load, why newer steps are unusable, steps discarded and why) for
-        the next attempt, after the discards still owed (a resume to an older step, an SDC rollback).
-        Store I/O only, outside the lock; StoreError when the store cannot be reached: nothing is
-        decided from an outage."""
-        if self.checkpoint_store is None:
-            return 0, 0, None, [], []
-        self.discards.settle(self.checkpoint_store)
-        model = self.spec.to_model_config()
-        found = resume_point(self.checkpoint_store, self.run_id, identity=state_fingerprint(model),
-                             identity_detail=state_identity(model),
-                             not_before=self.created_at if self.own_checkpoints_only and not self.adopted else None)
-        discarded = self.discards.take_done()  # kept across tries: an outage after a discard loses no event
-        if found is None:
-            return 0, 0, None, [], discarded
-        manifest, skipped = found
-        return manifest.step, manifest.cursor, manifest.step, skipped, discarded
+    def _discarded(self, now: float, discarded: list[tuple[int, str]]) -> None:
+        for step, reason in discarded:
+            self.events.add(now, self.attempt, EventKind.CHECKPOINT_DISCARDED, step=step, reason=reason)
 
     def _store_unreachable(self, now: float, error: StoreError) -> None:
         """The checkpoint store did not answer: try again after a backoff; once it has been down longer
         than `checkpoint.retry_budget_s`, say so in the timeline (once)."""
-        outage = self.store_outage
-        if outage.failed(now):
-            self.events.add(now, max(self.attempt, 0), EventKind.STORE_UNAVAILABLE, error=str(error),
-                            since=outage.since, retry_in_s=outage.backoff_s,
-                            uri=self.checkpoint_store.uri if self.checkpoint_store else None)
+        detail = self.checkpoints.unreachable(now, error)
+        if detail is not None:
+            self.events.add(now, max(self.attempt, 0), EventKind.STORE_UNAVAILABLE, **detail)
 
     def _store_reachable(self, now: float) -> None:
-        down = self.store_outage.answered(now)
+        down = self.checkpoints.outage.answered(now)
         if down is not None:
             self.events.add(now, max(self.attempt, 0), EventKind.STORE_AVAILABLE, down_s=down)
 
-    def _reset_attempt_tracking(self) -> None:
-        self.signals = AttemptSignals()
-        self._final_save_error: str | None = None
-        """Why the last step's save of this attempt failed (None: it committed, or has not failed)."""
-
     def _launch_failed(self, now: float, message: str) -> None:
-        """A first launch that fails ends the run; a relaunch during recovery is one more failure
-        (a node may have died without Ray saying so yet: nodes missing from the cluster are lost)."""
+        """A first launch that fails ends the run; a relaunch during recovery is one more failure."""
         if self.attempt == 0 or self.topology_source is None:
             self._fail(now, "launch_failed", message)
             return
         assert self.placement is not None
         live = {n.name for n in self.topology_source().nodes}
-        missing = tuple(sorted(set(self.placement.node_of_rank) - live))
-        cause = FailureCause.NODE_LOST if missing else FailureCause.WORKER_ERROR
-        self._recover(now, FailureEvent(time=now, cause=cause, nodes=missing, message=f"relaunch failed: {message}"))
+        self._recover(now, relaunch_failure(now, message, self.placement.node_of_rank, live))
 
     def _on_running(self, now: float) -> None:
+        assert self.watch is not None
         with self.outside_lock():
             result = self.worker_group.poll()
-        for report in result.reports:
-            first = not self.progress.history or self.progress.history[-1]["attempt"] != self.attempt
-            self.signals.heard(report.rank, report.step, now)
-            if self.stragglers is not None:
-                self.stragglers.add(report.rank, report.step, report.compute_s)
-            if self.progress.add(report, heard_at=now):
-                self.signals.stepped(report.step_time_s)
-                if first:
-                    if self.attempt > 0:
-                        self.events.add(now, self.attempt, EventKind.FIRST_STEP_AFTER_RECOVERY, step=report.step)
-        self._judge_stragglers(now)
-        suspect = next((detail for _, kind, detail in result.events if kind == EventKind.SDC_SUSPECT), None)
-        committed = False
+        seen = self.watch.fold(now, result, self.progress)
+        if seen.first_step is not None and self.attempt > 0:
+            self.events.add(now, self.attempt, EventKind.FIRST_STEP_AFTER_RECOVERY, step=seen.first_step)
+        for detail in seen.stragglers:
+            self.events.add(now, self.attempt, EventKind.STRAGGLER, **detail)
         for rank, kind, detail in result.events:  # every event of the poll joins the timeline first
             self.events.add(now, self.attempt, kind, rank=rank, **detail)
-            if kind == EventKind.CHECKPOINT_INTERVAL:
-                self._auto_interval = int(detail.get("steps", 0))
-            committed = committed or kind == EventKind.CHECKPOINT_COMMITTED
-            if kind in (EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_COMMITTED) \
-                    and detail.get("step") == self.spec.train.steps:
-                self._final_save_error = detail.get("error", "failed") if kind == EventKind.CHECKPOINT_FAILED else None
-        if suspect is None and committed and (self._maybe_replace_stragglers(now) or self._maybe_grow(now)):
+        if seen.interval is not None:
+            self.checkpoints.auto_interval = seen.interval
+        sdc = seen.failure is not None and seen.failure.cause is FailureCause.SDC
+        if seen.committed and not sdc and (self._maybe_replace_stragglers(now) or self._maybe_grow(now)):
             return
-        if suspect is not None:  # the probes' evidence is the cause; the ranks' errors that follow are not
-            assert self.placement is not None
-            sdc, self._rollback_through = sdc_failure(now, suspect, self.placement.node_of_rank)
-            self._recover(now, sdc)
-            return
-        failure = self._detect(now, result)
-        if failure is not None:
-            self._recover(now, failure)
-        elif result.status is GroupStatus.FINISHED and self.signals.since is None:
+        if seen.failure is not None:
+            self._recover(now, seen.failure)
+        elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None:
             self._shutdown()
-            if self._final_save_error is not None:
-                self._recover(now, final_save_failure(now, self.spec.train.steps, self._final_save_error))
+            failure = self.watch.finished(now)
+            if failure is not None:
+                self._recover(now, failure)
                 return
             self._finish(now, RunState.SUCCEEDED, step=self.progress.step)
         else:
             self._run_due_drills(now)
 
-    def _judge_stragglers(self, now: float) -> None:
-        """Straggler verdicts become events; under `straggler_action: replace`, ranks slower than
-        their peers are replaced at the next checkpoint (no step is lost) when a spare exists."""
-        if self.stragglers is None or self.placement is None:
-            return
-        h = self.spec.health
-        for detail in straggler_events(self.stragglers.evaluate(), self.placement.node_of_rank, ratio=h.straggler_ratio,
-                                       action=h.straggler_action):
-            self.events.add(now, self.attempt, EventKind.STRAGGLER, **detail)
-            if h.straggler_action == "replace" and detail["basis"] == "relative":
-                self._replace_stragglers.add(detail["rank"])
-
     def _maybe_replace_stragglers(self, now: float) -> bool:
-        if not self._replace_stragglers or self.stragglers is None or self.placement is None:
-            return False
-        failure, self._replace_stragglers = straggler_replacement(
-            now, self._replace_stragglers, self.stragglers.scores, self.placement.node_of_rank,
-            spare=bool(self.topology.spares()), ratio=self.spec.health.straggler_ratio, step=self.progress.step)
-        if failure is None:
-            return False
-        self._recover(now, failure)
-        return True
-
-    def _detect(self, now: float, result: PollResult) -> FailureEvent | None:
-        assert self.placement is not None
-        return self.signals.failure(now, result, self.placement.node_of_rank, hang_factor=self.spec.health.hang_factor,
-                                    hang_floor_s=self.spec.health.hang_floor_s)
+        """At a checkpoint (no step is lost): replace the ranks judged slower than their peers, if a spare exists."""
+        assert self.watch is not None
+        failure = self.watch.stragglers.replacement(now, spare=bool(self.topology.spares()), step=self.progress.step)
+        if failure is not None:
+            self._recover(now, failure)
+        return failure is not None
 
     def _recover(self, now: float, failure: FailureEvent) -> None:
         assert self.config is not None
@@ -446,19 +342,14 @@ class RunController:
                         ranks=list(failure.ranks), message=failure.message, step=self.progress.step)
         self._last_failure = failure
         self._shutdown()
-        if self._rollback_through is not None:
+        through = self.watch.take_rollback() if self.watch is not None else None
+        if through is not None:
             # Whatever is decided next (even to fail), a later resume must not load suspect state;
             # a store that does not answer now gets the discard before the next launch reads it.
             with self.outside_lock():
-                discarded = self.discards.roll_back(self.checkpoint_store, self._rollback_through)
-            for step, reason in discarded:
-                self.events.add(now, self.attempt, EventKind.CHECKPOINT_DISCARDED, step=step, reason=reason)
-        self._rollback_through = None
-        decision = decide(
-            now, event=failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
-            spec_mesh=self.spec.fixed_mesh() or self.config.mesh, topology=self.topology, limits=self._limits(),
-            global_batch=self.spec.train.global_batch, micro_batch=self.spec.train.micro_batch,
-            waiting_since=self._waiting_since, fits=self._fits)
+                self._discarded(now, self.checkpoints.roll_back(through))
+        decision = self.policy.on_failure(now, failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
+                                          topology=self.topology, waiting_since=self._waiting_since)
         self.failures.append(failure)
         self._apply(now, decision)
 
@@ -468,18 +359,11 @@ class RunController:
         self.events.add(now, self.attempt, EventKind.DECISION, action=decision.action.value, code=decision.code,
                         reason=decision.reason, mesh=mesh.axes() if mesh else None,
                         dp_replicas=mesh.dp_replicas if mesh else None)
-        failure = self._last_failure
-        for node in self.topology.nodes:
-            new_state = decision.topology.node(node.name).state
-            if new_state is NodeState.LOST and node.state is not NodeState.LOST:
-                self.events.add(now, self.attempt, EventKind.QUARANTINED, node=node.name, reason="lost")
-            if new_state is NodeState.QUARANTINED and node.state is not NodeState.QUARANTINED:
-                reason = failure.cause.value if failure else "quarantined"
-                evidence = dict(failure.evidence) if failure else {}
-                self.events.add(now, self.attempt, EventKind.QUARANTINED, node=node.name, reason=reason,
-                                ranks=list(failure.ranks) if failure else [], message=failure.message if failure else "",
-                                evidence=evidence)
-                self.quarantined.append({"node": node.name, "reason": reason, "evidence": evidence, "time": now})
+        for detail in taken_out(self.topology, decision, self._last_failure):
+            self.events.add(now, self.attempt, EventKind.QUARANTINED, **detail)
+            if detail["reason"] != "lost":
+                self.quarantined.append({"node": detail["node"], "reason": detail["reason"],
+                                         "evidence": detail["evidence"], "time": now})
         self.topology = decision.topology
         if decision.action is Action.FAIL:
             self._fail(now, decision.code, decision.reason)
@@ -500,40 +384,29 @@ class RunController:
         if self.topology_source is not None:
             self.topology = merge_returned(self.topology, self.topology_source())
         assert self.config is not None
-        decision = capacity_decision(
-            now, mesh=self.config.mesh, topology=self.topology, limits=self._limits(),
-            global_batch=self.spec.train.global_batch, micro_batch=self.spec.train.micro_batch,
-            waiting_since=self._waiting_since, fits=self._fits, target=self.spec.fixed_mesh() or self.config.mesh,
-            cause=f"after waiting {now - (self._waiting_since or now):.0f} s")
+        decision = self.policy.on_capacity(now, mesh=self.config.mesh, topology=self.topology,
+                                           waiting_since=self._waiting_since)
         if decision.action is not Action.WAIT:
             self._apply(now, decision)
 
-    def _fits(self, mesh: MeshShape) -> str | None:
-        return memory_problem(self.spec, self.topology, mesh)
+    @property
+    def policy(self) -> RunPolicy:
+        e, t = self.spec.elastic, self.spec.train
+        return RunPolicy(limits=ElasticLimits(min_dp=e.min_dp, max_failures=e.max_failures,
+                                              wait_for_capacity_s=e.wait_for_capacity_s),
+                         global_batch=t.global_batch, micro_batch=t.micro_batch, spec_mesh=self.spec.fixed_mesh(),
+                         fits=lambda mesh: memory_problem(self.spec, self.topology, mesh))
 
     def _maybe_grow(self, now: float) -> bool:
         """At a checkpoint boundary, grow back towards the spec's mesh if lost nodes returned."""
-        if self.topology_source is None or self.config is None:
+        if self.topology_source is None or self.config is None or not self.policy.may_grow(self.config.mesh):
             return False
-        spec_mesh = self.spec.fixed_mesh() or self.config.mesh
-        if self.config.mesh.dp >= spec_mesh.dp:
-            return False
-        live = self.topology_source()
-        last = self._grow_inputs
-        if last is not None and last[0] is self.topology and last[1] is live:  # the same objects: same answer
-            return False
-        self._grow_inputs = (self.topology, live)
-        merged = merge_returned(self.topology, live)
-        usable = merged.names_in(NodeState.HEALTHY) | merged.names_in(NodeState.SPARE)
-        if usable == self._grow_checked:  # no node came back since the last check: nothing to grow into
-            return False
-        self._grow_checked = usable
-        target = grow_target(self.config.mesh, spec_mesh, merged, self.spec.train.global_batch,
-                             self.spec.train.micro_batch, self._fits)
-        if target is None:
+        merged = self._grow.changed(self.topology, self.topology_source())
+        decision = None if merged is None else self.policy.on_commit(self.config.mesh, merged, step=self.progress.step)
+        if decision is None:
             return False
         self._shutdown()
-        self._apply(now, grow_decision(self.config.mesh, target, merged, step=self.progress.step))
+        self._apply(now, decision)
         return True
 
     def request_drill(self, now: float, kind: str, *, target: str | None = None, at_step: int | None = None,
@@ -541,10 +414,9 @@ class RunController:
         """Queue a drill on this live run (`goodput drill`, the REST API); DrillError says what to fix."""
         if self.state.terminal:
             raise DrillError(f"run {self.run_id!r} has {self.state.value}; drills need a live run")
-        request = self.drills.schedule.request(now, kind, target=target, at_step=at_step, step=self.progress.step,
-                                      placement=self.placement, factor=factor, seconds=seconds)
-        detail = request.to_dict()
-        self.events.add(now, max(self.attempt, 0), EventKind.DRILL_REQUESTED, drill=detail.pop("kind"), **detail)
+        request, detail = self.drills.request(now, kind, target=target, at_step=at_step, step=self.progress.step,
+                                              placement=self.placement, factor=factor, seconds=seconds)
+        self.events.add(now, max(self.attempt, 0), EventKind.DRILL_REQUESTED, **detail)
         return request
 
     def drill_reports(self) -> list[dict[str, Any]]:
@@ -562,11 +434,7 @@ class RunController:
             self.events.add(now, self.attempt, outcome[0], **outcome[1])
 
     def attempt_steps(self) -> int:
-        return self.signals.steps
-
-    def _limits(self) -> ElasticLimits:
-        e = self.spec.elastic
-        return ElasticLimits(min_dp=e.min_dp, max_failures=e.max_failures, wait_for_capacity_s=e.wait_for_capacity_s)
+        return self.watch.steps if self.watch is not None else 0
 
     def _fail(self, now: float, code: str, message: str) -> None:
         self.error = RunError(code, message)

@@ -61,7 +61,7 @@ def health_view(c: RunController) -> dict[str, Any]:
 def run_view(c: RunController, now: float, *, full: bool = True) -> dict[str, Any]:
     """The Run object; `full` adds the per-step history and the whole timeline."""
     mesh = c.config.mesh if c.config else None
-    store = c.checkpoint_store
+    store = c.checkpoints.store
     out: dict[str, Any] = {
         "id": c.run_id, "name": c.spec.name, "state": c.state.value,
         "created_at": c.created_at, "finished_at": c.finished_at,

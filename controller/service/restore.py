@@ -14,7 +14,7 @@ import enum
 import sys
 from typing import Any
 
-from controller.attempt import WorkerGroup
+from controller.attempt import AttemptSpec, WorkerGroup
 from controller.events import EventKind
 from controller.placement import Placement
 from controller.state import RunController, RunError, RunState
@@ -68,8 +68,9 @@ def reattach(c: RunController, events: list[dict[str, Any]], now: float) -> bool
         mesh = MeshShape(dp=recorded.get("dp", 1), pp=recorded.get("pp", 1), tp=recorded.get("tp", 1),
                          dp_replicas=d.get("dp_replicas", 1))
         placement = Placement.from_rows(d["placement"], mesh, d.get("spares") or [])
-        attempt = c.attempt_spec(c.attempt, placement, start_step=int(d.get("start_step") or 0),
-                                 cursor=int(d.get("cursor") or 0), resume_step=d.get("resume_step"))
+        attempt = AttemptSpec(run_id=c.run_id, attempt=c.attempt, config=c.spec.trainer_config(placement.mesh),
+                              placement=placement, start_step=int(d.get("start_step") or 0),
+                              cursor=int(d.get("cursor") or 0), resume_step=d.get("resume_step"))
         if not attach(attempt):
             return False
     except Exception as e:  # noqa: BLE001 - not attachable: the caller resumes from a checkpoint

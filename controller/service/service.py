@@ -206,7 +206,7 @@ class Service:
         reconciliation runs in the background (one at a time per run); a slow store gets the index as
         it stands after RECONCILE_WAIT_S, and the next request sees what the store said."""
         live = self._live(run_id)
-        if live.controller.checkpoint_store is not None:
+        if live.controller.checkpoints.store is not None:
             with live.lock:
                 thread = live.reconciling
                 if thread is None or not thread.is_alive():
@@ -220,7 +220,7 @@ class Service:
         from checkpointing.manifest import index_changes, step_prefix
         from checkpointing.store import StoreError
 
-        run_id, store = live.controller.run_id, live.controller.checkpoint_store
+        run_id, store = live.controller.run_id, live.controller.checkpoints.store
         assert store is not None
         try:
             missing, gone = index_changes(store, run_id, {r["step"] for r in self.registry.checkpoints(run_id)})

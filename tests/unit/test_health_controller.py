@@ -90,7 +90,7 @@ def commit_step(store: LocalStore, run_id: str, step: int) -> None:
 def test_sdc_suspect_quarantines_the_node_and_rolls_back_before_the_corruption(tmp_path: Path) -> None:
     c, g = make(tmp_path)
     for step in (10, 15, 20):
-        commit_step(c.checkpoint_store, "tiny-gpt", step)  # type: ignore[arg-type]
+        commit_step(c.checkpoints.store, "tiny-gpt", step)  # type: ignore[arg-type]
     report_steps(g, 1, 22)
     node = c.placement.node_of_rank[5]  # type: ignore[union-attr]
     g.emit(0, "sdc_suspect", step=23, check="periodic", ranks=[5], clean_through_step=14,
@@ -104,7 +104,7 @@ def test_sdc_suspect_quarantines_the_node_and_rolls_back_before_the_corruption(t
     c.step(121.0)
     attempt = g.started[-1]
     assert attempt.resume_step == 10, "the newest commit before the corruption could start, not the latest (20)"
-    assert committed_steps(c.checkpoint_store, "tiny-gpt") == [10]  # type: ignore[arg-type]
+    assert committed_steps(c.checkpoints.store, "tiny-gpt") == [10]  # type: ignore[arg-type]
     assert [e.detail["step"] for e in c.events.of_kind("checkpoint_discarded")] == [15, 20]
     assert node not in attempt.placement.node_of_rank
     run = c.to_dict(122.0)
@@ -117,8 +117,8 @@ def test_an_sdc_rollback_the_store_cannot_take_now_is_done_before_the_next_launc
     from tests.unit.fakes import FlakyStore
 
     c, g = make(tmp_path)
-    store = FlakyStore(c.checkpoint_store)
-    c.checkpoint_store = store  # type: ignore[assignment]
+    store = FlakyStore(c.checkpoints.store)
+    c.checkpoints.store = store  # type: ignore[assignment]
     for step in (10, 15, 20):
         commit_step(store.inner, "tiny-gpt", step)
     report_steps(g, 1, 22)

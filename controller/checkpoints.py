@@ -1,0 +1,96 @@
+"""A run's checkpoints as its controller sees them: where the next attempt starts, the discards still
+owed, the save interval one attempt hands the next, and whether the store answers.
+
+The controller holds one `RunCheckpoints` per run and asks it before each launch; the rules themselves
+(commit, retention, discard, which step may be loaded) live in checkpointing.manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from checkpointing.manifest import Discards, resume_point
+from checkpointing.schedule import observed_mtbf_s
+from checkpointing.store import ObjectStore, StoreOutage
+from controller.events import EventKind
+from controller.spec import RunSpec
+from trainer.config import state_fingerprint, state_identity
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """Where the next attempt starts."""
+
+    start_step: int
+    cursor: int
+    """The data cursor saved with `resume_step` (0 from scratch)."""
+    resume_step: int | None
+    """The committed step to load (None: start from scratch)."""
+    unusable: list[str]
+    """Why newer committed steps could not be used."""
+    discarded: list[tuple[int, str]]
+    """Steps the owed discards removed, and why."""
+
+
+class RunCheckpoints:
+    def __init__(self, run_id: str, store: ObjectStore | None, *, retry_budget_s: float, created_at: float,
+                 own_only: bool) -> None:
+        self.run_id = run_id
+        self.store = store
+        self.created_at = created_at
+        self.discards = Discards(run_id)
+        """Discards owed before the next launch reads: a resume's step (newer commits go), an SDC rollback."""
+        self.outage = StoreOutage(retry_budget_s)
+        self.auto_interval = 0
+        """`auto`: the interval the last attempt chose, for the next one to start with (it measures the
+        save cost again at its first save); 0 before any was chosen."""
+        self.own_only = own_only
+        """A submitted run (goodput serve) is a new run: it never loads a checkpoint committed before it
+        was submitted (another run's, under the same id) unless resumed on purpose (`adopted`)."""
+        self.adopted = False
+        """Resumed on purpose (goodput resume): the checkpoints under its id are its to load, whoever wrote them."""
+
+    def restore(self, events: list[dict[str, Any]]) -> None:
+        """What a restarted service's timeline says: the interval last chosen, whether resumed on purpose."""
+        intervals = [e["detail"].get("steps", 0) for e in events if e["kind"] == EventKind.CHECKPOINT_INTERVAL]
+        self.auto_interval = int(intervals[-1]) if intervals else 0
+        self.adopted = any(e["kind"] == EventKind.RESUME_REQUESTED for e in events)
+
+    def load_point(self, spec: RunSpec) -> LoadPoint:
+        """Where the next attempt starts, after the discards still owed (a resume to an older step, an
+        SDC rollback). Store I/O: StoreError when the store cannot be reached (nothing is decided from
+        an outage), IdentityMismatch / ForeignCheckpoints when what is there cannot be this run's."""
+        if self.store is None:
+            return LoadPoint(0, 0, None, [], [])
+        self.discards.settle(self.store)
+        model = spec.to_model_config()
+        found = resume_point(self.store, self.run_id, identity=state_fingerprint(model),
+                             identity_detail=state_identity(model),
+                             not_before=self.created_at if self.own_only and not self.adopted else None)
+        discarded = self.discards.take_done()  # kept across tries: an outage after a discard loses no event
+        if found is None:
+            return LoadPoint(0, 0, None, [], discarded)
+        manifest, skipped = found
+        return LoadPoint(manifest.step, manifest.cursor, manifest.step, skipped, discarded)
+
+    def unreachable(self, now: float, error: Exception) -> dict[str, Any] | None:
+        """The store did not answer: back off. The `store_unavailable` event detail the first time the
+        outage outlasts `checkpoint.retry_budget_s`, else None."""
+        if not self.outage.failed(now):
+            return None
+        return dict(error=str(error), since=self.outage.since, retry_in_s=self.outage.backoff_s,
+                    uri=self.store.uri if self.store else None)
+
+    def roll_back(self, through: int) -> list[tuple[int, str]]:
+        """SDC: commits after `through` go (now, or before the next launch reads if the store is down)."""
+        return self.discards.roll_back(self.store, through)
+
+    def attempt_settings(self, spec: RunSpec, *, run_s: float, failures: int) -> dict[str, Any]:
+        """The checkpoint fields of the next AttemptSpec: where, how often, how many kept."""
+        c = spec.checkpoint
+        return dict(checkpoint_uri=self.store.uri if self.store else None,
+                    checkpoint_every=c.every_steps if isinstance(c.every_steps, int) else self.auto_interval,
+                    checkpoint_auto=c.every_steps == "auto", checkpoint_keep=c.keep,
+                    store_retry_budget_s=c.retry_budget_s,
+                    mtbf_s=observed_mtbf_s(run_s, failures, c.mtbf_hours * 3600 if c.mtbf_hours else None))
