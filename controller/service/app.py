@@ -25,7 +25,8 @@ from controller.service.auth import TOKEN_ENV
 from controller.service.metrics import ServiceCollector
 from controller.drills import DrillKind, rank_target
 from controller.errors import ApiBindError, ServiceError
-from controller.service.service import MAX_EVENTS_PAGE, MAX_HISTORY_PAGE, MAX_SPEC_BYTES, Service
+from controller.service.intake import MAX_EVENTS_PAGE, MAX_HISTORY_PAGE, MAX_SPEC_BYTES
+from controller.service.service import Service
 from controller.spec import RunSpec
 
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"

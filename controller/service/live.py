@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from controller.attempt import WorkerGroup
-from controller.service.registry import Saved
+from controller.service.registry import Registry, Saved
 from controller.state import RunController
 
 
@@ -78,3 +79,45 @@ class LiveRun:
 
     def __post_init__(self) -> None:
         self.controller.outside_lock = self.lock.released
+
+    def close(self) -> None:
+        """Release the run's workers (and with them its GPU slots)."""
+        close = getattr(self.group, "close", None) or self.group.shutdown
+        try:
+            close()
+        finally:
+            self.closed = True
+
+    def render(self, now: float) -> dict[str, Any]:
+        """The Run object as of `now` (under the run's lock)."""
+        with self.lock:
+            return self.controller.to_dict(now, full=False)
+
+    def reconcile_index(self, registry: Registry, wait_s: float) -> None:
+        """Reconcile the registry's checkpoint index with the store (Registry.reconcile_checkpoints) in
+        the background, one at a time, waiting at most `wait_s` for it."""
+        store = self.controller.checkpoints.store
+        if store is None:
+            return
+        with self.lock:
+            thread = self.reconciling
+            if thread is None or not thread.is_alive():
+                thread = self.reconciling = threading.Thread(
+                    target=registry.reconcile_checkpoints, args=(self.controller.run_id, store),
+                    name=f"goodput-index-{self.controller.run_id}", daemon=True)
+                thread.start()
+        thread.join(wait_s)
+
+    def wait_ended(self, *, timeout_s: float | None, on_tick: Callable[[RunController], None] | None,
+                   poll_s: float) -> None:
+        """Block until the run has ended and its workers are released; on_tick sees the controller each poll."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self.lock:
+                if on_tick is not None:
+                    on_tick(self.controller)
+                if self.controller.state.terminal and self.closed:
+                    return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.controller.run_id} did not end in {timeout_s:.0f} s")
+            time.sleep(poll_s)

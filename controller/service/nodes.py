@@ -7,10 +7,12 @@ the pool while it is short. The caller (the service) holds its lock around every
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable, Iterable, Protocol
 
 from controller.errors import ServiceError
+from controller.events import EventKind
 from controller.service.registry import Registry
 from controller.topology import NodeState, Topology
 
@@ -110,3 +112,116 @@ class NodeBook:
                          "reason": out["reason"] if out else None, "since": out["time"] if out else None})
         return rows
 
+
+
+class Cluster(Protocol):
+    def topology(self) -> Topology: ...
+
+
+class NodeActions(Protocol):
+    """What quarantine and release do outside goodput (Kubernetes: cordon and taint)."""
+
+    def quarantine(self, node: str, reason: str) -> Any: ...
+
+    def release(self, node: str) -> Any: ...
+
+
+Holders = Callable[[], dict[str, str]]
+"""node -> the live run that holds it (the service's runs decide)."""
+
+
+class ServiceNodes:
+    """The nodes as the service sees them: what its cluster shows (only the nodes `view` keeps, each in
+    the service's role for it), its NodeBook, and Kubernetes' side of quarantine and release. `lock` is
+    the service's: admission and node ownership change under it."""
+
+    def __init__(self, registry: Registry, cluster: Cluster, *, lock: threading.RLock, holders: Holders,
+                 view: Callable[[Topology], Topology] | None = None, node_actions: NodeActions | None = None,
+                 clock: Callable[[], float]) -> None:
+        self.book = NodeBook(registry)
+        self.cluster = cluster
+        self.lock = lock
+        self.holders = holders
+        self.view = view or (lambda t: t)
+        """Which of the cluster's nodes this service may use (all of them, unless told)."""
+        self.node_actions = node_actions
+        """Kubernetes' side of quarantine and release (controller.k8s.nodes), None outside a cluster."""
+        self.clock = clock
+
+    def shown(self) -> Topology:
+        """The nodes the cluster shows this service, each in the service's role for it."""
+        return self.book.in_roles(self.view(self.cluster.topology()))
+
+    def usable(self) -> Topology:
+        """Every node the service may use, held or not (what a run could ever get)."""
+        return Topology(tuple(n for n in self.shown().nodes if n.name not in self.book.out_of_use))
+
+    def free(self) -> Topology:
+        held = self.holders()
+        return Topology(tuple(n for n in self.usable().nodes if n.name not in held))
+
+    def of(self, names: set[str]) -> Topology:
+        """What the cluster shows of these nodes (a run's own: it merges back the nodes it lost)."""
+        return Topology(tuple(n for n in self.shown().nodes if n.name in names))
+
+    def track(self, placed: Callable[[], set[str]]) -> None:
+        """Notice nodes the cluster lost and got back, and keep the spare pool honest (NodeBook.track);
+        `placed`: the nodes the live runs' placements use."""
+        try:
+            raw = self.view(self.cluster.topology())
+        except Exception:  # noqa: BLE001 - a cluster that does not answer changes nothing here
+            return
+        with self.lock:
+            self.book.track(raw, self.clock(), self.holders(), placed())
+
+    def quarantine(self, quarantines: Iterable[dict[str, Any]], run_id: str,
+                   record: Callable[[EventKind, dict[str, Any]], None]) -> None:
+        """A node a run quarantined is out of use for every run until an operator releases it; on
+        Kubernetes it is also cordoned and tainted (not a lost node: its pod died, not the node), in the
+        background, and `record` gets the outcome for the run's timeline."""
+        for q in quarantines:
+            with self.lock:  # checked and set in one go: a release in between must not be undone
+                if not self.book.quarantine(q["node"], q["reason"], run_id, q["time"]):
+                    continue
+            if self.node_actions is not None and q["reason"] != "lost":
+                threading.Thread(target=self._cordon, args=(q["node"], str(q["reason"]), record),
+                                 name=f"goodput-cordon-{q['node']}", daemon=True).start()
+
+    def _cordon(self, node: str, reason: str, record: Callable[[EventKind, dict[str, Any]], None]) -> None:
+        assert self.node_actions is not None
+        try:
+            outcome = self.node_actions.quarantine(node, reason)
+            kind, detail = EventKind.NODE_CORDONED, {"node": node, "action": outcome.action, "detail": outcome.detail}
+        except Exception as e:  # noqa: BLE001 - the quarantine stands in goodput; say why Kubernetes did not follow
+            kind, detail = EventKind.NODE_CORDON_FAILED, {"node": node, "error": f"{type(e).__name__}: {e}"}
+            print(f"goodput serve: could not cordon {node}: {e}", file=sys.stderr, flush=True)
+        record(kind, detail)
+
+    def release(self, name: str, quarantined_at: list[float]) -> dict[str, Any]:
+        """An operator's explicit release of a quarantined node (`quarantined_at`: when runs quarantined
+        it): usable by new runs again; on Kubernetes its taint goes (and the cordon, if goodput made it)."""
+        try:
+            raw: Topology | None = self.view(self.cluster.topology())
+        except Exception:  # noqa: BLE001 - no answer from the cluster: its label decides the role
+            raw = None
+        with self.lock:  # every quarantine of it so far is answered by this release
+            row, role = self.book.release(name, max([self.clock()] + quarantined_at), raw)
+        kubernetes = None
+        if self.node_actions is not None:
+            try:
+                kubernetes = self.node_actions.release(name).detail
+            except Exception as e:  # noqa: BLE001 - released in goodput; the operator must finish in Kubernetes
+                kubernetes = (f"not released in Kubernetes ({type(e).__name__}: {e}); remove the taint {name} "
+                              "goodput.dev/quarantined and uncordon it by hand")
+        return {"name": name, "state": role, "was": row, "kubernetes": kubernetes}
+
+    def table(self) -> dict[str, Any]:
+        """Every node with its state for the service (healthy, spare, quarantined, lost) and the run on it."""
+        with self.lock:
+            try:
+                live_nodes = {n.name: n for n in self.shown().nodes}
+            except Exception:  # noqa: BLE001 - a cluster that does not answer shows no live node
+                live_nodes = {}
+            rows = self.book.rows(live_nodes, self.holders())
+        return {"nodes": rows, "gpus": sum(r["gpus"] for r in rows),
+                "free_gpus": sum(r["gpus"] for r in rows if r["run"] is None and r["state"] == "healthy")}

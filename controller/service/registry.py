@@ -285,6 +285,23 @@ class Registry:
             conn.execute(update(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.step == step)
                          .values(state=state))
 
+    def reconcile_checkpoints(self, run_id: str, store: Any) -> None:
+        """The index follows the events, and the store is the truth: a commit whose event died with its
+        node is added, a step no longer in the store is marked retired. A store that does not answer
+        leaves the index as it stands."""
+        from checkpointing.manifest import index_changes, step_prefix
+        from checkpointing.store import StoreError
+
+        try:
+            missing, gone = index_changes(store, run_id, {r["step"] for r in self.checkpoints(run_id)})
+        except StoreError:
+            return
+        for m in missing:
+            self.index_checkpoint(run_id, step=m.step, attempt=m.attempt, committed_at=m.created_at,
+                                  uri=f"{store.uri}/{step_prefix(run_id, m.step)}", size=m.total_bytes())
+        for step in gone:
+            self.set_checkpoint_state(run_id, step, "retired")
+
     # -- nodes the service took out of use -----------------------------------------------------------
     def set_node(self, name: str, *, state: str, reason: str, run_id: str | None, time: float) -> None:
         with self._begin() as conn:

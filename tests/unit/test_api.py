@@ -202,7 +202,7 @@ def test_client_reaches_a_real_server_and_explains_failures() -> None:
 
 def test_a_chunked_body_cannot_pass_the_size_limit() -> None:
     """No Content-Length (chunked transfer): the body is counted as it arrives and refused past the limit."""
-    from controller.service.service import MAX_SPEC_BYTES
+    from controller.service.intake import MAX_SPEC_BYTES
 
     _, _, _, service, _ = live_run()
     api = TestClient(create_app(service))

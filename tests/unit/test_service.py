@@ -223,7 +223,7 @@ def test_a_quarantined_node_is_out_of_use_for_every_run_and_after_a_restart(tmp_
     node = s.controller("a").quarantined[0]["node"]
     assert {r["name"]: r["state"] for r in s.cluster_view()["nodes"]}[node] == "quarantined"
     h2 = Harness(db)
-    assert node not in {n.name for n in h2.service._total_view().nodes}
+    assert node not in {n.name for n in h2.service.nodes.usable().nodes}
 
 
 def test_token_file_is_owner_only_and_serving_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
@@ -344,7 +344,7 @@ def test_a_release_that_lands_while_the_driver_notes_quarantines_is_not_undone(t
             noters.append(noter)
             return value
 
-    s.nodes.out_of_use = Interleaving(s.nodes.out_of_use)
+    s.nodes.book.out_of_use = Interleaving(s.nodes.book.out_of_use)
     s.release_node(node)
     for noter in noters:
         noter.join()
