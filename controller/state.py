@@ -82,6 +82,8 @@ class RunController:
         self._cancel_requested = False
         self.injector = injector
         self._grow = GrowWatch()
+        self.policy = self._policy()
+        """The spec's decisions (failure_policy.RunPolicy); built again when a resume changes the spec."""
         self._goodput = GoodputView()
         self.topology_source = topology_source
         self.drills = RunDrills(self.run_id, spec.drills)
@@ -205,6 +207,7 @@ class RunController:
         assert self.state.terminal
         self.spec = spec
         self.worker_group, self.injector = worker_group, injector
+        self.policy = self._policy()
         self.checkpoints.discards.resume_to(step)
         self._cancel_requested = False
         self.error = None
@@ -331,6 +334,8 @@ class RunController:
     def _maybe_replace_stragglers(self, now: float) -> bool:
         """At a checkpoint (no step is lost): replace the ranks judged slower than their peers, if a spare exists."""
         assert self.watch is not None
+        if not self.watch.stragglers.to_replace:
+            return False
         failure = self.watch.stragglers.replacement(now, spare=bool(self.topology.spares()), step=self.progress.step)
         if failure is not None:
             self._recover(now, failure)
@@ -389,8 +394,7 @@ class RunController:
         if decision.action is not Action.WAIT:
             self._apply(now, decision)
 
-    @property
-    def policy(self) -> RunPolicy:
+    def _policy(self) -> RunPolicy:
         e, t = self.spec.elastic, self.spec.train
         return RunPolicy(limits=ElasticLimits(min_dp=e.min_dp, max_failures=e.max_failures,
                                               wait_for_capacity_s=e.wait_for_capacity_s),

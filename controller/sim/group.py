@@ -20,14 +20,13 @@ make a 54-day simulation take days.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from checkpointing.manifest import MANIFEST, step_prefix
+from checkpointing.manifest import CheckpointError, Manifest, apply_retention, commit, step_prefix
 from checkpointing.schedule import CheckpointInterval
-from checkpointing.store import AlreadyExists, MemoryStore
+from checkpointing.store import MemoryStore
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
 from controller.sim.model import CostModel, Incident
@@ -97,7 +96,6 @@ class SimWorkerGroup:
         self.attempt: AttemptSpec | None = None
         self.running = False
         self.started = 0
-        self._kept: list[int] = []
         """Committed steps still in the store, oldest first."""
         self.wake_at_step: int | None = None
         """Poll right after this step (the driver sets it to the next drill's step)."""
@@ -262,24 +260,14 @@ class SimWorkerGroup:
         assert self.attempt is not None
         a = self.attempt
         mesh = a.config.mesh
-        # The manifest as checkpointing.manifest.commit writes it (the simulated shards have no files),
-        # built directly: a 54-day run commits ~100,000 times.
-        manifest = {"run_id": a.run_id, "step": step, "attempt": a.attempt,
-                    "mesh": mesh.axes(), "world_size": mesh.world_size,
-                    "cursor": step * a.config.train.global_batch, "seeds": {}, "files": {}, "created_at": at}
+        # The trainer's commit and retention (the simulated shards have no files).
         try:
-            self.store.put_bytes(f"{step_prefix(a.run_id, step)}/{MANIFEST}", json.dumps(manifest).encode(),
-                                 if_absent=True)
-        except AlreadyExists:  # already committed by an earlier attempt: nothing new
+            commit(self.store, Manifest(run_id=a.run_id, step=step, attempt=a.attempt, mesh=mesh.axes(),
+                                        world_size=mesh.world_size, cursor=step * a.config.train.global_batch,
+                                        seeds={}, created_at=at))
+        except CheckpointError:  # already committed by an earlier attempt: nothing new
             return
-        # Retention as the trainer applies it (apply_retention), kept in a list: no partial step ever exists here.
-        self._kept = sorted({s for s in self._kept if self.store.has(f"{step_prefix(a.run_id, s)}/{MANIFEST}")}
-                            | {step})  # the controller may have discarded some (an SDC rollback)
-        removed = []
-        while len(self._kept) > a.checkpoint_keep:
-            old = self._kept.pop(0)
-            self.store.delete_prefix(step_prefix(a.run_id, old) + "/")
-            removed.append(old)
+        removed = apply_retention(self.store, a.run_id, a.checkpoint_keep)
         result.events.append((0, EventKind.CHECKPOINT_COMMITTED, {
             "step": step, "uri": f"{self.store.uri}/{step_prefix(a.run_id, step)}", "bytes": 0,
             "seconds": self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, "removed": removed}))
