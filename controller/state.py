@@ -94,6 +94,7 @@ class RunController:
         self._waiting_since: float | None = None
         self._last_failure: FailureEvent | None = None
         self.waiting_for: str | None = None
+        self._admitted_plan: tuple[MeshPlan, Placement] | None = None
         """Why a submitted run has not started (set by the service that queues it)."""
         self.outside_lock: Callable[[], ContextManager[Any]] = contextlib.nullcontext
         """Entered around every slow call: store I/O, launch, shutdown, drill injection. A service that
@@ -149,10 +150,12 @@ class RunController:
         """An event from outside the machine (the service's restarts, a node's cordon) in the timeline."""
         self.events.add(now, max(self.attempt, 0), kind, **detail)
 
-    def admit(self, free: Topology) -> None:
-        """A service admits the run onto these free nodes: it plans on them (then `confine`s itself)."""
+    def admit(self, free: Topology, plan: tuple[MeshPlan, Placement] | None = None) -> None:
+        """A service admits the run onto these free nodes with the plan it made on them (None: the run
+        plans on them itself); then it `confine`s itself."""
         self.topology = free
         self.waiting_for = None
+        self._admitted_plan = plan
 
     def wait_for(self, reason: str) -> bool:
         """Queued by a service for `reason` (shown in the Run object); True when the reason changed."""
@@ -221,7 +224,8 @@ class RunController:
 
     def _on_planning(self, now: float) -> None:
         try:
-            self.plan, self.placement = plan_run(self.spec, self.topology)
+            self.plan, self.placement = self._admitted_plan or plan_run(self.spec, self.topology)
+            self._admitted_plan = None
         except SpecError as e:
             self._fail(now, "plan_infeasible", str(e))
             return

@@ -12,7 +12,9 @@ from typing import Any, Callable
 
 from controller.attempt import WorkerGroup
 from controller.service.registry import Registry, Saved
+from controller.service.scheduler import Admission, admission
 from controller.state import RunController
+from controller.topology import Topology
 
 
 class RunLock:
@@ -76,6 +78,9 @@ class LiveRun:
     """The Run object as of the last save (what reads return)."""
     reconciling: threading.Thread | None = None
     """The checkpoint index being reconciled with the store, if it is."""
+    _verdict: tuple[tuple[Any, Topology, Topology], Admission] | None = None
+    """The last admission verdict and the nodes it was reached on (a queued run is planned again only
+    when they change, not at every scheduler pass)."""
 
     def __post_init__(self) -> None:
         self.controller.outside_lock = self.lock.released
@@ -121,3 +126,11 @@ class LiveRun:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run {self.controller.run_id} did not end in {timeout_s:.0f} s")
             time.sleep(poll_s)
+
+    def admission(self, free: Topology, total: Topology) -> Admission:
+        """The scheduler's verdict on this queued run (service/scheduler.py), again only when the nodes changed."""
+        spec = self.controller.spec  # a resume may bring another
+        last = self._verdict
+        if last is None or last[0][0] is not spec or last[0][1:] != (free, total):
+            last = self._verdict = ((spec, free, total), admission(spec, free, total))
+        return last[1]

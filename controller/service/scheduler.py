@@ -7,8 +7,10 @@ thread applies the verdicts."""
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
-from controller.planner import plan_run
+from controller.placement import Placement
+from controller.planner import MeshPlan, plan_run
 from controller.spec import RunSpec, SpecError
 from controller.topology import NodeState, Topology
 
@@ -21,18 +23,26 @@ class Verdict(enum.Enum):
     REFUSE = "refuse"
 
 
-def admission(spec: RunSpec, free: Topology, total: Topology) -> tuple[Verdict, str]:
+@dataclass(frozen=True)
+class Admission:
+    verdict: Verdict
+    reason: str = ""
+    """Why it waits or is refused."""
+    plan: tuple[MeshPlan, Placement] | None = None
+    """ADMIT: the plan made on the free nodes (the run launches with it: no second planning pass)."""
+
+
+def admission(spec: RunSpec, free: Topology, total: Topology) -> Admission:
     """The verdict on the first queued run and why: `free` are the nodes no run holds, `total` every
     node the service may use. Every run queued behind one that waits waits too (BEHIND_EARLIER)."""
     try:
-        plan_run(spec, free)
-        return Verdict.ADMIT, ""
+        return Admission(Verdict.ADMIT, plan=plan_run(spec, free))
     except SpecError as e:
         try:
             plan_run(spec, total)
         except SpecError as never:
-            return Verdict.REFUSE, f"the service's cluster can no longer hold the run: {never}"
-        return Verdict.WAIT, f"waiting for capacity: {free_gpus(free)} free GPU(s) now; {e}"
+            return Admission(Verdict.REFUSE, f"the service's cluster can no longer hold the run: {never}")
+        return Admission(Verdict.WAIT, f"waiting for capacity: {free_gpus(free)} free GPU(s) now; {e}")
 
 
 def free_gpus(topology: Topology) -> int:

@@ -31,10 +31,11 @@ from controller.service.live import LiveRun, RunLock
 from controller.service.nodes import Cluster, NodeActions, ServiceNodes
 from controller.service.registry import Registry
 from controller.service.restore import Carried, carry_on
-from controller.service.scheduler import BEHIND_EARLIER, Verdict, admission
+from controller.service.scheduler import BEHIND_EARLIER, Verdict
 from controller.spec import RunSpec, SpecError, parse_spec
 from controller.attempt import WorkerGroup
-from controller.planner import plan_run
+from controller.placement import Placement
+from controller.planner import MeshPlan, plan_run
 from controller.state import RunController, RunState
 from controller.topology import Topology
 
@@ -274,15 +275,15 @@ class Service:
                     self._wait(live, BEHIND_EARLIER)
                     continue
                 free = self.nodes.free()
-                verdict, reason = admission(c.spec, free, self.nodes.usable())
-                if verdict is Verdict.REFUSE:
-                    self._end(live, functools.partial(c.fail, self.clock(), "no_capacity", reason))
+                verdict = live.admission(free, self.nodes.usable())
+                if verdict.verdict is Verdict.REFUSE:
+                    self._end(live, functools.partial(c.fail, self.clock(), "no_capacity", verdict.reason))
                     continue
-                if verdict is Verdict.WAIT:
-                    self._wait(live, reason)
+                if verdict.verdict is Verdict.WAIT:
+                    self._wait(live, verdict.reason)
                     blocked = True
                     continue
-                self._admit(live, free)
+                self._admit(live, free, verdict.plan)
 
     def _end(self, live: LiveRun, how: Callable[[], Any]) -> None:
         """End a run that was never admitted (cancelled, refused): `how` ends its controller."""
@@ -295,10 +296,10 @@ class Service:
         if live.controller.wait_for(reason):
             self._save(live)
 
-    def _admit(self, live: LiveRun, free: Topology) -> None:
+    def _admit(self, live: LiveRun, free: Topology, plan: tuple[MeshPlan, Placement] | None) -> None:
         c = live.controller
         with live.lock:
-            c.admit(free)
+            c.admit(free, plan)
             now = self.clock()
             while c.state in (RunState.PENDING, RunState.PLANNING):
                 c.step(now)

@@ -362,8 +362,46 @@ def test_admission_admits_what_fits_waits_for_what_could_and_refuses_what_never_
     spec = parse_spec(raw_spec("a", dp=4, tp=2))
     six = Topology.from_local(nodes=6, gpus_per_node=2, racks=2, spares=0)
     four, two = Topology(six.nodes[:4]), Topology(six.nodes[:2])
-    assert admission(spec, four, six) == (Verdict.ADMIT, "")
-    verdict, reason = admission(spec, two, six)
-    assert verdict is Verdict.WAIT and "4 free GPU(s)" in reason
-    verdict, reason = admission(spec, two, two)
-    assert verdict is Verdict.REFUSE and "can no longer hold" in reason
+    admitted = admission(spec, four, six)
+    assert admitted.verdict is Verdict.ADMIT and admitted.plan is not None
+    assert admitted.plan[1].mesh.world_size == 8 and set(admitted.plan[1].nodes_used()) <= {n.name for n in four.nodes}
+    waiting = admission(spec, two, six)
+    assert waiting.verdict is Verdict.WAIT and "4 free GPU(s)" in waiting.reason and waiting.plan is None
+    refused = admission(spec, two, two)
+    assert refused.verdict is Verdict.REFUSE and "can no longer hold" in refused.reason
+
+
+def test_a_run_is_planned_once_at_admission_and_a_queued_one_only_when_nodes_change(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning is the costly part of admission: a queued run is planned again only when the free nodes
+    change (not at every scheduler pass), and the run launches with the plan that admitted it."""
+    import controller.planner as planner
+    import controller.service.scheduler as scheduler
+    import controller.state as state
+
+    calls: list[str] = []
+    real = planner.plan_run
+
+    def counted(where: str) -> Any:
+        def plan(spec: RunSpec, topology: Topology) -> Any:
+            calls.append(f"{where}:{spec.name}")
+            return real(spec, topology)
+        return plan
+
+    monkeypatch.setattr(scheduler, "plan_run", counted("scheduler"))
+    monkeypatch.setattr(state, "plan_run", counted("controller"))
+    h = Harness(sqlite_url(str(tmp_path)))
+    s = h.service
+    s.add(parse_spec(raw_spec("big", dp=4, tp=2)))  # 8 of the cluster's GPUs
+    s.add(parse_spec(raw_spec("next", dp=2, tp=2)))  # waits for them
+    h.until("big", "running")
+    assert calls == ["scheduler:big", "scheduler:next", "scheduler:next"], calls  # admitted; free, then total
+    for _ in range(5):
+        h.tick("big")
+    assert calls.count("scheduler:next") == 2, "a queued run is not planned again while nothing changed"
+    assert "controller:big" not in calls, "the admitted run launched with its admission's plan"
+    h.group("big").finish_steps(1, 40)
+    h.group("big").complete()
+    h.until("big", "succeeded")
+    h.until("next", "running")
+    assert calls.count("scheduler:next") == 3 and "controller:next" not in calls, calls
