@@ -242,14 +242,16 @@ class RunController:
         try:
             with self.outside_lock():
                 point = self.checkpoints.load_point(self.spec)
-        except StoreError as e:
-            self._store_unreachable(now, e)
+        except StoreError as e:  # back off; past `checkpoint.retry_budget_s`, say so in the timeline (once)
+            if (detail := self.checkpoints.unreachable(now, e)) is not None:
+                self.events.add(now, max(self.attempt, 0), EventKind.STORE_UNAVAILABLE, **detail)
             return
         except (IdentityMismatch, ForeignCheckpoints) as e:
             self._fail(now, "checkpoint_mismatch" if isinstance(e, IdentityMismatch) else "checkpoints_in_the_way", str(e))
             return
         self._discarded(now, point.discarded)
-        self._store_reachable(now)
+        if (down := self.checkpoints.outage.answered(now)) is not None:
+            self.events.add(now, max(self.attempt, 0), EventKind.STORE_AVAILABLE, down_s=down)
         if self._cancel_requested:
             return  # the next step cancels
         self.attempt += 1
@@ -285,18 +287,6 @@ class RunController:
     def _discarded(self, now: float, discarded: list[tuple[int, str]]) -> None:
         for step, reason in discarded:
             self.events.add(now, self.attempt, EventKind.CHECKPOINT_DISCARDED, step=step, reason=reason)
-
-    def _store_unreachable(self, now: float, error: StoreError) -> None:
-        """The checkpoint store did not answer: try again after a backoff; once it has been down longer
-        than `checkpoint.retry_budget_s`, say so in the timeline (once)."""
-        detail = self.checkpoints.unreachable(now, error)
-        if detail is not None:
-            self.events.add(now, max(self.attempt, 0), EventKind.STORE_UNAVAILABLE, **detail)
-
-    def _store_reachable(self, now: float) -> None:
-        down = self.checkpoints.outage.answered(now)
-        if down is not None:
-            self.events.add(now, max(self.attempt, 0), EventKind.STORE_AVAILABLE, down_s=down)
 
     def _launch_failed(self, now: float, message: str) -> None:
         """A first launch that fails ends the run; a relaunch during recovery is one more failure."""
