@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from controller.cli.render import QUIET_KINDS, CliError, clock, describe, emit_json, table, when
 from controller.spec import load_spec
@@ -26,6 +26,31 @@ def api() -> Iterator[Any]:
         client.close()
 
 
+def poll_until(fetch: Callable[[], dict], first: dict, done: Callable[[dict], bool], *, timeout_s: float,
+               every_s: float, stuck: Callable[[dict], str]) -> dict:
+    """Fetch again every `every_s` until `done` (starting from `first`); CliError(stuck(last)) after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    last = first
+    while not done(last):
+        if time.monotonic() > deadline:
+            raise CliError(stuck(last))
+        time.sleep(every_s)
+        last = fetch()
+    return last
+
+
+def paged(client: Any, path: str, *, key: str, page_size: int) -> list[dict]:
+    """Every row of a paged listing (`after` the last row's `key`, pages of `page_size`)."""
+    rows: list[dict] = []
+    while True:
+        page = client.call("GET", path, params={"after": rows[-1][key] if rows else -1})
+        rows.extend(page)
+        if len(page) < page_size:
+            return rows
+
+
 def checkpoints_from_service(opts: argparse.Namespace) -> int:
     with api() as client:
         rows = client.call("GET", f"/v1/runs/{opts.run}/checkpoints")
@@ -42,19 +67,15 @@ def checkpoints_from_service(opts: argparse.Namespace) -> int:
 
 def cmd_drill(opts: argparse.Namespace) -> int:
     """Inject a drill into a running run through its API; wait for the report unless --no-wait."""
-    import time
-
     with api() as client:
         body = {"kind": opts.kind, "target": opts.target, "at_step": opts.at_step}
         body |= {k: v for k, v in (("factor", opts.factor), ("seconds", opts.seconds)) if v is not None}
         drill = client.call("POST", f"/v1/runs/{opts.run}/drills", body)
-        deadline = time.monotonic() + opts.timeout
-        while not opts.no_wait and drill["outcome"] in ("scheduled", "pending"):
-            if time.monotonic() > deadline:
-                raise CliError(f"drill {drill['id']} is still {drill['outcome']} after {opts.timeout:.0f} s; "
-                               f"see `goodput status {opts.run}`")
-            time.sleep(0.5)
-            drill = client.call("GET", f"/v1/drills/{drill['id']}")
+        if not opts.no_wait:
+            drill = poll_until(lambda: client.call("GET", f"/v1/drills/{drill['id']}"), drill,
+                               lambda d: d["outcome"] not in ("scheduled", "pending"), timeout_s=opts.timeout,
+                               every_s=0.5, stuck=lambda d: f"drill {d['id']} is still {d['outcome']} after "
+                                                            f"{opts.timeout:.0f} s; see `goodput status {opts.run}`")
     if opts.json:
         emit_json(drill)
     elif drill["outcome"] == "scheduled":
@@ -153,14 +174,7 @@ def cmd_list(opts: argparse.Namespace) -> int:
 
 
 def all_events(client: Any, run: str) -> list[dict]:
-    events: list[dict] = []
-    after = -1
-    while True:
-        page = client.call("GET", f"/v1/runs/{run}/events", params={"after": after})
-        events.extend(page)
-        if len(page) < 1000:
-            return events
-        after = page[-1]["seq"]
+    return paged(client, f"/v1/runs/{run}/events", key="seq", page_size=1000)
 
 
 def cmd_events(opts: argparse.Namespace) -> int:
@@ -179,18 +193,14 @@ ENDED = ("succeeded", "failed", "cancelled")
 
 def cmd_cancel(opts: argparse.Namespace) -> int:
     """Cancel, then wait until the run has stopped (its GPUs free, resumable) unless --no-wait."""
-    import time
-
     with api() as client:
         run = client.call("POST", f"/v1/runs/{opts.run}/cancel")  # on an ended run: changes nothing
         already = run["state"] in ENDED
-        deadline = time.monotonic() + opts.timeout
-        while not already and not opts.no_wait and run["state"] not in ENDED:
-            if time.monotonic() > deadline:
-                raise CliError(f"{run['id']} is still {run['state']} {opts.timeout:.0f} s after the cancel; "
-                               f"see `goodput status {run['id']}`")
-            time.sleep(0.3)
-            run = client.call("GET", f"/v1/runs/{opts.run}")
+        if not already and not opts.no_wait:
+            run = poll_until(lambda: client.call("GET", f"/v1/runs/{opts.run}"), run, lambda r: r["state"] in ENDED,
+                             timeout_s=opts.timeout, every_s=0.3,
+                             stuck=lambda r: f"{r['id']} is still {r['state']} {opts.timeout:.0f} s after the cancel; "
+                                             f"see `goodput status {r['id']}`")
     if opts.json:
         emit_json(run)
     elif already:
@@ -228,13 +238,7 @@ def cmd_report(opts: argparse.Namespace) -> int:
     with api() as client:
         run = client.call("GET", f"/v1/runs/{opts.run}")
         events = all_events(client, opts.run)
-        history: list[dict] = []
-        while True:
-            page = client.call("GET", f"/v1/runs/{opts.run}/history",
-                               params={"after": history[-1]["step"] if history else -1})
-            history.extend(page)
-            if len(page) < 10000:
-                break
+        history = paged(client, f"/v1/runs/{opts.run}/history", key="step", page_size=10000)
     data = report.build(run, events, history)
     path = report.plot(data, Path(opts.out or f"{opts.run}-timeline.png"))
     if opts.json:
