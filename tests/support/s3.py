@@ -116,9 +116,10 @@ class S3Server:
 
     def __init__(self, log_dir: Path) -> None:
         self.port = free_port()
-        moto = Path(sys.executable).with_name("moto_server")
+        moto = Path(sys.executable).with_name("moto_server")  # else moto installed without its scripts
+        command = [str(moto)] if moto.exists() else [sys.executable, "-m", "moto.server"]
         self._log = open(log_dir / "moto.log", "w")
-        self.proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(self.port)],
+        self.proc = subprocess.Popen([*command, "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
