@@ -1,7 +1,8 @@
 """The run registry's database: every table and every query of the service, through SQLAlchemy 2 Core.
 
 SQLite under the service's state dir by default (one file, WAL, so the API reads while a run's driver
-writes); any SQLAlchemy URL is accepted (`postgresql+psycopg://...`). The schema is created on start.
+writes); any SQLAlchemy URL is accepted (`postgresql+psycopg://...`). The schema is brought to the newest revision on start
+(Alembic migrations in controller/service/migrations; `metadata` below is what they build).
 What is stored is what a restarted service needs to carry on and what the API shows:
 runs (spec, state, the last Run object with its drill reports), attempts, the event timeline, per-step history, the
 checkpoint index, and nodes the service took out of use.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from controller.events import EventKind
+from controller.service.migrations import upgrade
 import json
 import os
 import threading
@@ -22,7 +24,7 @@ from typing import Any, Iterator
 
 from sqlalchemy import (
     JSON, Column, Float, Integer, MetaData, String, Table, UniqueConstraint, create_engine, delete, event, func,
-    insert, inspect, select, text, update,
+    insert, select, update,
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
@@ -133,17 +135,8 @@ class Registry:
                 cursor.close()
         self._lock = threading.RLock() if memory else contextlib.nullcontext()
         """An in-memory database is one connection: its users take turns (a file has SQLite's own locking)."""
-        metadata.create_all(self.engine)
-        self._add_missing_columns()
-
-    def _add_missing_columns(self) -> None:
-        """A registry made by an older goodput lacks the newer nullable columns: add them (the only
-        schema change so far; a real migration tool is due once a change is not purely additive)."""
-        have = {c["name"] for c in inspect(self.engine).get_columns("history")}
-        with self._begin() as conn:
-            for column in ("started_at", "ended_at"):
-                if column not in have:
-                    conn.execute(text(f"ALTER TABLE history ADD COLUMN {column} FLOAT"))
+        with self._begin() as conn:  # the schema is the migrations' (controller/service/migrations)
+            upgrade(conn, metadata)
 
     @contextlib.contextmanager
     def _begin(self) -> Iterator[Connection]:

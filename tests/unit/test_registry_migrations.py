@@ -1,0 +1,67 @@
+"""The registry's schema comes from Alembic migrations: what they build is exactly the tables the
+registry's queries use, and registries made by earlier goodput versions are upgraded in place with
+their data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, text
+
+from controller.service.migrations import HEAD, revision
+from controller.service.registry import Registry, metadata, sqlite_url
+
+
+def _diff(url: str) -> list:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        return compare_metadata(MigrationContext.configure(conn), metadata)
+
+
+def test_a_fresh_registry_is_built_by_the_migrations_and_matches_the_tables_in_use(tmp_path: Path) -> None:
+    url = sqlite_url(str(tmp_path))
+    Registry(url).close()
+    assert _diff(url) == []
+    with create_engine(url).connect() as conn:
+        assert revision(conn) == HEAD
+
+
+def _made_by_todays_code_before_migrations(url: str, *, history_times: bool) -> None:
+    """What goodput wrote before Alembic: metadata.create_all, no alembic_version (and, older still,
+    history without its time columns)."""
+    engine = create_engine(url)
+    metadata.create_all(engine)
+    with engine.begin() as conn:
+        if not history_times:
+            conn.execute(text("ALTER TABLE history DROP COLUMN started_at"))
+            conn.execute(text("ALTER TABLE history DROP COLUMN ended_at"))
+        conn.execute(text("INSERT INTO runs (id, seq, name, spec, state, created_at, attempt, step, updated_at) "
+                          "VALUES ('old', 1, 'old', '{}', 'succeeded', 1.0, 0, 7, 2.0)"))
+        conn.execute(text("INSERT INTO history (run_id, step, loss, attempt) VALUES ('old', 7, 1.5, 0)"))
+    engine.dispose()
+
+
+def test_a_registry_made_before_migrations_is_stamped_and_upgraded_with_its_data(tmp_path: Path) -> None:
+    for history_times in (True, False):
+        url = sqlite_url(str(tmp_path / str(history_times)))
+        (tmp_path / str(history_times)).mkdir()
+        _made_by_todays_code_before_migrations(url, history_times=history_times)
+        registry = Registry(url)
+        assert [r["id"] for r in registry.run_rows()] == ["old"]
+        assert [(h["step"], h["loss"]) for h in registry.history("old", after=-1, limit=10)] == [(7, 1.5)]
+        registry.close()
+        assert _diff(url) == [], history_times
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            assert revision(conn) == HEAD
+            assert {"started_at", "ended_at"} <= {c["name"] for c in inspect(conn).get_columns("history")}
+        engine.dispose()
+
+
+def test_opening_an_upgraded_registry_again_changes_nothing(tmp_path: Path) -> None:
+    url = sqlite_url(str(tmp_path))
+    Registry(url).close()
+    Registry(url).close()
+    assert _diff(url) == []
