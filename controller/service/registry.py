@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from sqlalchemy import (
-    JSON, Column, Float, Integer, MetaData, String, Table, UniqueConstraint, create_engine, delete, event, func,
+    JSON, Column, Float, Integer, MetaData, String, Table, Text, UniqueConstraint, create_engine, delete, event, func,
     insert, select, update,
 )
 from sqlalchemy.engine import Connection, Engine
@@ -99,7 +99,7 @@ nodes = Table(
     "nodes", metadata,
     Column("name", String(128), primary_key=True),
     Column("state", String(16), nullable=False),
-    Column("reason", String(64), nullable=False),
+    Column("reason", Text, nullable=False),
     Column("run_id", String(128)),
     Column("time", Float, nullable=False),
 )

@@ -1,7 +1,8 @@
 """`goodput serve` from a user's point of view, one service for the module (its own embedded cluster:
 4 nodes of 2 GPU slots, one of them a hot spare): submit, a kill-node drill recovered onto the spare,
 two runs that together need more GPUs than there are (one waits, then both succeed), and the service
-SIGKILLed mid-run and started again on the same state dir (every run still listed, the unfinished one
+SIGKILLed mid-run and started again on the same state dir and registry, a real PostgreSQL server (every
+run still listed, the unfinished one
 goes on from its latest checkpoint as a new attempt and succeeds). Everything through the CLI."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Iterator
 import psutil
 import pytest
 
+from tests.support.postgres import PostgresServer, unavailable
 from tests.support.serve import Serve, _running, wait_for, write_spec
 
 pytestmark = pytest.mark.cluster
@@ -26,13 +28,22 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """The service keeps its registry on a real PostgreSQL server (`--db postgresql+psycopg://...`, the
+    prod overlay's kind of registry) where one can be started, else in SQLite under its state dir."""
     root = tmp_path_factory.mktemp("serve")
+    why = unavailable()
+    if why is not None and os.environ.get("CI"):
+        pytest.fail(f"CI must run goodput serve on PostgreSQL: {why}")
+    postgres = PostgresServer() if why is None else None
+    db = ("--db", postgres.url) if postgres is not None else ()
     serve = Serve(root / "state", root / "serve.log", "--local-nodes", "4", "--gpus-per-node", "2", "--racks", "1",
-                  "--spares", "1").start()
+                  "--spares", "1", *db).start()
     try:
         yield serve
     finally:
         serve.stop()
+        if postgres is not None:
+            postgres.stop()
 
 
 def test_submit_drill_and_watch_a_run_to_the_end(service: Serve, tmp_path: Path) -> None:
@@ -116,6 +127,8 @@ def test_service_killed_mid_run_comes_back_and_carries_the_run_on(service: Serve
     assert isinstance(committed, list) and committed[-1]["step"] == 150
     token = (service.state / "api-token").read_text().strip()
     assert stat.S_IMODE(os.stat(service.state / "api-token").st_mode) == 0o600
+    if not unavailable():
+        assert "registry postgresql+psycopg://" in service.text(), "the restarted service is on PostgreSQL"
     assert token not in service.text(), "the token is never logged"
     assert "api-token" in service.text(), "where it is kept is"
     for run in [r["id"] for r in after]:  # every run this service has (the module's other tests' too)

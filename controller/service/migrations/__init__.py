@@ -14,7 +14,7 @@ from pathlib import Path
 from sqlalchemy import MetaData, inspect
 from sqlalchemy.engine import Connection
 
-HEAD = "0002"
+HEAD = "0003"
 
 
 def upgrade(conn: Connection, metadata: MetaData) -> None:
