@@ -24,5 +24,12 @@ class ClusterError(GoodputError):
         super().__init__("cluster_error", message)
 
 
+class RegistryBusy(GoodputError):
+    """Another `goodput serve` drives the runs of this registry (one controller per registry)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("registry_busy", message)
+
+
 class ApiBindError(OSError):
     """The API's address cannot be bound (busy port, foreign address)."""

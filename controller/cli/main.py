@@ -15,7 +15,7 @@ from controller.cli.remote import (checkpoints_from_service, cmd_cancel, cmd_dri
                                    cmd_report, cmd_resume, cmd_status, cmd_submit)
 from controller.cli.render import CliError
 from controller.drills import DrillKind
-from controller.errors import ClusterError
+from controller.errors import ClusterError, RegistryBusy
 from controller.spec import SpecError
 
 
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     func: Callable[[argparse.Namespace], int] = opts.func
     try:
         code = func(opts)
-    except (SpecError, CliError, ClusterError) as e:
+    except (SpecError, CliError, ClusterError, RegistryBusy) as e:
         print(f"goodput: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

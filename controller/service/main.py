@@ -69,7 +69,7 @@ def serve_forever(opts: ServeOptions) -> int:
     from controller.ray.cluster import LocalRayCluster, make_cluster
     from controller.service.app import ApiServer, create_app
     from controller.service.auth import check_bind, ensure_token
-    from controller.service.registry import Registry, sqlite_url
+    from controller.service.registry import Registry, safe_url, sqlite_url
     from controller.spec import LocalClusterSpec
 
     state = Path(opts.state_dir)
@@ -84,7 +84,8 @@ def serve_forever(opts: ServeOptions) -> int:
     else:
         log(f"API token from {TOKEN_ENV}")
     registry = Registry(opts.db or sqlite_url(opts.state_dir))
-    log(f"registry {_safe_url(registry.url)}")
+    log(f"registry {safe_url(registry.url)}")
+    registry.lead()  # before anything of a service that may already run here is touched
     cluster = make_cluster(opts.address, LocalClusterSpec(nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node,
                                                            racks=opts.racks, spares=opts.spares,
                                                            gpu_memory_gb=opts.gpu_memory_gb),
@@ -297,8 +298,3 @@ def reap_leftovers(state: Path) -> None:
     path.unlink()
 
 
-def _safe_url(url: str) -> str:
-    """A database URL without its password."""
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 from sqlalchemy import (
     JSON, Column, Float, Integer, MetaData, String, Table, Text, UniqueConstraint, create_engine, delete, event, func,
-    insert, select, update,
+    insert, select, text, update,
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
@@ -105,6 +105,13 @@ nodes = Table(
 )
 
 
+def safe_url(url: str) -> str:
+    """A URL with its password hidden (it goes into messages)."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
 def sqlite_url(state_dir: str) -> str:
     return f"sqlite:///{os.path.join(os.path.abspath(state_dir), 'registry.db')}"
 
@@ -138,6 +145,50 @@ class Registry:
         with self._begin() as conn:  # the schema is the migrations' (controller/service/migrations)
             upgrade(conn, metadata)
 
+    LEAD_KEY = 0x676F6F64  # "good": the PostgreSQL advisory lock a leading service holds
+
+    def lead(self, *, wait_s: float = 10.0) -> None:
+        """Become the one service that drives this registry's runs, for as long as this process lives
+        (a PostgreSQL session advisory lock, or a lock on a file beside the SQLite database; the system
+        drops either when the process dies). Waits `wait_s` for a leader that is going away (a killed
+        one's lock goes with its connection), then RegistryBusy says who holds it and what to do."""
+        import time
+
+        from controller.errors import RegistryBusy
+
+        if self.url in ("sqlite://", "sqlite:///:memory:"):
+            return  # private to this process
+        deadline = time.monotonic() + wait_s
+        while not self._try_lead():
+            if time.monotonic() > deadline:
+                raise RegistryBusy(
+                    f"another goodput serve drives the runs of this registry ({safe_url(self.url)}): one service "
+                    "per registry, or two would launch the same runs. Stop that one first, or give this one "
+                    "its own --state-dir / --db")
+            time.sleep(0.2)
+
+    def _try_lead(self) -> bool:
+        if self.engine.dialect.name == "sqlite":
+            import fcntl
+
+            path = self.engine.url.database
+            assert path is not None
+            handle = open(f"{path}.lead", "a")  # noqa: SIM115 - held open while this process leads
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                return False
+            self._leadership: Any = handle
+            return True
+        conn = self.engine.connect()  # its own session, held open: the lock lives as long as it does
+        if conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": self.LEAD_KEY}).scalar():
+            conn.commit()
+            self._leadership = conn
+            return True
+        conn.close()
+        return False
+
     @contextlib.contextmanager
     def _begin(self) -> Iterator[Connection]:
         with self._lock, self.engine.begin() as conn:
@@ -149,6 +200,10 @@ class Registry:
             yield conn
 
     def close(self) -> None:
+        leadership = getattr(self, "_leadership", None)
+        if leadership is not None:
+            leadership.close()  # the lock goes with it
+            self._leadership = None
         self.engine.dispose()
 
     # -- runs -------------------------------------------------------------------------------------

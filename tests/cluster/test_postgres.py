@@ -102,3 +102,15 @@ def test_long_texts_fit_where_sqlite_never_checked_a_length(database: str) -> No
     r.set_node("node-7", state="lost", reason=reason, run_id="pg", time=1.0)
     assert [n["reason"] for n in r.node_rows()] == [reason]
     r.close()
+
+
+def test_one_service_leads_a_postgresql_registry(database: str) -> None:
+    from controller.errors import RegistryBusy
+
+    first, second = Registry(database), Registry(database)
+    first.lead()
+    with pytest.raises(RegistryBusy, match="one service per registry"):
+        second.lead(wait_s=0.3)
+    first.close()
+    second.lead(wait_s=2)
+    second.close()

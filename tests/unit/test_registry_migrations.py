@@ -65,3 +65,44 @@ def test_opening_an_upgraded_registry_again_changes_nothing(tmp_path: Path) -> N
     Registry(url).close()
     Registry(url).close()
     assert _diff(url) == []
+
+
+def test_one_service_leads_a_registry_and_a_second_is_refused_until_the_first_is_gone(tmp_path: Path) -> None:
+    from controller.errors import RegistryBusy
+    import pytest
+
+    url = sqlite_url(str(tmp_path))
+    first, second = Registry(url), Registry(url)
+    first.lead()
+    with pytest.raises(RegistryBusy, match="another goodput serve drives the runs of this registry"):
+        second.lead(wait_s=0.3)
+    first.close()  # a leader that stops (or dies: the system drops its lock) lets the next one lead
+    second.lead(wait_s=0.3)
+    second.close()
+
+
+def test_a_killed_leader_s_lock_goes_with_it(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    url = sqlite_url(str(tmp_path))
+    Registry(url).close()
+    code = ("import sys, time; sys.path.insert(0, '.'); from controller.service.registry import Registry; "
+            f"r = Registry({url!r}); r.lead(); print('leading', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "leading"
+        from controller.errors import RegistryBusy
+        import pytest
+
+        with pytest.raises(RegistryBusy):
+            Registry(url).lead(wait_s=0.3)
+        proc.kill()  # our own child, by its PID
+        proc.wait()
+        t0 = time.monotonic()
+        Registry(url).lead(wait_s=5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
