@@ -113,7 +113,7 @@ def med(xs: list[float]) -> str:
 def main() -> None:
     from checkpointing.manifest import read_manifest
     from checkpointing.store import LocalStore
-    from trainer.checkpoint import Checkpointer, load
+    from trainer.checkpoint import Checkpointer
     from trainer.parallel import build_mesh, choose_device, init_process_group
     from trainer.report import ListSink
     from trainer.train import Trainer
@@ -205,22 +205,13 @@ def main() -> None:
 
         step = goodput.step
         manifest = read_manifest(local, "gpu", step)
-        size = manifest.total_bytes()
         del bare
         restored = Trainer(TrainerConfig(model=model, data=data, train=train, mesh=MeshShape(),
                                          probes=ProbeConfig(sdc_every_steps=10)),
                            build_mesh(on.mesh, "cuda"), choice, attempt=1)
-        loads: list[float] = []
-        for _ in range(opts.repeat):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            load(restored, local, manifest, tmp / "cache")
-            torch.cuda.synchronize()
-            loads.append(time.perf_counter() - t0)
-        print(f"checkpoint load, local disk ({size / 2**30:.1f} GiB): {med(loads)}; "
-              f"{size / 2**30 / statistics.median(loads):.2f} GiB/s", flush=True)
+        timed_loads("local disk", restored, local, manifest, tmp / "cache", opts.repeat)
         if opts.s3:
-            s3_load(restored, local, manifest, tmp, opts.s3_repeat, size)
+            s3_load(restored, local, manifest, tmp, opts.s3_repeat)
         restored.step, restored.cursor = step, manifest.cursor
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -235,12 +226,27 @@ def main() -> None:
         print(f"{name:>13}: {med(xs)}")
 
 
-def s3_load(trainer, local, manifest, tmp: Path, repeat: int, size: int) -> None:
+def timed_loads(where: str, trainer, store, manifest, cache: Path, repeat: int) -> None:
+    """Load the step `repeat` times into the trainer; print the median and the rate."""
+    from trainer.checkpoint import load
+
+    times: list[float] = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        load(trainer, store, manifest, cache)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    gib = manifest.total_bytes() / 2**30
+    print(f"checkpoint load, {where} ({gib:.1f} GiB): {med(times)}; {gib / statistics.median(times):.2f} GiB/s",
+          flush=True)
+
+
+def s3_load(trainer, local, manifest, tmp: Path, repeat: int) -> None:
     """The same step uploaded to moto in server mode on 127.0.0.1, then loaded from there."""
     from checkpointing.manifest import MANIFEST, step_prefix
     from checkpointing.store import S3Store
     from tests.support.s3 import S3Server, restore_env, set_env
-    from trainer.checkpoint import load
 
     (tmp / "moto").mkdir()
     server = S3Server(tmp / "moto")
@@ -251,15 +257,7 @@ def s3_load(trainer, local, manifest, tmp: Path, repeat: int, size: int) -> None
         prefix = step_prefix(manifest.run_id, manifest.step)
         for rel in [*manifest.files, MANIFEST]:
             store.put_file(f"{prefix}/{rel}", Path(local.root) / prefix / rel)
-        times: list[float] = []
-        for _ in range(repeat):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            load(trainer, store, manifest, tmp / "cache")
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        print(f"checkpoint load, S3 protocol on this host ({size / 2**30:.1f} GiB): {med(times)}; "
-              f"{size / 2**30 / statistics.median(times):.2f} GiB/s", flush=True)
+        timed_loads("S3 protocol on this host", trainer, store, manifest, tmp / "cache", repeat)
     finally:
         restore_env(saved)
         server.stop()

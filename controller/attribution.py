@@ -192,9 +192,10 @@ class StragglerWatch:
 
     def judge(self) -> list[dict[str, Any]]:
         """The `straggler` event detail of each new verdict (the rank, its node, its score, on what basis)."""
-        details: list[dict[str, Any]] = [{"rank": v.rank, "node": self.node_of_rank[v.rank], "score": round(v.score, 3), "basis": v.basis,
-                    "step": v.step, "compute_s": v.compute_s, "ratio": self.ratio, "action": self.action}
-                   for v in self.tracker.evaluate()]
+        details: list[dict[str, Any]] = [
+            {"rank": v.rank, "node": self.node_of_rank[v.rank], "score": round(v.score, 3), "basis": v.basis,
+             "step": v.step, "compute_s": v.compute_s, "ratio": self.ratio, "action": self.action}
+            for v in self.tracker.evaluate()]
         if self.action == "replace":
             self.to_replace |= {int(d["rank"]) for d in details if d["basis"] == "relative"}
         return details

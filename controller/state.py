@@ -94,8 +94,9 @@ class RunController:
         self._waiting_since: float | None = None
         self._last_failure: FailureEvent | None = None
         self.waiting_for: str | None = None
-        self._admitted_plan: tuple[MeshPlan, Placement] | None = None
         """Why a submitted run has not started (set by the service that queues it)."""
+        self._admitted_plan: tuple[MeshPlan, Placement] | None = None
+        """The plan a service admitted the run with (used by the next planning step, then dropped)."""
         self.outside_lock: Callable[[], ContextManager[Any]] = contextlib.nullcontext
         """Entered around every slow call: store I/O, launch, shutdown, drill injection. A service that
         drives this controller under a lock releases it here, so its requests never wait behind I/O

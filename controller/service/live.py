@@ -13,6 +13,7 @@ from typing import Any, Callable
 from controller.attempt import WorkerGroup
 from controller.service.registry import Registry, Saved
 from controller.service.scheduler import Admission, admission
+from controller.spec import RunSpec
 from controller.state import RunController
 from controller.topology import Topology
 
@@ -78,7 +79,7 @@ class LiveRun:
     """The Run object as of the last save (what reads return)."""
     reconciling: threading.Thread | None = None
     """The checkpoint index being reconciled with the store, if it is."""
-    _verdict: tuple[tuple[Any, Topology, Topology], Admission] | None = None
+    _verdict: tuple[tuple[RunSpec, Topology, Topology], Admission] | None = None
     """The last admission verdict and the nodes it was reached on (a queued run is planned again only
     when they change, not at every scheduler pass)."""
 

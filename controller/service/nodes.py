@@ -156,9 +156,11 @@ class ServiceNodes:
         """Every node the service may use, held or not (what a run could ever get)."""
         return Topology(tuple(n for n in self.shown().nodes if n.name not in self.book.out_of_use))
 
-    def free(self) -> Topology:
+    def free(self, usable: Topology | None = None) -> Topology:
+        """The usable nodes no run holds (`usable`: as just read, to read the cluster once)."""
         held = self.holders()
-        return Topology(tuple(n for n in self.usable().nodes if n.name not in held))
+        nodes = (self.usable() if usable is None else usable).nodes
+        return Topology(tuple(n for n in nodes if n.name not in held))
 
     def of(self, names: set[str]) -> Topology:
         """What the cluster shows of these nodes (a run's own: it merges back the nodes it lost)."""

@@ -274,8 +274,9 @@ class Service:
                 if blocked:  # no overtaking
                     self._wait(live, BEHIND_EARLIER)
                     continue
-                free = self.nodes.free()
-                verdict = live.admission(free, self.nodes.usable())
+                usable = self.nodes.usable()
+                free = self.nodes.free(usable)
+                verdict = live.admission(free, usable)
                 if verdict.verdict is Verdict.REFUSE:
                     self._end(live, functools.partial(c.fail, self.clock(), "no_capacity", verdict.reason))
                     continue

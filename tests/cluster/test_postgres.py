@@ -5,6 +5,7 @@ Ray, a drill and a SIGKILL runs in tests/cluster/test_service.py on the same kin
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Iterator
@@ -21,6 +22,7 @@ from tests.support.postgres import PostgresServer, unavailable
 from tests.unit.test_service import Harness, _commit, raw_spec
 
 pytestmark = pytest.mark.cluster
+_DATABASES = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def postgres() -> Iterator[PostgresServer]:
 def database(postgres: PostgresServer) -> Iterator[str]:
     """A fresh database of the module's server for each test."""
     engine = create_engine(postgres.url, isolation_level="AUTOCOMMIT")
-    name = f"t{os.getpid()}_{len(os.listdir(postgres.root))}_{id(engine) % 100000}"
+    name = f"test_{next(_DATABASES)}"
     with engine.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     yield postgres.url.rsplit("/", 1)[0] + f"/{name}"
