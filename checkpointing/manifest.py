@@ -92,9 +92,41 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def describe(paths: dict[str, Path]) -> dict[str, dict]:
-    """{relative name: {size, sha256}} of local files."""
-    return {rel: {"size": p.stat().st_size, "sha256": sha256_file(p)} for rel, p in sorted(paths.items())}
+def describe(paths: dict[str, Path], items: dict[str, list[tuple[int, int]]] | None = None) -> dict[str, dict]:
+    """{relative name: {size, sha256[, items]}} of local files. With `items` (name -> the (offset,
+    length) of each item written into that file), each item's bytes get a digest of their own,
+    `items: [[offset, length, sha256], ...]`, so a reader that needs one item checks it without
+    reading the file; one pass over each file makes both digests."""
+    items = items or {}
+    return {rel: _digest_file(p, items.get(rel)) for rel, p in sorted(paths.items())}
+
+
+def _digest_file(path: Path, spans: list[tuple[int, int]] | None) -> dict:
+    whole = hashlib.sha256()
+    parts: list[list] = []
+    with open(path, "rb") as f:
+        pos = 0
+        for offset, length in sorted(spans or ()):
+            if offset < pos:
+                raise CheckpointError(f"{path}: item at byte {offset} overlaps the one before it")
+            whole.update(f.read(offset - pos))
+            h = hashlib.sha256()
+            left = length
+            while left:
+                block = f.read(min(left, 1 << 20))
+                if not block:
+                    raise CheckpointError(f"{path}: item at byte {offset} ({length} bytes) runs past the end of the file")
+                h.update(block)
+                whole.update(block)
+                left -= len(block)
+            parts.append([offset, length, h.hexdigest()])
+            pos = offset + length
+        for block in iter(lambda: f.read(1 << 20), b""):
+            whole.update(block)
+    out: dict = {"size": path.stat().st_size, "sha256": whole.hexdigest()}
+    if spans is not None:
+        out["items"] = parts
+    return out
 
 
 def marker_folder(prefix: str, attempt: int, world_size: int) -> str:
@@ -205,18 +237,19 @@ def committed_steps(store: ObjectStore, run_id: str) -> list[int]:
     return sorted(steps)
 
 
-def latest_verified(store: ObjectStore, run_id: str, *, below: int | None = None
+def latest_verified(store: ObjectStore, run_id: str, *, below: int | None = None, checksums: bool = True
                     ) -> tuple[Manifest, list[str]] | None:
     """The newest step (optionally below a step) whose manifest and files verify, plus why newer
     steps were skipped. Only a verified mismatch skips a step; a StoreError (the store cannot be
-    reached) propagates, so the caller waits for the store instead of rolling back past a good step."""
+    reached) propagates, so the caller waits for the store instead of rolling back past a good step.
+    `checksums=False` checks one listing's names and sizes and reads no file."""
     skipped: list[str] = []
     for step in reversed(committed_steps(store, run_id)):
         if below is not None and step >= below:
             continue
         try:
             manifest = read_manifest(store, run_id, step)
-            verify(store, manifest)
+            verify(store, manifest, checksums=checksums)
         except CheckpointError as e:
             skipped.append(str(e))
             continue
@@ -230,10 +263,13 @@ class ForeignCheckpoints(CheckpointError):
 
 def resume_point(store: ObjectStore, run_id: str, *, identity: str, identity_detail: dict,
                  not_before: float | None = None) -> tuple[Manifest, list[str]] | None:
-    """The checkpoint a new attempt of `run_id` loads (`latest_verified`), checked to be this run's:
-    the model's identity must match (IdentityMismatch), and with `not_before` (a new run's creation
-    time) a checkpoint committed earlier is another run's (ForeignCheckpoints)."""
-    found = latest_verified(store, run_id)
+    """The checkpoint a new attempt of `run_id` loads, checked to be this run's: the model's identity
+    must match (IdentityMismatch), and with `not_before` (a new run's creation time) a checkpoint
+    committed earlier is another run's (ForeignCheckpoints). Its bytes are not read here: a step's
+    digests were taken when its ranks wrote it, each loading rank checks the bytes it reads against
+    them, and a step that fails that check is rejected (`Discards.reject`). Here one listing checks
+    that every file is there at its size."""
+    found = latest_verified(store, run_id, checksums=False)
     if found is None:
         return None
     manifest = found[0]
@@ -249,15 +285,19 @@ def resume_point(store: ObjectStore, run_id: str, *, identity: str, identity_det
 
 
 def discard_after(store: ObjectStore, run_id: str, step: int) -> list[int]:
-    """Committed steps newer than `step` may hold corrupted state: make them invisible (manifest
-    first, so a step is never half-visible), then delete them; the steps discarded. Call it with every
-    rank stopped. StoreError when the store cannot be reached."""
+    """Committed steps newer than `step` may hold corrupted state: make them invisible, then delete
+    them; the steps discarded. Call it with every rank stopped. StoreError when the store cannot be reached."""
     newer = [s for s in committed_steps(store, run_id) if s > step]
     for s in newer:
-        prefix = step_prefix(run_id, s)
-        store.delete_prefix(f"{prefix}/{MANIFEST}")
-        store.delete_prefix(prefix + "/")
+        discard_step(store, run_id, s)
     return newer
+
+
+def discard_step(store: ObjectStore, run_id: str, step: int) -> None:
+    """Make a step invisible (its manifest goes first, so it is never half-visible), then delete its files."""
+    prefix = step_prefix(run_id, step)
+    store.delete_prefix(f"{prefix}/{MANIFEST}")
+    store.delete_prefix(prefix + "/")
 
 
 SDC_DISCARD = "committed after step {step}, when silent data corruption may already have begun"
@@ -273,6 +313,8 @@ class Discards:
         self.run_id = run_id
         self.resume_at: int | None = None
         self.rollback: int | None = None
+        self.rejected: dict[int, str] = {}
+        """Steps a loading rank found corrupt (step -> why), owed until the store took them."""
         self._done: list[tuple[int, str]] = []
 
     def resume_to(self, step: int | None) -> None:
@@ -291,8 +333,23 @@ class Discards:
         reason, self.rollback = SDC_DISCARD.format(step=self.rollback), None
         return [(step, reason) for step in steps]
 
+    def reject(self, store: ObjectStore | None, step: int, why: str) -> list[tuple[int, str]]:
+        """A rank found bytes of `step` that fail their digest: the step is never loaded again. It goes
+        now if the store answers (the step and why), else before the next launch reads (`settle`)."""
+        if store is None:
+            return []
+        self.rejected[step] = f"a rank loading it found it corrupt: {why}"
+        try:
+            discard_step(store, self.run_id, step)
+        except StoreError:
+            return []
+        return [(step, self.rejected.pop(step))]
+
     def settle(self, store: ObjectStore) -> None:
         """Do every discard still owed; StoreError when the store cannot be reached (what was done stays done)."""
+        for step in sorted(self.rejected):
+            discard_step(store, self.run_id, step)
+            self._done.append((step, self.rejected.pop(step)))
         if self.resume_at is not None:
             reason = f"the run was resumed from step {self.resume_at}"
             self._done += [(s, reason) for s in discard_after(store, self.run_id, self.resume_at)]

@@ -249,6 +249,8 @@ class AttemptWatch:
         """Why the last step's save failed (None: it committed, or has not failed)."""
         self.rollback_through: int | None = None
         """SDC: the last step the probes vouch for; newer commits are discarded once the attempt is down."""
+        self.rejected: tuple[int, str] | None = None
+        """(step, why): the checkpoint the attempt was loading failed a rank's digest check."""
 
     @property
     def steps(self) -> int:
@@ -277,6 +279,8 @@ class AttemptWatch:
                 self.final_save_error = detail.get("error", "failed") if kind == EventKind.CHECKPOINT_FAILED else None
             if kind == EventKind.SDC_SUSPECT and suspect is None:
                 suspect = detail
+            if kind == EventKind.RESTORE_FAILED and "step" in detail:
+                self.rejected = (int(detail["step"]), str(detail.get("error", "")))
         if suspect is not None:
             seen.failure, self.rollback_through = sdc_failure(now, suspect, self.node_of_rank)
         else:
@@ -293,6 +297,10 @@ class AttemptWatch:
     def take_rollback(self) -> int | None:
         through, self.rollback_through = self.rollback_through, None
         return through
+
+    def take_rejected(self) -> tuple[int, str] | None:
+        rejected, self.rejected = self.rejected, None
+        return rejected
 
 
 def relaunch_failure(now: float, message: str, node_of_rank: tuple[str, ...], live: set[str]) -> FailureEvent:

@@ -86,6 +86,10 @@ class RunCheckpoints:
         """SDC: commits after `through` go (now, or before the next launch reads if the store is down)."""
         return self.discards.roll_back(self.store, through)
 
+    def reject(self, step: int, why: str) -> list[tuple[int, str]]:
+        """A loading rank found `step`'s bytes corrupt: it goes (now, or before the next launch reads)."""
+        return self.discards.reject(self.store, step, why)
+
     def attempt_settings(self, spec: RunSpec, *, run_s: float, failures: int) -> dict[str, Any]:
         """The checkpoint fields of the next AttemptSpec: where, how often, how many kept."""
         c = spec.checkpoint

@@ -17,6 +17,7 @@ class EventKind(enum.StrEnum):
     PLANNED = "planned"
     ATTEMPT_STARTED = "attempt_started"
     RESTORED = "restored"  # (rank) the attempt loaded a checkpoint
+    RESTORE_FAILED = "restore_failed"  # (rank) a loading rank found the checkpoint's bytes corrupt
     FIRST_STEP_AFTER_RECOVERY = "first_step_after_recovery"
     CHECKPOINT_STAGED = "checkpoint_staged"  # (rank)
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # (rank)

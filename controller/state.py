@@ -348,6 +348,10 @@ class RunController:
             # a store that does not answer now gets the discard before the next launch reads it.
             with self.outside_lock():
                 self._discarded(now, self.checkpoints.roll_back(through))
+        rejected = self.watch.take_rejected() if self.watch is not None else None
+        if rejected is not None:  # never loaded again: the next attempt starts from the step before it
+            with self.outside_lock():
+                self._discarded(now, self.checkpoints.reject(*rejected))
         decision = self.policy.on_failure(now, failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
                                           topology=self.topology, waiting_since=self._waiting_since)
         self.failures.append(failure)

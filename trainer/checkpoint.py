@@ -3,8 +3,11 @@
 Every rank writes its own shards; names are global FQNs, so a step saved on one mesh loads onto
 another. Saving is asynchronous by default: the loop blocks only while DCP stages the state to host
 memory; writing, uploading to the object store and the commit run in a background thread. Each rank
-uploads its own files and leaves a marker with their digests; rank 0 writes the manifest (the commit)
-when every marker is there. A rank that dies midway leaves no marker, so no manifest.
+uploads its own files and leaves a marker with their digests (whole file, and each item DCP wrote
+into it); rank 0 writes the manifest (the commit) when every marker is there. A rank that dies
+midway leaves no marker, so no manifest.
+
+Loading is trainer/restore.py.
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-    set_optimizer_state_dict,
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
 )
 
 from checkpointing.manifest import (
-    CheckpointError, Manifest, apply_retention, check_identity, commit, describe, is_committed, sha256_file, step_prefix,
+    CheckpointError, Manifest, apply_retention, commit, describe, is_committed, step_prefix,
     wait_for_ranks, write_rank_marker,
 )
 from checkpointing.store import ObjectStore, StoreError, retry_unavailable
@@ -36,7 +39,7 @@ from trainer.config import state_fingerprint, state_identity
 from trainer.report import ReportSink
 
 T = TypeVar("T")
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def trainer_state(trainer: Any) -> dict:
@@ -45,7 +48,7 @@ def trainer_state(trainer: Any) -> dict:
     optim: dict = {}
     for part, opt in zip(trainer.parts, trainer.optimizers):
         model.update(get_model_state_dict(part))
-        optim.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        optim.update(get_optimizer_state_dict(part, opt, options=FLAT))
     return {"model": model, "optim": optim}
 
 
@@ -60,6 +63,22 @@ class _ReusedBufferStager(BlockingAsyncStager):
         if self.state_dict_cache is None:
             self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
         return _copy_state_dict(state_dict, self.state_dict_cache)
+
+
+class _ItemRecordingWriter(FileSystemWriter):
+    """DCP's file writer that keeps where each item landed in this rank's files: (offset, length)
+    per file, for the item digests a ranged load checks."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.items: dict[str, list[tuple[int, int]]] = {}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        for result in future.wait():
+            info = result.storage_data
+            self.items.setdefault(info.relative_path, []).append((info.offset, info.length))
+        return future
 
 
 @dataclass
@@ -120,13 +139,14 @@ class Checkpointer:
         )
         state = trainer_state(trainer)
         future = None
+        writer = _ItemRecordingWriter(local)
         if self.use_async:
-            future = dcp.async_save(state, checkpoint_id=str(local), process_group=self._pg,
-                                    async_stager=self._stager)
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=self._stager)
         else:
-            dcp.save(state, checkpoint_id=str(local))
+            dcp.save(state, storage_writer=writer)
         blocked = time.perf_counter() - t0
-        self._thread = threading.Thread(target=self._finish, args=(future, local, prefix, manifest, t0, in_place is None),
+        self._thread = threading.Thread(target=self._finish, args=(future, writer, local, prefix, manifest, t0,
+                                                                   in_place is None),
                                         name=f"checkpoint-step-{trainer.step}", daemon=True)
         self._thread.start()
         if not self.use_async:
@@ -159,7 +179,8 @@ class Checkpointer:
             self._thread.join()
             self._thread = None
 
-    def _finish(self, future: Any, local: Path, prefix: str, manifest: Manifest, t0: float, staged: bool) -> None:
+    def _finish(self, future: Any, writer: _ItemRecordingWriter, local: Path, prefix: str, manifest: Manifest,
+                t0: float, staged: bool) -> None:
         """Upload this rank's files and marker (retrying while the store is unavailable, within the
         budget); then every rank learns whether all ranks' files are in, and rank 0 commits only if so.
         A rank that could not write makes the whole step fail at once, not after a commit timeout."""
@@ -170,7 +191,7 @@ class Checkpointer:
             own = self._own_files(local)
             if self.rank == 0 and ".metadata" not in own:
                 raise CheckpointError(f"{prefix}: DCP wrote no .metadata")
-            digests = describe(own)
+            digests = describe(own, {rel: writer.items.get(rel, []) for rel in own if rel != ".metadata"})
             for rel, path in own.items():
                 self._retry(f"upload of {prefix}/{rel}", lambda: self.store.put_file(f"{prefix}/{rel}", path))
             self._retry(f"marker of rank {self.rank}", lambda: write_rank_marker(
@@ -216,27 +237,3 @@ class Checkpointer:
         if self._pg is not None:
             dist.destroy_process_group(self._pg)
             self._pg = None
-
-
-def load(trainer: Any, store: ObjectStore, manifest: Manifest, cache_dir: Path) -> None:
-    """Collective: fill the trainer's model and optimizer from a committed step saved on any mesh.
-    From a remote store, every file is downloaded and checked against the manifest first."""
-    check_identity(manifest, state_fingerprint(trainer.config.model), state_identity(trainer.config.model), store.uri)
-    prefix = step_prefix(manifest.run_id, manifest.step)
-    local = store.local_path(prefix)
-    cleanup = None
-    if local is None:
-        local = cleanup = cache_dir / f"rank-{dist.get_rank()}" / prefix
-        for rel, want in manifest.files.items():
-            store.download(f"{prefix}/{rel}", local / rel)
-            if sha256_file(local / rel) != want["sha256"]:
-                raise CheckpointError(f"{prefix}/{rel} read from {store.uri} fails its sha256 check")
-    try:
-        state = trainer_state(trainer)
-        dcp.load(state, checkpoint_id=str(local))
-        for part, opt in zip(trainer.parts, trainer.optimizers):
-            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
-    finally:
-        if cleanup is not None:
-            shutil.rmtree(cleanup, ignore_errors=True)

@@ -14,9 +14,10 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
-from checkpointing.manifest import read_manifest
+from checkpointing.manifest import CheckpointError, read_manifest
 from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import OutageGate, open_store
 from trainer.config import TrainerConfig, config_from_dict
@@ -88,7 +89,8 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                switches: DrillSwitches | None = None) -> WorkerSummary:
     """Train one rank to `config.train.steps`; `on_step(trainer, report)` runs after every step.
     `switches`: what drills ask of this GPU slot (slow it, flip a bit, refuse checkpoint writes)."""
-    from trainer.checkpoint import Checkpointer, load
+    from trainer.checkpoint import Checkpointer
+    from trainer.restore import load
     from trainer.train import Trainer  # torch-heavy; keep `import trainer.worker` cheap for launchers
 
     args.config.validate(world_size=args.world_size)
@@ -107,10 +109,17 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
             ckpt_store = OutageGate(ckpt_store, lambda: switches.outage_until)
         if ckpt_store is not None and args.resume_step is not None:
             manifest = read_manifest(ckpt_store, args.run_id, args.resume_step)
-            load(trainer, ckpt_store, manifest, Path(args.staging_dir) / "restore")
+            try:
+                read = load(trainer, ckpt_store, manifest)
+            except CheckpointError as e:  # every rank gets it; rank 0 tells the controller, which rejects the step
+                if args.rank == 0:
+                    sink.event("restore_failed", {"step": manifest.step, "error": str(e)})
+                raise
             trainer.step, trainer.cursor = manifest.step, manifest.cursor
-            sink.event("restored", {"step": manifest.step, "cursor": manifest.cursor,
-                                    "saved_on_mesh": manifest.mesh})
+            total = torch.tensor([read], dtype=torch.int64, device=choice.device)
+            dist.all_reduce(total)
+            sink.event("restored", {"step": manifest.step, "cursor": manifest.cursor, "saved_on_mesh": manifest.mesh,
+                                    "bytes_read": int(total.item()), "bytes": manifest.total_bytes()})
         if trainer.probes is not None:
             trainer.probes.last_clean_step = trainer.step
         if ckpt_store is not None and (args.checkpoint_every > 0 or args.checkpoint_auto):

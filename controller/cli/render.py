@@ -47,7 +47,11 @@ def describe(event: dict) -> str:
     if kind == EventKind.CHECKPOINT_STAGED:
         return f"checkpoint of step {d['step']} staged (training blocked {d['blocked_s']:.3f} s)"
     if kind == EventKind.RESTORED:
-        return f"rank {d.get('rank')} restored step {d['step']}"
+        read = (f", reading {d['bytes_read'] / 2**20:.1f} MiB of its {d['bytes'] / 2**20:.1f} MiB"
+                if d.get("bytes") else "")
+        return f"rank {d.get('rank')} restored step {d['step']}{read}"
+    if kind == EventKind.RESTORE_FAILED:
+        return f"restoring step {d['step']} failed: {d['error']}"
     if kind == EventKind.STRAGGLER:
         return (f"straggler: rank {d['rank']} on {d['node']} computes {d['score']:.2f}x "
                 f"({d['basis']}) at step {d['step']}; action {d['action']}")

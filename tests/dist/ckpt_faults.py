@@ -72,3 +72,20 @@ def _committed_step_2(rank: int, world_size: int, store_port: int, config: dict,
     checkpointer.save(trainer)
     checkpointer.wait()
     return trainer, checkpointer, sink
+
+
+def resume_step(*, rank: int, world_size: int, store_port: int, config: dict, uri: str, run_id: str,
+                step: int) -> dict:
+    """A new attempt of `run_id` that resumes from `step`: its summary, or the error its load raised."""
+    from trainer.config import config_from_dict
+    from trainer.report import ListSink
+    from trainer.worker import WorkerArgs, run_worker
+
+    sink = ListSink()
+    try:
+        summary = run_worker(WorkerArgs(rank=rank, world_size=world_size, store_host="127.0.0.1",
+                                        store_port=store_port, store_prefix="resume", config=config_from_dict(config),
+                                        run_id=run_id, attempt=1, checkpoint_uri=uri, resume_step=step), sink)
+        return {"events": sink.events, "step": summary.step, "error": None}
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return {"events": sink.events, "step": None, "error": f"{type(e).__name__}: {e}"}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +48,7 @@ def load_on_mesh(*, rank: int, world_size: int, store_port: int, config: dict, u
                  run_id: str = "reshard") -> dict:
     from checkpointing.manifest import read_manifest
     from checkpointing.store import open_store
-    from trainer.checkpoint import load
+    from trainer.restore import load
     from trainer.config import config_from_dict
     from trainer.parallel import build_mesh, choose_device, init_process_group
     from trainer.train import Trainer
@@ -62,9 +61,10 @@ def load_on_mesh(*, rank: int, world_size: int, store_port: int, config: dict, u
         trainer = Trainer(cfg, mesh, choose_device(cfg.train.dtype))
         ckpt = open_store(uri)
         manifest = read_manifest(ckpt, run_id, step)
-        load(trainer, ckpt, manifest, cache_dir=Path("/tmp/goodput-test-cache"))
+        read = load(trainer, ckpt, manifest)
         state = full_state(trainer)
         keep = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
-        return {"state": state if keep else {}, "cursor": manifest.cursor}
+        return {"state": state if keep else {}, "cursor": manifest.cursor, "bytes_read": read,
+                "bytes": manifest.total_bytes()}
     finally:
         dist.destroy_process_group()

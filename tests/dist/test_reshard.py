@@ -1,5 +1,5 @@
 """A checkpoint saved on dp2 x pp2 x tp2 loads onto other meshes with model and optimizer state
-bit-identical after reassembly, and the data cursor carried."""
+bit-identical after reassembly, the data cursor carried, and each stored byte read once."""
 
 from __future__ import annotations
 
@@ -50,3 +50,5 @@ def test_load_onto_another_mesh_is_bit_identical(saved: tuple[str, dict], mesh: 
     for key, value in reference.items():
         assert torch.equal(loaded[key], value), f"{key} differs after resharding to {mesh}"
     assert {r["cursor"] for r in results} == {STEPS * GLOBAL_BATCH}
+    # Each byte of the step came from the store once, whichever mesh reads it.
+    assert sum(r["bytes_read"] for r in results) == results[0]["bytes"]

@@ -139,6 +139,51 @@ def test_controller_resumes_from_latest_verified(tmp_path: Path) -> None:
     assert len(unusable) == 1 and "step-00000020" in unusable[0].detail["reason"]
 
 
+@pytest.mark.parametrize("store_down", [False, True], ids=["store answers", "store down at the failure"])
+def test_a_step_a_rank_found_corrupt_is_discarded_and_the_run_resumes_before_it(tmp_path: Path,
+                                                                                store_down: bool) -> None:
+    """The controller no longer reads a step's bytes before loading it (a listing and the sizes); the
+    loading ranks check them. When rank 0 reports `restore_failed`, the step is made invisible (its
+    manifest first) before the next launch chooses, so the next attempt loads step 10, and a
+    restarted service would not pick step 20 again either. A store that does not answer at the
+    failure owes the discard until the next launch."""
+    from tests.unit.fakes import FlakyStore
+
+    inner = LocalStore(tmp_path)
+    store = FlakyStore(inner)
+    write_step(inner, 10)
+    d = write_step(inner, 20)
+    data = bytearray((d / "__1_0.distcp").read_bytes())
+    data[100] ^= 0x01  # same size: the controller's listing cannot tell
+    (d / "__1_0.distcp").write_bytes(bytes(data))
+    spec = parse_spec({**yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()), "name": "run"})
+    group = FakeWorkerGroup()
+    c = RunController(spec, spec.topology(), group, now=0.0, checkpoint_store=store)
+    t = 0.0
+    while c.state is not RunState.RUNNING:
+        t += 1
+        c.step(t)
+    assert group.started[0].resume_step == 20
+    error = "run/step-00000020/__1_0.distcp read from file://...: the 256 bytes at 0 fail their sha256 check"
+    group.emit(0, "restore_failed", step=20, error=error)
+    for rank in range(8):
+        group.error_worker(rank, f"CheckpointError: {error}")
+    store.down = store_down
+    c.step(t + 1)
+    c.step(t + 5)  # past the attribution grace
+    assert c.state is RunState.LAUNCHING
+    assert committed_steps(inner, "run") == ([10, 20] if store_down else [10])
+    store.down = False
+    while c.state is not RunState.RUNNING:
+        t += 1
+        c.step(t + 5)
+    assert group.started[-1].resume_step == 10 and group.started[-1].cursor == 40
+    assert committed_steps(inner, "run") == [10] and not d.exists()
+    (discarded,) = c.events.of_kind("checkpoint_discarded")
+    assert discarded.detail["step"] == 20 and "found it corrupt" in discarded.detail["reason"]
+    assert "fail their sha256 check" in discarded.detail["reason"]
+
+
 def test_a_run_whose_final_save_failed_is_not_done_until_it_is_saved(tmp_path: Path) -> None:
     """Every rank finished, but the store refused the last step's save past the retry budget (a chaos
     soak's storage outage over the end of a run): the run does not end `succeeded` with its final
