@@ -1,6 +1,6 @@
 """Load a committed checkpoint into a trainer, reading each byte from the store once.
 
-Rank 0 reads the step's DCP metadata and hands it to the others. DCP's load plan says which stored
+Rank 0 reads the step's manifest and DCP metadata and hands them to the others. DCP's load plan says which stored
 items each rank's shards need; an item more than one rank needs (a tensor replicated over tp, the
 optimizer's scalars replicated over dp) is fetched by one of them and sent to the others over the
 process group. Each rank fetches its items with ranged reads, the items a file holds back to back in
@@ -15,7 +15,7 @@ import hashlib
 import io
 import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,11 +27,12 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-from checkpointing.manifest import CheckpointError, Manifest, check_identity, step_prefix
+from checkpointing.manifest import CheckpointError, Manifest, check_identity, read_manifest, step_prefix
 from checkpointing.store import ObjectStore, StoreError
 from trainer.checkpoint import FLAT, trainer_state
 from trainer.config import state_fingerprint, state_identity
 
+T = TypeVar("T")
 Item = tuple[str, int, int]
 """A stored item: (file relative to the step, offset, length)."""
 
@@ -67,18 +68,34 @@ def _first_cause(e: CheckpointException) -> BaseException:
     return e
 
 
+def shared_manifest(store: ObjectStore, run_id: str, step: int) -> Manifest:
+    """Collective: the step's manifest, read by rank 0 and broadcast (it lists a digest per item of
+    every rank: read once, not once per rank)."""
+    return _from_rank_0(lambda: read_manifest(store, run_id, step))
+
+
 def _shared_metadata(store: ObjectStore, manifest: Manifest) -> bytes:
     """Collective: the step's DCP metadata, read by rank 0 (and checked against its digest) and
     broadcast, so the store sends it once rather than once per rank."""
     key = f"{step_prefix(manifest.run_id, manifest.step)}/.metadata"
+
+    def read() -> bytes:
+        data = store.get_bytes(key)
+        want = manifest.files.get(".metadata", {}).get("sha256")
+        if want is not None and hashlib.sha256(data).hexdigest() != want:
+            raise CheckpointError(f"{key} read from {store.uri} fails its sha256 check")
+        return data
+
+    return _from_rank_0(read)
+
+
+def _from_rank_0(read: Callable[[], T]) -> T:
+    """Collective: what `read` returns on rank 0, on every rank; its CheckpointError or StoreError
+    raised on every rank."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            data = store.get_bytes(key)
-            want = manifest.files.get(".metadata", {}).get("sha256")
-            if want is not None and hashlib.sha256(data).hexdigest() != want:
-                raise CheckpointError(f"{key} read from {store.uri} fails its sha256 check")
-            box[0] = data
+            box[0] = read()
         except (CheckpointError, StoreError) as e:
             box[0] = e
     dist.broadcast_object_list(box, src=0)

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from checkpointing.manifest import CheckpointError, read_manifest
+from checkpointing.manifest import CheckpointError
 from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import OutageGate, open_store
 from trainer.config import TrainerConfig, config_from_dict
@@ -90,7 +90,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
     """Train one rank to `config.train.steps`; `on_step(trainer, report)` runs after every step.
     `switches`: what drills ask of this GPU slot (slow it, flip a bit, refuse checkpoint writes)."""
     from trainer.checkpoint import Checkpointer
-    from trainer.restore import load
+    from trainer.restore import load, shared_manifest
     from trainer.train import Trainer  # torch-heavy; keep `import trainer.worker` cheap for launchers
 
     args.config.validate(world_size=args.world_size)
@@ -108,7 +108,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         if ckpt_store is not None and switches is not None:
             ckpt_store = OutageGate(ckpt_store, lambda: switches.outage_until)
         if ckpt_store is not None and args.resume_step is not None:
-            manifest = read_manifest(ckpt_store, args.run_id, args.resume_step)
+            manifest = shared_manifest(ckpt_store, args.run_id, args.resume_step)
             try:
                 read = load(trainer, ckpt_store, manifest)
             except CheckpointError as e:  # every rank gets it; rank 0 tells the controller, which rejects the step

@@ -36,6 +36,8 @@ class FaultProxy:
         self._refuse_pattern: re.Pattern | None = None
         self._refuse_until = 0.0
         self.refused = 0
+        self.sent_bytes = 0
+        """Body bytes the server sent back through the proxy (what a restore costs the store)."""
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,6 +70,8 @@ class FaultProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+                    with proxy._lock:
+                        proxy.sent_bytes += len(data)
                 conn.close()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
