@@ -45,6 +45,15 @@ class _RayClusterBase:
     def topology(self) -> Topology:
         return topology_from_ray()
 
+    def connected(self) -> bool:
+        """Whether this process still reaches the cluster (one round trip to Ray's GCS). A Ray Client
+        whose connection was lost for longer than its reconnect grace (30 s) is not, for good."""
+        ray = _ray()
+        try:
+            return bool(ray.is_initialized()) and ray.nodes() is not None
+        except Exception:  # noqa: BLE001 - any failure to ask is an answer: no
+            return False
+
     def _disconnect(self) -> None:
         ray = _ray()
         if ray.is_initialized():
@@ -188,11 +197,27 @@ class LocalRayCluster(_RayClusterBase):
 
 
 class RemoteRayCluster(_RayClusterBase):
-    """An existing Ray cluster at `cluster.address` (ray://HOST:PORT, HOST:PORT or auto)."""
+    """An existing Ray cluster at `cluster.address`:
+    - HOST:PORT (the head's GCS): this process drives it as a Ray driver on its own node. If this
+      host (`node_ip`) is not a node of the cluster yet, it joins as one with no CPUs and no GPUs
+      (`ray start --address HOST:PORT --num-cpus 0 --num-gpus 0`), so nothing is ever scheduled on it.
+      This is how the service runs in production (deploy/): a driver keeps no session that a dropped
+      connection ends, and if its node is lost, the process ends with it and a restarted one
+      re-attaches to its runs' detached actors.
+    - ray://HOST:PORT: Ray Client. Fine for a short foreground run; not for the service: a connection
+      lost for longer than Ray Client's 30 s reconnect grace ends the session for good (measured:
+      the README's "On Kubernetes").
+    - auto: the cluster of the raylet already on this host."""
 
-    def __init__(self, address: str, *, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, address: str, *, node_ip: str | None = None, connect_timeout_s: float = 5.0,
+                 join_timeout_s: float = 120.0) -> None:
         self.address = address
+        self.node_ip = node_ip
+        """This host's address as the cluster reaches it (the service's --advertise-host)."""
         self.connect_timeout_s = connect_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.joined = False
+        """Whether this process started this host's raylet (it stays: a restarted service reuses it)."""
 
     def start(self) -> None:
         if self.address != "auto":
@@ -203,10 +228,37 @@ class RemoteRayCluster(_RayClusterBase):
             except (OSError, ValueError):
                 raise ClusterError(f"Ray address {self.address} does not answer within "
                                    f"{self.connect_timeout_s:.0f} s; check cluster.address") from None
+        extra: dict[str, Any] = {}
+        if self.node_ip is not None and self.address != "auto" and not self.address.startswith("ray://"):
+            self._join_as_node()
+            extra["_node_ip_address"] = self.node_ip
         try:
-            _ray().init(address=self.address, log_to_driver=False, logging_level="WARNING")
+            _ray().init(address=self.address, log_to_driver=False, logging_level="WARNING", **extra)
         except Exception as e:  # noqa: BLE001 - Ray raises several kinds here; one line says which
             raise ClusterError(f"cannot join the Ray cluster at {self.address}: {e}") from None
+
+    def _join_as_node(self) -> None:
+        """Start a raylet with no resources on this host unless the cluster already has an alive
+        node at `node_ip` (a head or worker here, or the raylet an earlier service started)."""
+        if self.node_ip in _alive_node_ips(self.address):
+            return
+        import subprocess
+
+        ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+        command = [ray_cli if os.path.exists(ray_cli) else "ray", "start", "--address", self.address,
+                   "--node-ip-address", str(self.node_ip), "--num-cpus", "0", "--num-gpus", "0",
+                   "--object-store-memory", str(100 * 2**20), "--labels", "goodput-role=controller",
+                   "--disable-usage-stats"]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=self.join_timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ClusterError(f"joining the Ray cluster at {self.address} as a node ({' '.join(command)}) "
+                               f"failed: {e}") from None
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise ClusterError(f"joining the Ray cluster at {self.address} as a node ({' '.join(command)}) "
+                               f"failed: {' / '.join(tail)}")
+        self.joined = True
 
     def kill_node(self, name: str) -> None:
         """SIGKILL the raylet of the node labelled `name`, from a task placed on that node (a worker's
@@ -222,6 +274,18 @@ class RemoteRayCluster(_RayClusterBase):
 
     def shutdown(self) -> None:
         self._disconnect()
+
+
+def _alive_node_ips(address: str) -> set[str]:
+    """The addresses of the cluster's alive nodes, from its GCS (before this process is a driver)."""
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # what `ray start` itself uses
+    from ray.core.generated import gcs_pb2
+
+    try:
+        nodes = GcsClient(address=address).get_all_node_info(timeout=10)
+    except Exception as e:  # noqa: BLE001 - one line says why
+        raise ClusterError(f"cannot read the nodes of the Ray cluster at {address}: {e}") from None
+    return {info.node_manager_address for info in nodes.values() if info.state == gcs_pb2.GcsNodeInfo.ALIVE}  # type: ignore[attr-defined]
 
 
 def topology_from_ray() -> Topology:
@@ -264,8 +328,9 @@ def _kill_own_raylet() -> int | str:
 
 
 def make_cluster(address: str | None, local: LocalClusterSpec | None, *, log_dir: str | None = None,
-                 repair_after_s: float | None = None) -> LocalRayCluster | RemoteRayCluster:
-    """A Ray cluster to join at `address`, else an embedded one of `local` (default: LocalClusterSpec())."""
+                 repair_after_s: float | None = None, node_ip: str | None = None) -> LocalRayCluster | RemoteRayCluster:
+    """A Ray cluster to join at `address` (from this host, `node_ip`), else an embedded one of `local`
+    (default: LocalClusterSpec())."""
     if address:
-        return RemoteRayCluster(address)
+        return RemoteRayCluster(address, node_ip=node_ip)
     return LocalRayCluster(local or LocalClusterSpec(), log_dir=log_dir, repair_after_s=repair_after_s)

@@ -15,8 +15,8 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -89,7 +89,8 @@ def serve_forever(opts: ServeOptions) -> int:
     cluster = make_cluster(opts.address, LocalClusterSpec(nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node,
                                                            racks=opts.racks, spares=opts.spares,
                                                            gpu_memory_gb=opts.gpu_memory_gb),
-                           log_dir=os.path.join(state, "logs"), repair_after_s=opts.repair_after_s)
+                           log_dir=os.path.join(state, "logs"), repair_after_s=opts.repair_after_s,
+                           node_ip=opts.advertise_host)
     if isinstance(cluster, LocalRayCluster):
         log(f"the embedded Ray cluster's own logs: {cluster.processes_log}; a killed node "
             + (f"comes back after {opts.repair_after_s:g} s" if opts.repair_after_s is not None else "stays lost"))
@@ -123,7 +124,20 @@ def serve_forever(opts: ServeOptions) -> int:
             log(f"carrying on {len(carried)} unfinished run(s): {', '.join(carried)}")
         server = ApiServer(create_app(service, token=token), opts.host, opts.port).start()
         log(f"API on {server.url} (GOODPUT_URL={server.url})")
+        since: float | None = None  # when the cluster stopped answering
+        asked = 0.0
         while not stop.wait(0.5):
+            now = time.monotonic()
+            if service.lost_cluster is None and now - asked >= CLUSTER_CHECK_S:
+                asked = now
+                since = None if service.reaches_cluster() else (since or now)
+                if since is not None and now - since >= LOST_AFTER_S:
+                    service.cluster_lost(f"the Ray cluster at {opts.address or 'embedded'} has not answered "
+                                         f"for {now - since:.0f} s")
+            if service.lost_cluster is not None:
+                log(f"lost the Ray cluster ({service.lost_cluster}): stopping without touching the runs; "
+                    "a service started again re-attaches to them")
+                return 3
             if isinstance(cluster, LocalRayCluster):  # repairs start raylets: only this thread may
                 repaired = cluster.repair_due()
                 for name in repaired:
@@ -240,6 +254,12 @@ def _kubernetes_enabled(mode: str) -> bool:
                          "(no KUBERNETES_SERVICE_HOST or token); use --kubernetes off or auto")
     return mode == "on" or (mode == "auto" and in_cluster())
 
+
+CLUSTER_CHECK_S = 2.0
+"""How often the service asks whether it still reaches its Ray cluster."""
+LOST_AFTER_S = 30.0
+"""A cluster that has not answered for this long is lost: the process ends (exit 3) without touching
+its runs, so a supervisor's restart re-attaches (a GCS restarting with fault tolerance is back sooner)."""
 
 PIDS_FILE = "embedded-cluster.pids"
 """The embedded cluster's processes (pid and start time), so that a service started after one that

@@ -73,6 +73,9 @@ class Service:
         """Admission and node ownership; never held while a run's controller steps (except its admission)."""
         self._runs: dict[str, LiveRun] = {}
         self._stop = threading.Event()
+        self.lost_cluster: str | None = None
+        """Why this process no longer reaches its Ray cluster (None: it does). Then nothing is driven
+        and no run is touched: the process ends, and one started again re-attaches to the runs."""
         self._scheduler: threading.Thread | None = None
         self.nodes = ServiceNodes(registry, cluster, lock=self.lock, holders=self._holders, view=view,
                                   node_actions=node_actions, clock=clock)
@@ -86,9 +89,24 @@ class Service:
             self._scheduler.start()
         return self
 
+    def reaches_cluster(self) -> bool:
+        connected = getattr(self.cluster, "connected", None)
+        return connected() if connected is not None else True
+
+    def cluster_lost(self, why: str) -> None:
+        """This process lost its Ray cluster: stop driving at once, touching no run (their workers may
+        well train on); `lost_cluster` says why, for the process to end on."""
+        if self.lost_cluster is None:
+            self.lost_cluster = why
+        self._stop.set()
+
     def stop(self) -> None:
         """Stop driving: every run's workers are shut down; unfinished runs stay unfinished in the
-        registry and go on when a service starts again on it."""
+        registry and go on when a service starts again on it. After `cluster_lost`, nothing is shut
+        down (nothing can be): the runs are left for the next service to re-attach to."""
+        if self.lost_cluster is not None:
+            self._stop.set()
+            return
         self._stop.set()
         if self._scheduler is not None:
             self._scheduler.join(timeout=10)
@@ -336,6 +354,9 @@ class Service:
             with live.lock:
                 state = c.step(self.clock() if now is None else now)
         except Exception as e:  # noqa: BLE001 - a controller bug ends this run, not the service
+            if not self.reaches_cluster():  # not the run's fault: leave it for a service that does
+                self.cluster_lost(f"{type(e).__name__}: {e}")
+                return c.state
             with live.lock:
                 c.fail(self.clock(), "controller_error", f"{type(e).__name__}: {e}")
             state = c.state

@@ -6,72 +6,18 @@ attempt, no step redone) and the run succeeds."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
-import psutil
 import pytest
 
-from controller.ray.cluster import FAST_HEALTH_CHECK
 from tests.cluster.test_service import Serve, wait_for, write_spec
+from tests.support.ray_start import LOOPBACK_ENV, RayStartCluster
 
 pytestmark = pytest.mark.cluster
-
-RAY = str(Path(sys.executable).parent / "ray")
-ROOT = Path(__file__).resolve().parents[2]
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-"""Ray resolves 127.0.0.1 to the machine's address unless told it is a single-machine cluster."""
-
-
-class RayStartCluster:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.env = {**os.environ, **LOOPBACK_ENV}
-        self.address = ""
-
-    def ray_start(self, *args: str, head: bool = False) -> None:
-        # `ray start` itself for the head; for worker raylets the same command with Ray's rewriting of
-        # 127.0.0.1 to the machine's outward address turned off (tests/support/ray_worker_node.py).
-        command = [RAY, "start", "--node-ip-address", "127.0.0.1"] if head else [
-            sys.executable, str(ROOT / "tests" / "support" / "ray_worker_node.py")]
-        proc = subprocess.run([*command, "--temp-dir", str(self.tmp), "--disable-usage-stats", *args],
-                              capture_output=True, text=True, env=self.env, timeout=120)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-
-    def start(self, nodes: int, spares: int) -> "RayStartCluster":
-        self.ray_start("--head", "--port", "0", "--num-cpus", "1", "--num-gpus", "0", "--include-dashboard", "false",
-                       "--system-config", json.dumps(FAST_HEALTH_CHECK), head=True)
-        self.address = (self.tmp / "ray_current_cluster").read_text().strip()
-        assert self.address.startswith("127.0.0.1:"), self.address
-        for i in range(nodes):
-            labels = f"node=ext-{i},rack=rack-0" + (",spare=true" if i >= nodes - spares else "")
-            self.ray_start("--address", self.address, "--num-cpus", "2", "--num-gpus", "2", "--labels", labels)
-        return self
-
-    def processes(self) -> list[psutil.Process]:
-        """Every process of this cluster (their command lines name its temp dir) and their children."""
-        ours = []
-        for p in psutil.process_iter(["cmdline"]):
-            if str(self.tmp) in " ".join(p.info["cmdline"] or []):
-                ours.append(p)
-                ours.extend(p.children(recursive=True))
-        return ours
-
-    def stop(self) -> None:
-        """By PID: `ray stop` would end every Ray process on the machine, not just ours."""
-        procs = self.processes()
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=30)
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ def unavailable() -> str | None:
 
 
 class PostgresServer:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         root = Path(tempfile.mkdtemp(prefix="goodput-pg-"))  # not under pytest's root-only tmp tree
         self.root = root
         bins = bin_dir()
@@ -59,9 +59,9 @@ class PostgresServer:
             self._as = ["runuser", "-u", "postgres", "--"]
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8")
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "-o",
-                  f"-h 127.0.0.1 -p {self.port} -k {self.socket_dir} -c fsync=off", "start")
-        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "goodput")
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/goodput"
+                  f"-h {host} -p {self.port} -k {self.socket_dir} -c fsync=off", "start")
+        self._run("createdb", "-h", host, "-p", str(self.port), "-U", "postgres", "goodput")
+        self.url = f"postgresql+psycopg://postgres@{host}:{self.port}/goodput"
 
     def _run(self, tool: str, *args: str) -> None:
         proc = subprocess.run([*self._as, str(self.bins / tool), *args], capture_output=True, text=True, timeout=120)

@@ -19,22 +19,25 @@ import yaml
 
 
 class Serve:
-    """A `goodput serve` subprocess on 127.0.0.1 (a free port) with its own state dir."""
+    """A `goodput serve` subprocess on 127.0.0.1 (a free port) with its own state dir; or, with
+    `command` and `env`, exactly that command line in that environment (a deployed one)."""
 
-    def __init__(self, state: Path, log: Path, *args: str) -> None:
+    def __init__(self, state: Path, log: Path, *args: str, command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.state, self.log_path, self.args = state, log, args
+        self.command = command or [sys.executable, "-m", "controller", "serve", "--port", "0",
+                                   "--state-dir", str(state), *args]
+        self.env = env or {**os.environ, "GOODPUT_STATE_DIR": str(state)}
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
     def start(self, timeout_s: float = 180) -> "Serve":
         log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller", "serve", "--port", "0", "--state-dir", str(self.state), *self.args],
-            stdout=log, stderr=log, env={**os.environ, "GOODPUT_STATE_DIR": str(self.state)})
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=log, env=self.env)
         deadline = time.monotonic() + timeout_s
         offset = len(self.text())
         while time.monotonic() < deadline:
-            found = re.search(r"API on (http://127\.0\.0\.1:\d+)", self.text()[offset:])
+            found = re.search(r"API on (http://[0-9.]+:\d+)", self.text()[offset:])
             if found:
                 self.url = found.group(1)
                 return self
@@ -46,9 +49,10 @@ class Serve:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def cli(self, *args: str, ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        token = {"GOODPUT_TOKEN": self.env["GOODPUT_TOKEN"]} if "GOODPUT_TOKEN" in self.env else {}
         proc = subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, "GOODPUT_URL": self.url,
-                                                    "GOODPUT_STATE_DIR": str(self.state)})
+                                                    "GOODPUT_STATE_DIR": str(self.state), **token})
         if ok:
             assert proc.returncode == 0, proc.stderr
         return proc

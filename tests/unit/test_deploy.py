@@ -184,7 +184,9 @@ def test_the_pieces_refer_to_each_other(rendered: tuple[str, list[dict[str, Any]
     args = pod["spec"]["containers"][0]["args"]
     assert args[0] == "serve" and "--kubernetes=on" in args and "--advertise-host=$(POD_IP)" in args
     config = one(docs, "ConfigMap", "goodput-config")["data"]
-    assert config["RAY_ADDRESS"] == f"ray://{ray['metadata']['name']}-head-svc:10001"
+    # The controller joins as a node of its own (the head's GCS port), not through Ray Client.
+    head_ports = {p["name"]: p["containerPort"] for p in ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert config["RAY_ADDRESS"] == f"{ray['metadata']['name']}-head-svc:{head_ports['gcs']}"
     assert config["RACK_LABEL"] == {"dev": "topology.kubernetes.io/zone", "prod": "example.com/rack"}[overlay]
     assert ("--db=$(GOODPUT_DB)" in args) == (overlay == "prod")
     # RBAC: the controller may get/list/watch/patch nodes and nothing else; the workers only get them.

@@ -405,3 +405,33 @@ def test_a_run_is_planned_once_at_admission_and_a_queued_one_only_when_nodes_cha
     h.until("big", "succeeded")
     h.until("next", "running")
     assert calls.count("scheduler:next") == 3 and "controller:next" not in calls, calls
+
+
+def test_a_service_that_lost_its_cluster_touches_no_run(tmp_path: Path) -> None:
+    """A Ray call fails because this process no longer reaches its cluster (a Ray Client session
+    ended, the GCS is gone): that is not the run's fault. The run is neither failed nor shut down
+    (its workers may train on), nothing is driven any more, and `lost_cluster` says why, for the
+    process to end on and a restarted service to re-attach. With the cluster reachable, the same
+    error is a controller error that ends the run."""
+    h = Harness(sqlite_url(str(tmp_path)))
+    s = h.service
+    s.add(parse_spec(raw_spec("a", dp=1, tp=1)))
+    s.add(parse_spec(raw_spec("b", dp=1, tp=1)))
+    h.until("a", "running", "b")
+    h.until("b", "running", "a")
+
+    def broken_poll() -> None:
+        raise ConnectionError("Ray Client is not connected. Please connect by calling `ray.init`.")
+
+    for run in ("a", "b"):
+        h.group(run).poll = broken_poll  # type: ignore[method-assign]
+    reachable = [True]
+    s.cluster.connected = lambda: reachable[0]  # type: ignore[attr-defined]
+    h.service.advance("b")
+    assert s.run("b")["state"] == "failed" and "ConnectionError" in s.run("b")["error"]["message"]
+    reachable[0] = False
+    assert h.service.advance("a").value == "running"
+    assert s.run("a")["state"] == "running" and h.group("a").shutdowns == 0 and not s.run("a").get("error")
+    assert s.lost_cluster is not None and "not connected" in s.lost_cluster
+    s.stop()
+    assert s.run("a")["state"] == "running" and h.group("a").shutdowns == 0, "stop() touches nothing either"

@@ -1,0 +1,152 @@
+"""The controller exactly as deploy/overlays/prod runs it, against a Ray cluster of `ray start` nodes
+that are each on a loopback address of their own, the way separate hosts are.
+
+The Deployment is rendered with kustomize; the controller container's command (the image's
+entrypoint + its args) is run with the environment Kubernetes would give it. What a pod has and this
+machine does not is mapped, and nothing else:
+- the cluster's service names: goodput-head-svc:6379 -> the head's GCS at 127.0.0.2;
+- the pod: its IP (POD_IP) is 127.0.0.9, where `--host=0.0.0.0` listens (a free port for 8470), and
+  the PVC at GOODPUT_STATE_DIR is a temp dir;
+- the Secrets: the API token, and the registry URL (GOODPUT_DB) of a real PostgreSQL server on
+  127.0.0.10;
+- `--kubernetes=on` -> off: no Kubernetes API server can run here (tests/unit/test_k8s.py covers
+  that adapter).
+The Ray head is on 127.0.0.2 and three labelled workers (one a spare) on 127.0.0.3-5. The controller
+joins the cluster as a node with no resources at 127.0.0.9 (deploy/base/controller.yaml says why not
+through Ray Client). A run is submitted and survives a kill-node drill over REST; the controller is
+SIGKILLed and started again with the same command, and re-attaches to the run; the controller's
+process is stopped for 40 s (SIGSTOP) and continued; the run succeeds with no other failure, its
+timeline intact in PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.support.postgres import PostgresServer, unavailable
+from tests.support.ray_start import RayStartCluster, free_port
+from tests.support.serve import Serve, wait_for, write_spec
+from tests.unit.test_deploy import needs_kubectl, one, render
+
+pytestmark = [pytest.mark.cluster, needs_kubectl]
+
+HEAD, WORKERS, POD_IP = "127.0.0.2", ["127.0.0.3", "127.0.0.4", "127.0.0.5"], "127.0.0.9"
+TOKEN = "deployed-test-token"
+STEPS = 900
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluster]:
+    c = RayStartCluster(tmp_path_factory.mktemp("ray"), head_ip=HEAD, worker_ips=WORKERS)
+    try:
+        yield c.start(nodes=3, spares=1)
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    why = unavailable()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is needed in CI: {why}")
+        pytest.skip(why)
+    server = PostgresServer(host="127.0.0.10")  # the database is another host too
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def deployed_command(services: dict[str, str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The controller container's command line and environment as Kubernetes would run it from the
+    rendered prod overlay, with the cluster's service names mapped to `services` and the pod's and
+    Secrets' values from `env`."""
+    docs = render("prod")
+    container = one(docs, "Deployment", "goodput-controller")["spec"]["template"]["spec"]["containers"][0]
+    values: dict[str, str] = {}
+    for source in container.get("envFrom", []):  # envFrom first; env entries override it
+        values.update(one(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
+    for entry in container.get("env", []):
+        if "value" in entry:
+            values[entry["name"]] = entry["value"]
+        elif entry["name"] in env:
+            values[entry["name"]] = env[entry["name"]]
+        else:  # a fieldRef or Secret this test does not give: only optional ones may be missing
+            assert entry["valueFrom"].get("secretKeyRef", {}).get("optional"), f"{entry['name']} has no value here"
+    values.update({k: v for k, v in env.items() if k not in values})
+    for name, value in list(values.items()):
+        for service, address in services.items():
+            value = value.replace(service, address)
+        values[name] = value
+
+    def expand(arg: str) -> str:  # Kubernetes' $(VAR) expansion
+        return re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], arg)
+
+    args = [expand(a) for a in container["args"]]
+    pod = {"--host=0.0.0.0": f"--host={env['POD_IP']}", "--port=8470": f"--port={env['API_PORT']}",
+           "--kubernetes=on": "--kubernetes=off"}
+    args = [pod.get(a, a) for a in args]
+    entrypoint = [str(Path(sys.executable).parent / "goodput")]  # deploy/Dockerfile: ENTRYPOINT ["goodput"]
+    return entrypoint + args, {**os.environ, **values}
+
+
+def test_the_deployed_controller_drives_a_run_across_hosts(cluster: RayStartCluster, postgres: PostgresServer,
+                                                           tmp_path: Path) -> None:
+    assert cluster.raylet_ips() == {HEAD, *WORKERS}
+    state = tmp_path / "state"
+    command, env = deployed_command(
+        {"goodput-head-svc:6379": cluster.address},
+        {"POD_IP": POD_IP, "API_PORT": str(free_port(POD_IP)), "GOODPUT_TOKEN": TOKEN,
+         "GOODPUT_DB": postgres.url, "GOODPUT_STATE_DIR": str(state)})
+    assert f"--address={cluster.address}" in command and f"--advertise-host={POD_IP}" in command, command
+    assert "--db=postgresql+psycopg://" in " ".join(command), command
+    serve = Serve(state, tmp_path / "serve.log", command=command, env=env)
+    try:
+        serve.start()
+        assert serve.url.startswith(f"http://{POD_IP}:"), serve.url
+        assert cluster.raylet_ips() == {HEAD, *WORKERS, POD_IP}, "the controller joined as a node of its own"
+        serve.cli("submit", str(write_spec(tmp_path / "dep.yaml", "dep", steps=STEPS, dp=2)))
+        wait_for(serve, "dep", lambda s: s["step"] >= 12)
+        started = _events(serve, "attempt_started")
+        nodes = {row["node"] for row in started[0]["detail"]["placement"]}
+        assert nodes <= {"ext-0", "ext-1"}, nodes
+
+        report = serve.json("drill", "dep", "kill-node")  # over REST
+        assert isinstance(report, dict)
+        assert report["outcome"] == "recovered" and report["decision"] == "replace", report
+        wait_for(serve, "dep", lambda s: s["attempt"] == 1 and s["step"] >= report["at_step"] + 10)
+
+        assert serve.proc is not None
+        serve.proc.send_signal(signal.SIGKILL)
+        serve.proc.wait()
+        time.sleep(3)  # the workers train on without their controller
+        serve.start()  # the same command
+        restarted = _events(serve, "service_restarted")
+        assert len(restarted) == 1 and "re-attached" in restarted[0]["detail"]["action"], restarted
+
+        # The controller's process stops for 40 s (its node's raylet does not): the run trains on
+        # without it, and nothing is taken for a failure once it is back.
+        serve.proc.send_signal(signal.SIGSTOP)
+        time.sleep(40)
+        serve.proc.send_signal(signal.SIGCONT)
+        run = wait_for(serve, "dep", lambda s: s["state"] == "succeeded", timeout_s=400)
+        assert run["attempt"] == 1 and run["step"] == STEPS
+        assert len(_events(serve, "failure_detected")) == 1, "the drill's, and nothing since"
+        assert [e["attempt"] for e in _events(serve, "attempt_started")] == [0, 1]
+        assert "registry postgresql+psycopg://" in serve.text()
+    finally:
+        serve.stop()
+
+
+def _events(serve: Serve, kind: str) -> list[dict[str, Any]]:
+    events = serve.json("events", "dep")
+    assert isinstance(events, list)
+    return [e for e in events if e["kind"] == kind]

@@ -1,0 +1,96 @@
+"""A Ray cluster as an operator starts it: `ray start` for a head and labelled worker raylets, on this
+machine, in their own temp dir; stopped by PID (never `ray stop`, which ends every Ray process here).
+
+Two shapes: all on 127.0.0.1 (Ray's CLI needs tests/support/ray_worker_node.py for a second raylet
+there), or each node on its own loopback address (127.0.0.2, .3, ...), where the stock `ray start`
+runs unchanged, as on separate hosts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from controller.ray.cluster import FAST_HEALTH_CHECK
+
+RAY = str(Path(sys.executable).parent / "ray")
+ROOT = Path(__file__).resolve().parents[2]
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Ray resolves 127.0.0.1 to the machine's address unless told it is a single-machine cluster."""
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RayStartCluster:
+    def __init__(self, tmp: Path, *, head_ip: str = "127.0.0.1", worker_ips: list[str] | None = None) -> None:
+        self.tmp = tmp
+        self.head_ip = head_ip
+        self.worker_ips = worker_ips
+        """One address per worker (None: every raylet on the head's 127.0.0.1)."""
+        self.one_address = head_ip == "127.0.0.1"
+        self.env = {**os.environ, **LOOPBACK_ENV} if self.one_address else dict(os.environ)
+        self.address = ""
+
+    def ray_start(self, *args: str, head: bool = False, ip: str = "127.0.0.1") -> None:
+        if self.one_address:
+            # `ray start` itself for the head; for worker raylets the same command with Ray's rewriting
+            # of 127.0.0.1 to the machine's outward address turned off (tests/support/ray_worker_node.py).
+            command = [RAY, "start", "--node-ip-address", "127.0.0.1"] if head else [
+                sys.executable, str(ROOT / "tests" / "support" / "ray_worker_node.py")]
+        else:
+            command = [RAY, "start", "--node-ip-address", ip]
+        proc = subprocess.run([*command, "--temp-dir", str(self.tmp), "--disable-usage-stats", *args],
+                              capture_output=True, text=True, env=self.env, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    def start(self, nodes: int, spares: int) -> "RayStartCluster":
+        port = "0" if self.one_address else str(free_port(self.head_ip))
+        self.ray_start("--head", "--port", port, "--num-cpus", "1", "--num-gpus", "0", "--include-dashboard", "false",
+                       "--system-config", json.dumps(FAST_HEALTH_CHECK), head=True, ip=self.head_ip)
+        self.address = (self.tmp / "ray_current_cluster").read_text().strip()
+        assert self.address.startswith(f"{self.head_ip}:"), self.address
+        for i in range(nodes):
+            labels = f"node=ext-{i},rack=rack-0" + (",spare=true" if i >= nodes - spares else "")
+            ip = self.worker_ips[i] if self.worker_ips else "127.0.0.1"
+            self.ray_start("--address", self.address, "--num-cpus", "2", "--num-gpus", "2", "--labels", labels, ip=ip)
+        return self
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process of this cluster (their command lines name its temp dir) and their children."""
+        ours = []
+        for p in psutil.process_iter(["cmdline"]):
+            if str(self.tmp) in " ".join(p.info["cmdline"] or []):
+                ours.append(p)
+                ours.extend(p.children(recursive=True))
+        return ours
+
+    def raylet_ips(self) -> set[str]:
+        """The --node_ip_address of every raylet of this cluster alive now."""
+        ips = set()
+        for p in self.processes():
+            try:
+                for arg in p.cmdline():
+                    if p.name() == "raylet" and arg.startswith("--node_ip_address="):
+                        ips.add(arg.split("=", 1)[1])
+            except psutil.NoSuchProcess:
+                continue
+        return ips
+
+    def stop(self) -> None:
+        """By PID: `ray stop` would end every Ray process on the machine, not just ours."""
+        procs = self.processes()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=30)
