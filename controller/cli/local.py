@@ -206,7 +206,7 @@ def cmd_serve(opts: argparse.Namespace) -> int:
             address=opts.address, local_nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node, racks=opts.racks,
             spares=opts.spares, gpu_memory_gb=opts.gpu_memory_gb, kubernetes=opts.kubernetes,
             rack_label=opts.rack_label, domain_label=opts.domain_label, advertise_host=opts.advertise_host,
-            repair_after_s=opts.repair_after_s))
+            repair_after_s=opts.repair_after_s, standby=opts.standby))
     except AuthConfigError as e:
         raise CliError(str(e)) from None
     except OSError as e:

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--state-dir", help="registry, token and logs (default $GOODPUT_STATE_DIR or ~/.goodput)")
     serve.add_argument("--db", help="SQLAlchemy URL of the registry (default SQLite under --state-dir), e.g. "
                                     "postgresql+psycopg://user@host/goodput")
+    serve.add_argument("--standby", action="store_true",
+                       help="if another goodput serve leads this registry, wait as its standby (answering /healthz, "
+                            "not ready) and take over when it is gone, instead of refusing")
     serve.add_argument("--address", help="join this Ray cluster (ray://HOST:PORT, HOST:PORT, auto) instead of "
                                          "starting an embedded one")
     serve.add_argument("--local-nodes", type=int, default=EMBEDDED_CLUSTER["nodes"],

@@ -229,18 +229,23 @@ class RemoteRayCluster(_RayClusterBase):
                 raise ClusterError(f"Ray address {self.address} does not answer within "
                                    f"{self.connect_timeout_s:.0f} s; check cluster.address") from None
         extra: dict[str, Any] = {}
-        if self.node_ip is not None and self.address != "auto" and not self.address.startswith("ray://"):
-            self._join_as_node()
+        if self._as_node():
+            self.prepare()
             extra["_node_ip_address"] = self.node_ip
         try:
             _ray().init(address=self.address, log_to_driver=False, logging_level="WARNING", **extra)
         except Exception as e:  # noqa: BLE001 - Ray raises several kinds here; one line says which
             raise ClusterError(f"cannot join the Ray cluster at {self.address}: {e}") from None
 
-    def _join_as_node(self) -> None:
-        """Start a raylet with no resources on this host unless the cluster already has an alive
-        node at `node_ip` (a head or worker here, or the raylet an earlier service started)."""
-        if self.node_ip in _alive_node_ips(self.address):
+    def _as_node(self) -> bool:
+        return self.node_ip is not None and self.address != "auto" and not self.address.startswith("ray://")
+
+    def prepare(self) -> None:
+        """Join as a node now, before driving anything (a standby does it while it waits, so that
+        taking over does not wait for a raylet to start): a raylet with no resources on this host,
+        unless the cluster already has an alive node at `node_ip` (a head or worker here, or the
+        raylet an earlier service started)."""
+        if not self._as_node() or self.node_ip in _alive_node_ips(self.address):
             return
         import subprocess
 

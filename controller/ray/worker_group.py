@@ -330,9 +330,12 @@ class RayWorkerGroup:
         self.actors, self._runs, self._drains = [], [], {}
 
     def _named_reservations(self) -> list[Any]:
-        """This run's placement groups that an earlier controller left (they are detached)."""
+        """This run's placement groups that an earlier controller left (they are detached). Found by
+        name in the cluster's table and taken by id: a lookup by name only sees the placement groups
+        of this driver's own namespace, and the earlier controller's was another."""
         import ray
-        from ray.util.placement_group import get_placement_group
+        from ray._raylet import PlacementGroupID  # type: ignore[attr-defined]
+        from ray.util.placement_group import PlacementGroup
 
         if self.name is None:
             return []
@@ -340,10 +343,7 @@ class RayWorkerGroup:
         for entry in ray.util.placement_group_table().values():
             name = entry.get("name") or ""
             if name.startswith(f"{self.name}/reservation-") and entry.get("state") != "REMOVED":
-                try:
-                    found.append(get_placement_group(name))
-                except ValueError:
-                    continue
+                found.append(PlacementGroup(PlacementGroupID.from_hex(entry["placement_group_id"])))
         return found
 
     def _named(self) -> list[tuple[str, Any]]:

@@ -102,7 +102,7 @@ class _BoundedBody:
 
 
 def create_app(service: Service, *, token: str | None = None) -> FastAPI:
-    """The `/v1` app. With a token, every call but /healthz needs `Authorization: Bearer <token>`."""
+    """The `/v1` app. With a token, every call but /healthz and /readyz needs `Authorization: Bearer <token>`."""
     app = FastAPI(title="goodput", version="1",
                   description="Fault-tolerant orchestration of LLM training runs (DESIGN.md, REST /v1).")
 
@@ -134,6 +134,10 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> dict[str, str]:
+        return {"status": "leading"}
 
     metrics_registry = CollectorRegistry(auto_describe=False)
     metrics_registry.register(ServiceCollector(service))
@@ -228,6 +232,23 @@ HTTP_STATUS = {
 
 def _envelope(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+def standby_app() -> FastAPI:
+    """What a standby service answers: /healthz (alive), and 503 for everything else, /readyz included,
+    so that a Kubernetes Service sends requests to the leader only."""
+    app = FastAPI(title="goodput (standby)", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "standby"}
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    def standing_by(path: str) -> JSONResponse:
+        return _envelope(503, "standby", "this goodput serve is a standby: another one leads the registry "
+                                         "(a Kubernetes Service sends requests to the leader)")
+
+    return app
 
 
 class ApiServer:

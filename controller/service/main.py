@@ -51,6 +51,8 @@ class ServeOptions:
     gpu_memory_gb: float
     poll_s: float = 0.2
     kubernetes: str = "auto"
+    standby: bool = False
+    """Another service leads the registry: wait as its standby and take over when it is gone (else refuse)."""
     """auto: on when running in a pod with a service account; on; off."""
     rack_label: str = "topology.kubernetes.io/zone"
     domain_label: str = "nvidia.com/gpu.clique"
@@ -66,7 +68,7 @@ def log(message: str) -> None:
 
 def serve_forever(opts: ServeOptions) -> int:
     from controller.service.auth import TOKEN_ENV
-    from controller.ray.cluster import LocalRayCluster, make_cluster
+    from controller.ray.cluster import LocalRayCluster, RemoteRayCluster, make_cluster
     from controller.service.app import ApiServer, create_app
     from controller.service.auth import check_bind, ensure_token
     from controller.service.registry import Registry, safe_url, sqlite_url
@@ -85,20 +87,28 @@ def serve_forever(opts: ServeOptions) -> int:
         log(f"API token from {TOKEN_ENV}")
     registry = Registry(opts.db or sqlite_url(opts.state_dir))
     log(f"registry {safe_url(registry.url)}")
-    registry.lead()  # before anything of a service that may already run here is touched
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     cluster = make_cluster(opts.address, LocalClusterSpec(nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node,
                                                            racks=opts.racks, spares=opts.spares,
                                                            gpu_memory_gb=opts.gpu_memory_gb),
                            log_dir=os.path.join(state, "logs"), repair_after_s=opts.repair_after_s,
                            node_ip=opts.advertise_host)
+    # Lead before anything of a service that may already run here is touched.
+    if opts.standby and not registry.lead(wait_s=0):
+        if isinstance(cluster, RemoteRayCluster):
+            cluster.prepare()  # joins as a node now: taking over then waits for no raylet
+        if not _stand_by(registry, opts, stop):
+            registry.close()
+            return 0
+    else:
+        registry.lead()
     if isinstance(cluster, LocalRayCluster):
         log(f"the embedded Ray cluster's own logs: {cluster.processes_log}; a killed node "
             + (f"comes back after {opts.repair_after_s:g} s" if opts.repair_after_s is not None else "stays lost"))
     if not opts.address:
         reap_leftovers(state)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     server = service = None
     try:
         cluster.start()
@@ -154,6 +164,27 @@ def serve_forever(opts: ServeOptions) -> int:
         cluster.shutdown()
         (state / PIDS_FILE).unlink(missing_ok=True)
     return 0
+
+
+def _stand_by(registry: "Registry", opts: ServeOptions, stop: threading.Event) -> bool:
+    """Wait as the standby of the service that leads `registry`: /healthz answers (the process is
+    alive), /readyz and everything else say 503 (a Kubernetes Service sends it nothing), until the
+    leader is gone and this one leads (True), or until told to stop (False)."""
+    from controller.service.app import ApiServer, standby_app
+    from controller.service.registry import safe_url
+
+    server = ApiServer(standby_app(), opts.host, opts.port).start()
+    log(f"standby: another goodput serve leads {safe_url(registry.url)}; this one takes over when it is gone "
+        f"(until then {server.url} answers /healthz only)")
+    since = time.monotonic()
+    try:
+        while not stop.wait(0.2):
+            if registry.lead(wait_s=0):
+                log(f"leading now, after {time.monotonic() - since:.1f} s as standby: taking over its runs")
+                return True
+        return False
+    finally:
+        server.stop()
 
 
 def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluster, *,

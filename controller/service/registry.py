@@ -147,25 +147,29 @@ class Registry:
 
     LEAD_KEY = 0x676F6F64  # "good": the PostgreSQL advisory lock a leading service holds
 
-    def lead(self, *, wait_s: float = 10.0) -> None:
+    def lead(self, *, wait_s: float = 10.0) -> bool:
         """Become the one service that drives this registry's runs, for as long as this process lives
         (a PostgreSQL session advisory lock, or a lock on a file beside the SQLite database; the system
         drops either when the process dies). Waits `wait_s` for a leader that is going away (a killed
-        one's lock goes with its connection), then RegistryBusy says who holds it and what to do."""
+        one's lock goes with its connection), then RegistryBusy says who holds it and what to do.
+        `wait_s=0`: one try, and whether it leads now (no error)."""
         import time
 
         from controller.errors import RegistryBusy
 
-        if self.url in ("sqlite://", "sqlite:///:memory:"):
-            return  # private to this process
+        if self.url in ("sqlite://", "sqlite:///:memory:") or getattr(self, "_leadership", None) is not None:
+            return True  # private to this process, or led already
+        if wait_s == 0:
+            return self._try_lead()
         deadline = time.monotonic() + wait_s
         while not self._try_lead():
             if time.monotonic() > deadline:
                 raise RegistryBusy(
                     f"another goodput serve drives the runs of this registry ({safe_url(self.url)}): one service "
                     "per registry, or two would launch the same runs. Stop that one first, or give this one "
-                    "its own --state-dir / --db")
+                    "its own --state-dir / --db (or start it with --standby to take over when that one is gone)")
             time.sleep(0.2)
+        return True
 
     def _try_lead(self) -> bool:
         if self.engine.dialect.name == "sqlite":
@@ -183,6 +187,11 @@ class Registry:
             return True
         conn = self.engine.connect()  # its own session, held open: the lock lives as long as it does
         if conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": self.LEAD_KEY}).scalar():
+            # The server drops this session (and the lock, for a standby to take) ~25 s after this
+            # host stops answering, not after the kernel's default two hours of TCP silence.
+            for setting, value in (("tcp_keepalives_idle", 10), ("tcp_keepalives_interval", 5),
+                                   ("tcp_keepalives_count", 3)):
+                conn.execute(text(f"SET {setting} = {value}"))
             conn.commit()
             self._leadership = conn
             return True

@@ -11,6 +11,7 @@ machine does not is mapped, and nothing else:
   127.0.0.10;
 - `--kubernetes=on` -> off: no Kubernetes API server can run here (tests/unit/test_k8s.py covers
   that adapter).
+(The standby test runs first: the other one kills a node of the module's cluster.)
 The Ray head is on 127.0.0.2 and three labelled workers (one a spare) on 127.0.0.3-5. The controller
 joins the cluster as a node with no resources at 127.0.0.9 (deploy/base/controller.yaml says why not
 through Ray Client). A run is submitted and survives a kill-node drill over REST; the controller is
@@ -20,14 +21,17 @@ timeline intact in PostgreSQL."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import httpx
 import pytest
 
 from tests.support.postgres import PostgresServer, unavailable
@@ -98,9 +102,64 @@ def deployed_command(services: dict[str, str], env: dict[str, str]) -> tuple[lis
     return entrypoint + args, {**os.environ, **values}
 
 
+def test_a_standby_replica_takes_over_when_the_leader_dies(cluster: RayStartCluster, postgres: PostgresServer,
+                                                           tmp_path: Path) -> None:
+    """overlays/prod runs two replicas with --standby. Each pod (127.0.0.9 and 127.0.0.11 here) runs
+    the same command on the same PostgreSQL registry: one leads; the other answers /healthz but not
+    /readyz, and drives nothing. The leader is SIGKILLed mid-run: the standby takes the registry's
+    lock, re-attaches to the run and finishes it. The takeover time (SIGKILL -> the standby's API up)
+    is printed."""
+    replicas = []
+    for i, pod_ip in enumerate((POD_IP, "127.0.0.11")):
+        state = tmp_path / f"state-{i}"
+        command, env = deployed_command(
+            {"goodput-head-svc:6379": cluster.address},
+            {"POD_IP": pod_ip, "API_PORT": str(free_port(pod_ip)), "GOODPUT_TOKEN": TOKEN,
+             "GOODPUT_DB": postgres.url, "GOODPUT_STATE_DIR": str(state)})
+        assert "--standby" in command
+        replicas.append(Serve(state, tmp_path / f"serve-{i}.log", command=command, env=env))
+    leader, standby = replicas
+    try:
+        assert cluster.raylet_ips() == {HEAD, *WORKERS}
+        leader.start()
+        offset = standby.launch()
+        deadline = time.monotonic() + 120
+        while "standby: another goodput serve leads" not in standby.text()[offset:]:
+            assert time.monotonic() < deadline and standby.proc is not None and standby.proc.poll() is None, \
+                standby.text()[-3000:]
+            time.sleep(0.3)
+        port = next(a for a in standby.command if a.startswith("--port=")).split("=", 1)[1]
+        base = f"http://127.0.0.11:{port}"
+        assert httpx.get(f"{base}/healthz", timeout=10).json() == {"status": "standby"}
+        assert httpx.get(f"{base}/readyz", timeout=10).status_code == 503
+        assert httpx.get(f"{base}/v1/runs", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).status_code == 503
+        assert httpx.get(f"{leader.url}/readyz", timeout=10).json() == {"status": "leading"}
+
+        leader.cli("submit", str(write_spec(tmp_path / "ha.yaml", "ha", steps=400, dp=2)))
+        wait_for(leader, "ha", lambda s: s["step"] >= 12)
+        assert leader.proc is not None
+        leader.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        leader.proc.wait()
+        standby.wait_api(offset)
+        takeover_s = time.monotonic() - killed
+        print(f"standby takeover: {takeover_s:.1f} s from SIGKILL of the leader to the standby's API up")
+        assert standby.url.startswith("http://127.0.0.11:")
+        run = wait_for(standby, "ha", lambda s: s["state"] == "succeeded", timeout_s=300)
+        assert run["attempt"] == 0 and run["step"] == 400, "the standby re-attached: no new attempt"
+        restarted = _events(standby, "service_restarted", "ha")
+        assert len(restarted) == 1 and "re-attached" in restarted[0]["detail"]["action"], restarted
+        assert "leading now, after" in standby.text()
+        assert cluster.raylet_ips() == {HEAD, *WORKERS, POD_IP, "127.0.0.11"}, "each replica is a node of its own"
+        assert _free_gpus_and_reservations(cluster, 6.0) == (6.0, []), "the ended run holds nothing in the cluster"
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
 def test_the_deployed_controller_drives_a_run_across_hosts(cluster: RayStartCluster, postgres: PostgresServer,
                                                            tmp_path: Path) -> None:
-    assert cluster.raylet_ips() == {HEAD, *WORKERS}
+    assert cluster.raylet_ips() >= {HEAD, *WORKERS}
     state = tmp_path / "state"
     command, env = deployed_command(
         {"goodput-head-svc:6379": cluster.address},
@@ -112,7 +171,7 @@ def test_the_deployed_controller_drives_a_run_across_hosts(cluster: RayStartClus
     try:
         serve.start()
         assert serve.url.startswith(f"http://{POD_IP}:"), serve.url
-        assert cluster.raylet_ips() == {HEAD, *WORKERS, POD_IP}, "the controller joined as a node of its own"
+        assert POD_IP in cluster.raylet_ips(), "the controller joined as a node of its own"
         serve.cli("submit", str(write_spec(tmp_path / "dep.yaml", "dep", steps=STEPS, dp=2)))
         wait_for(serve, "dep", lambda s: s["step"] >= 12)
         started = _events(serve, "attempt_started")
@@ -142,11 +201,29 @@ def test_the_deployed_controller_drives_a_run_across_hosts(cluster: RayStartClus
         assert len(_events(serve, "failure_detected")) == 1, "the drill's, and nothing since"
         assert [e["attempt"] for e in _events(serve, "attempt_started")] == [0, 1]
         assert "registry postgresql+psycopg://" in serve.text()
+        # The killed node's 2 slots are gone; the run, re-attached, released the rest.
+        assert _free_gpus_and_reservations(cluster, 4.0) == (4.0, [])
     finally:
         serve.stop()
 
 
-def _events(serve: Serve, kind: str) -> list[dict[str, Any]]:
-    events = serve.json("events", "dep")
+def _free_gpus_and_reservations(cluster: RayStartCluster, want_gpus: float) -> tuple[float, list[str]]:
+    """Asked of Ray by a driver of its own (on the controller's node, 127.0.0.9): the GPU slots free
+    in the cluster, and the placement groups not removed. Waits up to 20 s for removals to land."""
+    code = ("import json, ray; ray.init(address=%r, _node_ip_address=%r, logging_level='ERROR'); "
+            "print(json.dumps([ray.available_resources().get('GPU', 0.0), [v['name'] for v in "
+            "ray.util.placement_group_table().values() if v['state'] != 'REMOVED']]))") % (cluster.address, POD_IP)
+    deadline = time.monotonic() + 20
+    while True:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        gpus, groups = json.loads(proc.stdout.strip().splitlines()[-1])
+        if (gpus, groups) == (want_gpus, []) or time.monotonic() > deadline:
+            return gpus, groups
+        time.sleep(1)
+
+
+def _events(serve: Serve, kind: str, run: str = "dep") -> list[dict[str, Any]]:
+    events = serve.json("events", run)
     assert isinstance(events, list)
     return [e for e in events if e["kind"] == kind]

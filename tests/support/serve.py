@@ -32,10 +32,19 @@ class Serve:
         self.url = ""
 
     def start(self, timeout_s: float = 180) -> "Serve":
+        return self.wait_api(self.launch(), timeout_s)
+
+    def launch(self) -> int:
+        """Start the process; where its log output begins (for `wait_api`)."""
+        offset = len(self.text())
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(self.command, stdout=log, stderr=log, env=self.env)
+        return offset
+
+    def wait_api(self, offset: int, timeout_s: float = 180) -> "Serve":
+        """Wait until the log (from `offset`) says where the API is."""
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
-        offset = len(self.text())
         while time.monotonic() < deadline:
             found = re.search(r"API on (http://[0-9.]+:\d+)", self.text()[offset:])
             if found:

@@ -67,7 +67,8 @@ def test_core_kinds_validate_against_the_kubernetes_schemas(rendered: tuple[str,
     core = [d for d in docs if "." not in d["apiVersion"].split("/")[0] or d["apiVersion"].startswith(
         ("apps/", "rbac.authorization.k8s.io/"))]
     assert {d["kind"] for d in core} >= {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                                        "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service"}
+                                        "ConfigMap", "Deployment", "Service"} | (
+        {"PersistentVolumeClaim"} if overlay == "dev" else set())  # prod's registry is in PostgreSQL
     for doc in core:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     namespace = one(docs, "Namespace")["metadata"]["name"]
@@ -189,6 +190,13 @@ def test_the_pieces_refer_to_each_other(rendered: tuple[str, list[dict[str, Any]
     assert config["RAY_ADDRESS"] == f"{ray['metadata']['name']}-head-svc:{head_ports['gcs']}"
     assert config["RACK_LABEL"] == {"dev": "topology.kubernetes.io/zone", "prod": "example.com/rack"}[overlay]
     assert ("--db=$(GOODPUT_DB)" in args) == (overlay == "prod")
+    # prod: a leader and a standby on PostgreSQL; the standby is alive but not ready (no requests).
+    deployment = one(docs, "Deployment", "goodput-controller")
+    assert (deployment["spec"]["replicas"], "--standby" in args) == ((2, True) if overlay == "prod" else (1, False))
+    container = pod["spec"]["containers"][0]
+    assert (container["readinessProbe"]["httpGet"]["path"], container["livenessProbe"]["httpGet"]["path"]) == \
+        ("/readyz", "/healthz")
+    assert bool(by_kind(docs, "PersistentVolumeClaim")) == (overlay == "dev"), "prod keeps no state on a volume"
     # RBAC: the controller may get/list/watch/patch nodes and nothing else; the workers only get them.
     roles = {r["metadata"]["name"]: r["rules"] for r in by_kind(docs, "ClusterRole")}
     assert roles["goodput-nodes"] == [{"apiGroups": [""], "resources": ["nodes"],
