@@ -61,11 +61,12 @@ def test_no_server_error_and_no_undocumented_status(api_url: str) -> None:
         fuzz()
 
 
-def test_every_route_but_healthz_needs_the_token_and_documents_401(api_url: str) -> None:
+def test_every_route_but_the_probes_needs_the_token_and_documents_401(api_url: str) -> None:
+    """The kubelet's probes (/healthz, /readyz) carry no token; every other route needs it."""
     document = httpx.get(f"{api_url}/openapi.json").json()
     for path, methods in document["paths"].items():
         for method, op in methods.items():
-            if path == "/healthz":
+            if path in ("/healthz", "/readyz"):
                 continue
             assert "401" in op["responses"], (method, path)
             url = api_url + path.replace("{run_id}", "tiny-gpt").replace("{drill_id}", "drill-00000000")
@@ -73,3 +74,4 @@ def test_every_route_but_healthz_needs_the_token_and_documents_401(api_url: str)
             assert response.status_code == 401, (method, path, response.text)
             assert TOKEN not in response.text
     assert httpx.get(f"{api_url}/healthz").status_code == 200
+    assert httpx.get(f"{api_url}/readyz").json() == {"status": "leading"}
