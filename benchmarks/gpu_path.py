@@ -51,6 +51,9 @@ def bare_step_fn(cfg: TrainerConfig, device: torch.device):
 
     model = Transformer(cfg.model).to(device)
     model.init_weights(cfg.train.seed)
+    if cfg.train.compile:
+        for block in model.layers.values():
+            block.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)
     source = build_source(cfg.data, cfg.model)
     cursor = [0]
@@ -130,6 +133,7 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=3, help="sync and async saves compared")
     parser.add_argument("--repeat", type=int, default=3, help="fresh processes for the start-up costs")
     parser.add_argument("--s3", action="store_true", help="also load from moto on 127.0.0.1")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block, in both loops")
     parser.add_argument("--s3-repeat", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=50_000_000, help="tokens in the data file")
     parser.add_argument("--dir", default=os.environ.get("GOODPUT_BENCH_DIR"))
@@ -145,14 +149,15 @@ def main() -> None:
     data = DataConfig(kind="tokens", path=str(data_path), seed=0)
     model = ModelConfig(n_layers=opts.layers, d_model=opts.d_model, n_heads=opts.heads, vocab_size=32000,
                         seq_len=opts.seq)
-    train = TrainConfig(steps=10**6, global_batch=opts.batch, micro_batch=opts.micro)
+    train = TrainConfig(steps=10**6, global_batch=opts.batch, micro_batch=opts.micro, compile=opts.compile)
     on = TrainerConfig(model=model, data=data, train=train, mesh=MeshShape(),
                        probes=ProbeConfig(sdc_every_steps=10))
     choice = choose_device("auto")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     init_process_group(rank=0, world_size=1, store=store, backend=choice.backend, timeout_s=600)
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {model.num_params() / 1e9:.2f}B params; "
-          f"{opts.batch} x {opts.seq} tokens per step; compute {choice.compute_dtype}", flush=True)
+          f"{opts.batch} x {opts.seq} tokens per step; compute {choice.compute_dtype}"
+          f"{'; torch.compile per block' if opts.compile else ''}", flush=True)
     sink = ListSink()
     goodput = Trainer(on, build_mesh(on.mesh, "cuda"), choice, sink=sink)
     bare = bare_step_fn(on, choice.device)
@@ -209,7 +214,7 @@ def main() -> None:
         restored = Trainer(TrainerConfig(model=model, data=data, train=train, mesh=MeshShape(),
                                          probes=ProbeConfig(sdc_every_steps=10)),
                            build_mesh(on.mesh, "cuda"), choice, attempt=1)
-        timed_loads("local disk", restored, local, manifest, tmp / "cache", opts.repeat)
+        timed_loads("local disk", restored, local, manifest, opts.repeat)
         if opts.s3:
             s3_load(restored, local, manifest, tmp, opts.s3_repeat)
         restored.step, restored.cursor = step, manifest.cursor
@@ -226,15 +231,15 @@ def main() -> None:
         print(f"{name:>13}: {med(xs)}")
 
 
-def timed_loads(where: str, trainer, store, manifest, cache: Path, repeat: int) -> None:
+def timed_loads(where: str, trainer, store, manifest, repeat: int) -> None:
     """Load the step `repeat` times into the trainer; print the median and the rate."""
-    from trainer.checkpoint import load
+    from trainer.restore import load
 
     times: list[float] = []
     for _ in range(repeat):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        load(trainer, store, manifest, cache)
+        load(trainer, store, manifest)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     gib = manifest.total_bytes() / 2**30
@@ -257,7 +262,7 @@ def s3_load(trainer, local, manifest, tmp: Path, repeat: int) -> None:
         prefix = step_prefix(manifest.run_id, manifest.step)
         for rel in [*manifest.files, MANIFEST]:
             store.put_file(f"{prefix}/{rel}", Path(local.root) / prefix / rel)
-        timed_loads("S3 protocol on this host", trainer, store, manifest, tmp / "cache", repeat)
+        timed_loads("S3 protocol on this host", trainer, store, manifest, repeat)
     finally:
         restore_env(saved)
         server.stop()

@@ -53,10 +53,10 @@ def _join(rank: int, world: int, port: int, prefix: str):  # type: ignore[no-unt
 def _load(trainer, uri: str) -> None:  # type: ignore[no-untyped-def]
     from checkpointing.manifest import read_manifest
     from checkpointing.store import open_store
-    from trainer.checkpoint import load
+    from trainer.restore import load
 
     store = open_store(uri)
-    load(trainer, store, read_manifest(store, "bench", 2), cache_dir=SCRATCH)
+    load(trainer, store, read_manifest(store, "bench", 2))
 
 
 def save_then_regroup(*, rank: int, world_size: int, store_port: int, uri: str) -> float:

@@ -56,6 +56,8 @@ class TrainSpec(_Strict):
     weight_decay: float = Field(default=0.0, ge=0)
     schedule: Schedule = Schedule.ONE_F_ONE_B
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"
+    compile: bool = False
+    """torch.compile each transformer block (worth it on a GPU; the first steps pay the compilation)."""
 
 
 class ParallelismSpec(_Strict):

@@ -137,6 +137,8 @@ class TrainConfig:
     """Pipeline schedule when pp > 1."""
     dtype: str = "auto"
     """Parameter dtype: `auto` (bf16 compute on CUDA, fp32 on CPU), `float32` or `float64`."""
+    compile: bool = False
+    """torch.compile each transformer block in place (names and state unchanged)."""
 
 
 @dataclass(frozen=True, kw_only=True)

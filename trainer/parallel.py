@@ -137,6 +137,9 @@ def build_model_parts(config: TrainerConfig, mesh: DeviceMesh, choice: DeviceCho
                                  choice.param_dtype)
         if shape.tp > 1:
             apply_tp(part, mesh["tp"])
+        if config.train.compile:  # in place, per block (as TorchTitan does): parameter names stay as they are
+            for block in part.layers.values():
+                block.compile()
         apply_fsdp(part, dp_mesh_of(mesh, shape), choice, pipelined=shape.pp > 1)
         parts.append(part)
     return parts, stage_ids, num_stages
