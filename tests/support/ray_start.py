@@ -52,10 +52,12 @@ class RayStartCluster:
                               capture_output=True, text=True, env=self.env, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
-    def start(self, nodes: int, spares: int) -> "RayStartCluster":
+    def start(self, nodes: int, spares: int, *, client_port: int | None = None) -> "RayStartCluster":
+        """A head (with Ray Client's server on `client_port`, if given) and `nodes` labelled workers."""
         port = "0" if self.one_address else str(free_port(self.head_ip))
+        client = ["--ray-client-server-port", str(client_port)] if client_port else []
         self.ray_start("--head", "--port", port, "--num-cpus", "1", "--num-gpus", "0", "--include-dashboard", "false",
-                       "--system-config", json.dumps(FAST_HEALTH_CHECK), head=True, ip=self.head_ip)
+                       "--system-config", json.dumps(FAST_HEALTH_CHECK), *client, head=True, ip=self.head_ip)
         self.address = (self.tmp / "ray_current_cluster").read_text().strip()
         assert self.address.startswith(f"{self.head_ip}:"), self.address
         for i in range(nodes):

@@ -1,0 +1,167 @@
+"""What happens to a run when the service's connection to its Ray cluster drops: Ray Client against
+a driver on a node of its own (how deploy/ runs the service), measured.
+
+A cluster of `ray start` nodes on loopback addresses (head 127.0.0.2 with Ray Client's server, three
+labelled workers on .3-.5); `goodput serve` at 127.0.0.9. Each case submits a run, waits for it to
+train, disturbs the service for --seconds (40 by default: longer than Ray Client's 30 s reconnect
+grace), and then looks at the run and the service:
+- ray-client, SIGSTOP: the service process is stopped, then continued (its TCP connections stay up);
+- ray-client, connection cut: the service reaches Ray Client's server through a proxy here that drops
+  every connection and refuses new ones for the duration;
+- joined node, SIGSTOP: the service as deployed (`--address HEAD:PORT`: a node with no resources).
+A case that ended the service (exit 3: it lost its cluster and touched no run) starts it again with
+the same command and reports whether the run was re-attached.
+
+    python benchmarks/ray_client_drop.py [--seconds 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tests.support.ray_start import RayStartCluster, free_port  # noqa: E402
+from tests.support.serve import Serve, write_spec  # noqa: E402
+
+HEAD, WORKERS, SERVICE = "127.0.0.2", ["127.0.0.3", "127.0.0.4", "127.0.0.5"], "127.0.0.9"
+TOKEN = "drop-bench-token"
+
+
+class CuttableProxy:
+    """A TCP proxy on SERVICE that can drop every connection and refuse new ones for a while."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.port = free_port(SERVICE)
+        self.down = False
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        threading.Thread(target=self._run, args=(started,), daemon=True).start()
+        started.wait(10)
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, SERVICE, self.port))
+        started.set()
+        self._loop.run_forever()
+        server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.down:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (OSError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        def drop() -> None:
+            self.down = True
+            for w in list(self._writers):
+                w.transport.abort()
+            self._writers.clear()
+        self._loop.call_soon_threadsafe(drop)
+
+    def heal(self) -> None:
+        self._loop.call_soon_threadsafe(setattr, self, "down", False)
+
+
+def case(name: str, address: str, disturb: str, seconds: float, tmp: Path, proxy: CuttableProxy | None) -> dict[str, Any]:
+    state = tmp / name
+    command = [str(Path(sys.executable).parent / "goodput"), "serve", "--host", SERVICE,
+               "--port", str(free_port(SERVICE)), "--address", address, "--advertise-host", SERVICE,
+               "--state-dir", str(state)]
+    serve = Serve(state, tmp / f"{name}.log", command=command,
+                  env={**os.environ, "GOODPUT_TOKEN": TOKEN, "GOODPUT_STATE_DIR": str(state)})
+    out: dict[str, Any] = {"case": name}
+    try:
+        serve.start()
+        serve.cli("submit", str(write_spec(tmp / f"{name}.yaml", name, steps=100_000, dp=2)))
+        deadline = time.monotonic() + 120
+        while (status := serve.json("status", name))["step"] < 20:  # type: ignore[index]
+            assert time.monotonic() < deadline, status
+            time.sleep(1)
+        before = status["step"]  # type: ignore[index]
+        assert serve.proc is not None
+        if disturb == "sigstop":
+            serve.proc.send_signal(signal.SIGSTOP)
+            time.sleep(seconds)
+            serve.proc.send_signal(signal.SIGCONT)
+        else:
+            assert proxy is not None
+            proxy.cut()
+            time.sleep(seconds)
+            proxy.heal()
+        time.sleep(20)
+        out["service"] = "alive" if serve.proc.poll() is None else f"exited {serve.proc.returncode}"
+        if serve.proc.poll() is None:
+            s1 = serve.json("status", name)
+            time.sleep(5)
+            s2 = serve.json("status", name)
+            out["run"] = (f"{s2['state']}, attempt {s2['attempt']}, step {before} before -> {s2['step']} "  # type: ignore[index]
+                          f"({'advancing' if s2['step'] > s1['step'] else 'NOT advancing'})")  # type: ignore[index]
+        else:
+            serve.start()
+            time.sleep(10)
+            s2 = serve.json("status", name)
+            events = serve.json("events", name)
+            restarted = [e["detail"].get("action", "") for e in events if e["kind"] == "service_restarted"]  # type: ignore[union-attr]
+            out["run"] = (f"after a restart: {s2['state']}, attempt {s2['attempt']}, step {s2['step']}; "  # type: ignore[index]
+                          f"{restarted[-1] if restarted else 'no service_restarted event'}")
+        serve.cli("cancel", name, ok=False)
+    finally:
+        serve.stop()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=40.0)
+    opts = parser.parse_args()
+    client_port = free_port(HEAD)
+    with tempfile.TemporaryDirectory() as root:
+        tmp = Path(root)
+        cluster = RayStartCluster(tmp / "ray", head_ip=HEAD, worker_ips=WORKERS)
+        (tmp / "ray").mkdir()
+        results = []
+        try:
+            cluster.start(nodes=3, spares=1, client_port=client_port)
+            proxy = CuttableProxy((HEAD, client_port))
+            results.append(case("client-sigstop", f"ray://{HEAD}:{client_port}", "sigstop", opts.seconds, tmp, None))
+            results.append(case("client-cut", f"ray://{SERVICE}:{proxy.port}", "cut", opts.seconds, tmp, proxy))
+            results.append(case("node-sigstop", cluster.address, "sigstop", opts.seconds, tmp, None))
+        finally:
+            cluster.stop()
+    print(f"service disturbed for {opts.seconds:.0f} s while a run trained (Ray Client's reconnect grace: 30 s)")
+    for r in results:
+        print(f"{r['case']:>15}: service {r.get('service')}; run {r.get('run')}")
+
+
+if __name__ == "__main__":
+    main()
