@@ -218,7 +218,7 @@ class StoreReader(FileSystemReader):
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        out = {item: data for item, data in held.items()}
+        out = dict(held)
         out.update({item: buf.cpu().numpy().tobytes() for item, buf in inbox.items()})
         return out
 

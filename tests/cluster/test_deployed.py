@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.support.postgres import PostgresServer, unavailable
+from tests.support.postgres import PostgresServer, module_server
 from tests.support.ray_start import RayStartCluster, free_port
 from tests.support.serve import Serve, wait_for, write_spec
 from tests.unit.test_deploy import needs_kubectl, one, render
@@ -57,16 +57,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluste
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    why = unavailable()
-    if why is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL is needed in CI: {why}")
-        pytest.skip(why)
-    server = PostgresServer(host="127.0.0.10")  # the database is another host too
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from module_server("127.0.0.10")  # the database is another host too
 
 
 def deployed_command(services: dict[str, str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:

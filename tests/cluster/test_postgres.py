@@ -6,7 +6,6 @@ Ray, a drill and a SIGKILL runs in tests/cluster/test_service.py on the same kin
 from __future__ import annotations
 
 import itertools
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +17,7 @@ from sqlalchemy import create_engine, text
 from controller.service.migrations import HEAD, revision
 from controller.service.registry import Registry, metadata
 from controller.spec import parse_spec
-from tests.support.postgres import PostgresServer, unavailable
+from tests.support.postgres import PostgresServer, module_server
 from tests.unit.test_service import Harness, _commit, raw_spec
 
 pytestmark = pytest.mark.cluster
@@ -27,16 +26,7 @@ _DATABASES = itertools.count()
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    why = unavailable()
-    if why is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must test the registry on PostgreSQL: {why}")
-        pytest.skip(why)
-    server = PostgresServer()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from module_server()
 
 
 @pytest.fixture()

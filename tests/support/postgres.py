@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from tests.support.s3 import free_port
 
@@ -73,3 +74,20 @@ class PostgresServer:
             self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def module_server(host: str = "127.0.0.1") -> Iterator[PostgresServer]:
+    """A test module's server (`yield from` it in a fixture): skipped where PostgreSQL cannot be
+    installed, a failure in CI, which must test the registry on PostgreSQL."""
+    import pytest
+
+    why = unavailable()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must test the registry on PostgreSQL: {why}")
+        pytest.skip(why)
+    server = PostgresServer(host)
+    try:
+        yield server
+    finally:
+        server.stop()
