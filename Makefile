@@ -33,7 +33,7 @@ test-deps:
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO="sudo -n"; \
 	else echo "make: cannot install$$missing (not root, no sudo): the tests that need them will skip"; exit 0; fi; \
-	echo "make: installing Debian's$$missing for the tests"; \
+	echo "make: installing Debian's $$missing for the tests"; \
 	( $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 	  --no-install-recommends $$missing >/dev/null ) || echo "make: installing$$missing failed: the tests that need them will skip"
 
