@@ -38,6 +38,8 @@ class StepReport:
     """Global tokens per second implied by this rank's step time."""
     end_time: float = 0.0
     """Unix seconds the step ended on this rank (0: not known; the controller then uses when it heard)."""
+    snapshot_s: float = 0.0
+    """Time the loop was held after the step for a peer snapshot (the copy into host memory)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

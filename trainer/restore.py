@@ -31,6 +31,7 @@ from checkpointing.manifest import CheckpointError, Manifest, check_identity, re
 from checkpointing.store import ObjectStore, StoreError
 from trainer.checkpoint import FLAT, trainer_state
 from trainer.config import state_fingerprint, state_identity
+from trainer.exchange import exchange
 
 T = TypeVar("T")
 Item = tuple[str, int, int]
@@ -179,7 +180,7 @@ class StoreReader(FileSystemReader):
             error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
-        for item, data in self._exchange(shared, held, me).items():
+        for item, data in exchange(shared, held, me).items():
             self._apply(planner, item, data, wanted[item])
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(None)
@@ -198,29 +199,6 @@ class StoreReader(FileSystemReader):
                                       f"the load plan wants {tuple(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(req, target)
-
-    def _exchange(self, shared: dict[Item, tuple[int, tuple[int, ...]]], held: dict[Item, bytes], me: int
-                  ) -> dict[Item, bytes]:
-        """Send the shared items this rank fetched to the other ranks that need them, and receive the
-        ones it needs from their owners (point to point, in one order on every rank); every shared
-        item this rank needs, with its bytes."""
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        ops: list[dist.P2POp] = []
-        inbox: dict[Item, torch.Tensor] = {}
-        for item in sorted(shared):
-            owner, readers = shared[item]
-            if owner == me:
-                buf = torch.frombuffer(bytearray(held[item]), dtype=torch.uint8).to(device)
-                ops += [dist.P2POp(dist.isend, buf, peer) for peer in readers if peer != me]
-            elif me in readers:
-                inbox[item] = torch.empty(item[2], dtype=torch.uint8, device=device)
-                ops.append(dist.P2POp(dist.irecv, inbox[item], owner))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        out = dict(held)
-        out.update({item: buf.cpu().numpy().tobytes() for item, buf in inbox.items()})
-        return out
 
     def _fetched(self, items: list[Item]) -> Iterator[tuple[Item, bytes]]:
         """Each item with its checked bytes, fetched span by span, a few spans ahead."""

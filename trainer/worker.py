@@ -8,8 +8,10 @@ ranks (the controller's, or torchrun's agent store), builds the dp/pp/tp mesh an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
@@ -18,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.manifest import CheckpointError
+from checkpointing.peer import PeerPoint
 from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import OutageGate, open_store
-from trainer.config import TrainerConfig, config_from_dict
+from trainer.config import TrainerConfig, config_from_dict, state_fingerprint
 from trainer.parallel import build_mesh, choose_device, init_process_group
 from trainer.report import JsonlSink, ReportSink, StepReport
 from trainer.switches import DrillSwitches
@@ -68,6 +71,14 @@ class WorkerArgs:
     """Local scratch for shards on their way to a remote store."""
     store_retry_budget_s: float = 30.0
     """How long a checkpoint write the store refuses for now (an outage) keeps being retried."""
+    peer_every: int = 0
+    """Snapshot the state into host memory (own node and buddy's) every this many steps; 0: never."""
+    peer_buddy: tuple[int, ...] | None = None
+    """rank -> the rank on another node that keeps its snapshot's copy (None: own copies only)."""
+    peer_dir: str | None = None
+    """This rank's node's snapshot folder (checkpointing.peer); None: no peer snapshots here."""
+    peer_restore: PeerPoint | None = None
+    """Load this peer snapshot step before training (instead of `resume_step` from the store)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +101,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
     """Train one rank to `config.train.steps`; `on_step(trainer, report)` runs after every step.
     `switches`: what drills ask of this GPU slot (slow it, flip a bit, refuse checkpoint writes)."""
     from trainer.checkpoint import Checkpointer
-    from trainer.restore import load, shared_manifest
+    from trainer.peer import PeerSnapshots
     from trainer.train import Trainer  # torch-heavy; keep `import trainer.worker` cheap for launchers
 
     args.config.validate(world_size=args.world_size)
@@ -100,6 +111,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
     init_process_group(rank=args.rank, world_size=args.world_size, store=store, backend=choice.backend,
                        timeout_s=args.collective_timeout_s)
     checkpointer = None
+    peers = None
     try:
         mesh = build_mesh(args.config.mesh, choice.device.type)
         trainer = Trainer(args.config, mesh, choice, attempt=args.attempt, sink=sink, switches=switches)
@@ -107,19 +119,17 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         ckpt_store = open_store(args.checkpoint_uri) if args.checkpoint_uri else None
         if ckpt_store is not None and switches is not None:
             ckpt_store = OutageGate(ckpt_store, lambda: switches.outage_until)
-        if ckpt_store is not None and args.resume_step is not None:
-            manifest = shared_manifest(ckpt_store, args.run_id, args.resume_step)
-            try:
-                read = load(trainer, ckpt_store, manifest)
-            except CheckpointError as e:  # every rank gets it; rank 0 tells the controller, which rejects the step
-                if args.rank == 0:
-                    sink.event("restore_failed", {"step": manifest.step, "error": str(e)})
-                raise
-            trainer.step, trainer.cursor = manifest.step, manifest.cursor
-            total = torch.tensor([read], dtype=torch.int64, device=choice.device)
-            dist.all_reduce(total)
-            sink.event("restored", {"step": manifest.step, "cursor": manifest.cursor, "saved_on_mesh": manifest.mesh,
-                                    "bytes_read": int(total.item()), "bytes": manifest.total_bytes()})
+        folder = Path(args.peer_dir) / args.run_id if args.peer_dir else None
+        if args.peer_restore is not None:
+            if folder is None:
+                raise ValueError("peer_restore needs peer_dir: where this node keeps its snapshots")
+            _restore_from_peers(trainer, folder, args.peer_restore, sink, choice.device)
+        elif ckpt_store is not None and args.resume_step is not None:
+            _restore_from_store(trainer, ckpt_store, args, sink, choice.device)
+        if args.peer_every > 0 and folder is not None:
+            peers = PeerSnapshots(folder=folder, run_id=args.run_id, attempt=args.attempt,
+                                  buddy=list(args.peer_buddy) if args.peer_buddy else None, sink=sink,
+                                  identity=state_fingerprint(args.config.model), mesh=args.config.mesh.axes())
         if trainer.probes is not None:
             trainer.probes.last_clean_step = trainer.step
         if ckpt_store is not None and (args.checkpoint_every > 0 or args.checkpoint_auto):
@@ -131,6 +141,8 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         last: StepReport | None = None
         while trainer.step < args.config.train.steps:
             last = trainer.train_step()
+            if peers is not None and trainer.step % args.peer_every == 0:
+                last = dataclasses.replace(last, snapshot_s=peers.take(trainer))
             sink.report(last)
             if on_step is not None:
                 on_step(trainer, last)
@@ -147,7 +159,46 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
     finally:
         if checkpointer is not None:
             checkpointer.close()
+        if peers is not None:
+            peers.close()
         dist.destroy_process_group()
+
+
+def _restore_from_store(trainer: "object", ckpt_store: "object", args: WorkerArgs, sink: ReportSink,
+                        device: "torch.device") -> None:
+    """Collective: load `args.resume_step` from the object store; every rank reports `restored`."""
+    from trainer.restore import load, shared_manifest
+
+    manifest = shared_manifest(ckpt_store, args.run_id, args.resume_step)  # type: ignore[arg-type]
+    try:
+        read = load(trainer, ckpt_store, manifest)  # type: ignore[arg-type]
+    except CheckpointError as e:  # every rank gets it; rank 0 tells the controller, which rejects the step
+        if args.rank == 0:
+            sink.event("restore_failed", {"step": manifest.step, "error": str(e)})
+        raise
+    trainer.step, trainer.cursor = manifest.step, manifest.cursor  # type: ignore[attr-defined]
+    total = torch.tensor([read], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    sink.event("restored", {"source": "store", "step": manifest.step, "cursor": manifest.cursor,
+                            "saved_on_mesh": manifest.mesh, "bytes_read": int(total.item()),
+                            "bytes": manifest.total_bytes()})
+
+
+def _restore_from_peers(trainer: "object", folder: Path, point: PeerPoint, sink: ReportSink,
+                        device: "torch.device") -> None:
+    """Collective: load a peer snapshot step from the host memory of this attempt's nodes (no object
+    store read); every rank reports `restored` with the bytes that crossed the process group."""
+    from trainer.peer import load_from_peers
+
+    t0 = time.perf_counter()
+    loaded = load_from_peers(trainer, folder, point)
+    trainer.step, trainer.cursor = point.step, point.cursor  # type: ignore[attr-defined]
+    totals = torch.tensor([loaded.bytes_received, loaded.bytes_local], dtype=torch.int64, device=device)
+    dist.all_reduce(totals)
+    sink.event("restored", {"source": "peer", "step": point.step, "cursor": point.cursor,
+                            "saved_on_mesh": point.mesh, "saved_by_attempt": point.attempt, "bytes_read": 0,
+                            "bytes_from_peers": int(totals[0].item()), "bytes_local": int(totals[1].item()),
+                            "seconds": time.perf_counter() - t0})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,192 @@
+"""Peer snapshots, the rules: who keeps whose copy, what a node holds, and the step a recovery may load
+from peers. Pure: no torch (trainer/peer.py takes and loads the snapshots).
+
+Every `checkpoint.peer_every_steps` steps each rank copies its whole training state into host memory
+on its node (a file on the node's tmpfs, which outlives the rank's process but not the node) and its
+buddy, a rank on another node (another rack where there is one), keeps a second copy. Beside each
+copy a marker says which complete step it holds; it is removed while the copy is rewritten, so a copy
+without its marker does not exist. Files of one node, under `{root}/{run_id}/`:
+
+    a{attempt}-r{rank}.{own|buddy}          the bytes of the state rank `rank` of `attempt` had
+    a{attempt}-r{rank}.{own|buddy}.meta     where each item lies in them (written once per attempt)
+    a{attempt}-r{rank}.{own|buddy}.json     the marker: step, cursor, world, mesh, identity
+
+A recovery loads from peers only a step of which every rank's copy is complete on a node the new
+attempt runs on (the same all-or-nothing rule as a checkpoint's manifest); else from the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+ROOT_ENV = "GOODPUT_PEER_DIR"
+"""Where a node keeps its snapshots; by default /dev/shm/goodput-peer (host memory)."""
+
+_FILE = re.compile(r"^a(?P<attempt>\d+)-r(?P<rank>\d+)\.(?P<role>own|buddy)\.json$")
+
+
+def peer_base() -> Path:
+    """The folder under which each node keeps its snapshots (a folder per node below it)."""
+    configured = os.environ.get(ROOT_ENV)
+    if configured:
+        return Path(configured)
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())) / "goodput-peer"
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One complete copy of one rank's snapshot, as its marker describes it."""
+
+    attempt: int
+    """Attempt that took it."""
+    rank: int
+    """Rank (of that attempt) whose state it is."""
+    world_size: int
+    """Ranks of that attempt."""
+    step: int
+    """Optimizer steps done."""
+    cursor: int
+    """Global sample cursor at `step`."""
+    mesh: dict[str, int]
+    """{dp, pp, tp} of that attempt."""
+    identity: str
+    """Fingerprint of the state's shape (trainer.config.state_fingerprint)."""
+    role: str
+    """own (kept by the rank's node) or buddy (kept for it by its buddy's node)."""
+    nbytes: int
+    """Size of the copy."""
+
+    @property
+    def stem(self) -> str:
+        return copy_stem(self.attempt, self.rank, self.role)
+
+
+def copy_stem(attempt: int, rank: int, role: str) -> str:
+    return f"a{attempt}-r{rank}.{role}"
+
+
+def write_marker(folder: Path, copy: Copy) -> None:
+    """Say the copy is complete (atomically: a marker is whole or absent)."""
+    tmp = folder / f".{copy.stem}.json.tmp"
+    tmp.write_text(json.dumps(asdict(copy)))
+    tmp.replace(folder / f"{copy.stem}.json")
+
+
+def drop_marker(folder: Path, stem: str) -> None:
+    """The copy is about to be rewritten: from now on it does not exist."""
+    (folder / f"{stem}.json").unlink(missing_ok=True)
+
+
+def held_copies(folder: Path) -> list[Copy]:
+    """The complete copies a node's run folder holds (markers whose file is there at its size)."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in sorted(folder.iterdir()):
+        if not _FILE.match(path.name):
+            continue
+        try:
+            copy = Copy(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue  # a marker being replaced, or not ours
+        data = folder / copy.stem
+        if data.is_file() and data.stat().st_size == copy.nbytes and (folder / f"{copy.stem}.meta").is_file():
+            found.append(copy)
+    return found
+
+
+def forget_attempts_before(folder: Path, attempt: int) -> None:
+    """Remove the copies of attempts before `attempt` (markers first, so none is seen half gone)."""
+    if not folder.is_dir():
+        return
+    names = sorted(folder.iterdir(), key=lambda p: not p.name.endswith(".json"))
+    for path in names:
+        m = re.match(r"^\.?a(\d+)-r\d+\.", path.name)
+        if m and int(m.group(1)) < attempt:
+            path.unlink(missing_ok=True)
+
+
+def forget_run(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, str]) -> list[int] | None:
+    """rank -> the rank whose node keeps its copy: a permutation in which no rank's buddy shares its
+    node, and as few as can share its rack. None when all ranks share one node (no copy could survive
+    it). Ranks are ordered by (rack, node, rank) and shifted; the shift nearest half the world that
+    keeps every pair on two nodes and has the fewest same-rack pairs wins (with dp outermost and
+    replicas rack after rack, half the world away is the same stage of another replica)."""
+    world = len(node_of_rank)
+    if len(set(node_of_rank)) < 2:
+        return None
+    order = sorted(range(world), key=lambda r: (rack_of_node.get(node_of_rank[r], ""), node_of_rank[r], r))
+    best: tuple[int, int, list[int]] | None = None
+    for shift in range(1, world):
+        buddy = [0] * world
+        for i, rank in enumerate(order):
+            buddy[rank] = order[(i + shift) % world]
+        if any(node_of_rank[r] == node_of_rank[buddy[r]] for r in range(world)):
+            continue
+        same_rack = sum(rack_of_node.get(node_of_rank[r]) == rack_of_node.get(node_of_rank[buddy[r]])
+                        for r in range(world))
+        score = (same_rack, abs(shift - world // 2))
+        if best is None or score < best[:2]:
+            best = (*score, buddy)
+    return best[2] if best is not None else None
+
+
+def sender_of(buddy: list[int]) -> list[int]:
+    """rank -> the rank whose copy it keeps (the inverse permutation)."""
+    out = [0] * len(buddy)
+    for rank, keeper in enumerate(buddy):
+        out[keeper] = rank
+    return out
+
+
+@dataclass(frozen=True)
+class PeerPoint:
+    """A step every rank of an attempt has a complete copy of, on nodes a new attempt runs on."""
+
+    attempt: int
+    """The attempt that took the snapshots."""
+    step: int
+    cursor: int
+    world_size: int
+    mesh: dict[str, int]
+
+
+def peer_point(held: dict[str, list[Copy]], *, identity: str, nodes: set[str],
+               excluded: Sequence[tuple[int, int]] = ()) -> tuple[PeerPoint | None, str]:
+    """The newest snapshot step a new attempt on `nodes` can load from peers, and why not (when None).
+    `held`: node -> its complete copies; `excluded`: (attempt, step) pairs after which that attempt's
+    snapshots may not be used (an SDC rollback: state taken after the corruption)."""
+    sets: dict[tuple[int, int], dict[int, Copy]] = {}
+    for node in sorted(held):
+        if node not in nodes:
+            continue
+        for copy in held[node]:
+            if copy.identity != identity:
+                continue
+            if any(copy.attempt == attempt and copy.step > after for attempt, after in excluded):
+                continue
+            sets.setdefault((copy.attempt, copy.step), {}).setdefault(copy.rank, copy)
+    if not sets:
+        return None, "no node of this attempt holds a peer snapshot"
+    for (attempt, step), ranks in sorted(sets.items(), key=lambda kv: (kv[0][1], kv[0][0]), reverse=True):
+        any_copy = next(iter(ranks.values()))
+        if len(ranks) == any_copy.world_size and set(ranks) == set(range(any_copy.world_size)):
+            return PeerPoint(attempt=attempt, step=step, cursor=any_copy.cursor, world_size=any_copy.world_size,
+                             mesh=dict(any_copy.mesh)), ""
+    (attempt, step), ranks = max(sets.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+    world = next(iter(ranks.values())).world_size
+    missing = sorted(set(range(world)) - set(ranks))
+    return None, (f"the newest peer snapshot (step {step}) lacks the copies of rank(s) {missing[:8]} of "
+                  f"{world}: they and their buddies' copies were lost together")
