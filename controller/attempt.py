@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from checkpointing.peer import PeerPoint
 from controller.placement import Placement
 from trainer.config import TrainerConfig
 from trainer.report import StepReport
@@ -42,6 +43,12 @@ class AttemptSpec:
     """MTBF for the Young/Daly rule."""
     store_retry_budget_s: float = 30.0
     """How long checkpoint writes the store refuses for now are retried."""
+    peer_every: int = 0
+    """Steps between peer snapshots (0: none)."""
+    peer_buddy: tuple[int, ...] | None = None
+    """rank -> the rank on another node that keeps its snapshot's copy."""
+    peer_restore: PeerPoint | None = None
+    """Load this peer snapshot step (from the nodes' host memory) instead of `resume_step`."""
 
 
 class GroupStatus(str, enum.Enum):
@@ -75,3 +82,5 @@ class WorkerGroup(Protocol):
     def poll(self) -> PollResult: ...
     def shutdown(self) -> None: ...
     # Optional: `abort()`, callable from any thread, makes a `start` in progress give up soon (cancel).
+    # Optional: `peer_copies(run_id, nodes) -> {node: [checkpointing.peer.Copy]}`, the complete peer
+    # snapshot copies each of those nodes holds (a group without it never recovers from peers).

@@ -7,13 +7,16 @@ The controller holds one `RunCheckpoints` per run and asks it before each launch
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from checkpointing.manifest import Discards, resume_point
+from checkpointing.peer import Copy, PeerPoint, buddies, peer_point
 from checkpointing.schedule import observed_mtbf_s
 from checkpointing.store import ObjectStore, StoreOutage
 from controller.events import EventKind
+from controller.placement import Placement
 from controller.spec import RunSpec
 from trainer.config import state_fingerprint, state_identity
 
@@ -31,6 +34,15 @@ class LoadPoint:
     """Why newer committed steps could not be used."""
     discarded: list[tuple[int, str]]
     """Steps the owed discards removed, and why."""
+    peer: PeerPoint | None = None
+    """The peer snapshot step to load instead of the store's (then `start_step` is its step)."""
+    peer_unusable: str = ""
+    """Why no peer snapshot could be used, when peer snapshots are on."""
+
+    @property
+    def source(self) -> str | None:
+        """Where the next attempt's state comes from: peer, store, or None (from scratch)."""
+        return "peer" if self.peer is not None else "store" if self.resume_step is not None else None
 
 
 class RunCheckpoints:
@@ -50,6 +62,9 @@ class RunCheckpoints:
         was submitted (another run's, under the same id) unless resumed on purpose (`adopted`)."""
         self.adopted = False
         """Resumed on purpose (goodput resume): the checkpoints under its id are its to load, whoever wrote them."""
+        self.peer_excluded: list[tuple[int, int]] = []
+        """(attempt, step): that attempt's peer snapshots after the step are never loaded (an SDC
+        rollback: they may hold the corruption; a resume to an older step)."""
 
     def restore(self, events: list[dict[str, Any]]) -> None:
         """What a restarted service's timeline says: the interval last chosen, whether resumed on purpose."""
@@ -57,10 +72,27 @@ class RunCheckpoints:
         self.auto_interval = int(intervals[-1]) if intervals else 0
         self.adopted = any(e["kind"] == EventKind.RESUME_REQUESTED for e in events)
 
-    def load_point(self, spec: RunSpec) -> LoadPoint:
+    def load_point(self, spec: RunSpec, held: dict[str, list[Copy]] | None = None,
+                   nodes: set[str] | None = None) -> LoadPoint:
         """Where the next attempt starts, after the discards still owed (a resume to an older step, an
-        SDC rollback). Store I/O: StoreError when the store cannot be reached (nothing is decided from
-        an outage), IdentityMismatch / ForeignCheckpoints when what is there cannot be this run's."""
+        SDC rollback): the store's latest usable step, or a newer (or as new) peer snapshot step that
+        every rank has a copy of on `nodes` (`held`: what each node holds). Store I/O: StoreError when
+        the store cannot be reached (nothing is decided from an outage), IdentityMismatch /
+        ForeignCheckpoints when what is there cannot be this run's."""
+        point = self._store_point(spec)
+        if held is None:
+            return point
+        peer, why = peer_point(held, identity=state_fingerprint(spec.to_model_config()), nodes=nodes or set(),
+                               excluded=self.peer_excluded)
+        if peer is None or peer.step < point.start_step:
+            return dataclasses.replace(point, peer_unusable=why or f"the store's step {point.start_step} is newer")
+        return dataclasses.replace(point, start_step=peer.step, cursor=peer.cursor, resume_step=None, peer=peer)
+
+    def exclude_peers(self, attempt: int, after_step: int) -> None:
+        """Attempt `attempt`'s peer snapshots after `after_step` are never loaded."""
+        self.peer_excluded.append((attempt, after_step))
+
+    def _store_point(self, spec: RunSpec) -> LoadPoint:
         if self.store is None:
             return LoadPoint(0, 0, None, [], [])
         self.discards.settle(self.store)
@@ -98,3 +130,9 @@ class RunCheckpoints:
                     checkpoint_auto=c.every_steps == "auto", checkpoint_keep=c.keep,
                     store_retry_budget_s=c.retry_budget_s,
                     mtbf_s=observed_mtbf_s(run_s, failures, c.mtbf_hours * 3600 if c.mtbf_hours else None))
+
+    def peer_settings(self, spec: RunSpec, placement: Placement, point: LoadPoint) -> dict[str, Any]:
+        """The peer snapshot fields of the next AttemptSpec: how often, who keeps whose copy, what to load."""
+        every = spec.checkpoint.peer_every_steps
+        buddy = buddies(placement.node_of_rank, placement.rack_of_node) if every else None
+        return dict(peer_every=every, peer_buddy=tuple(buddy) if buddy else None, peer_restore=point.peer)

@@ -364,7 +364,11 @@ def _failure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
                           if detected else None),
         "decision": decision.detail.get("action") if decision else None,
         "recovered_at": recovered.time if recovered else None,
-        "steps_lost": (ev.detail["step"] - resumed_from) if resumed_from is not None else None,
+        # From the step the failure was detected at (a drill lands at the rank's next step boundary,
+        # perhaps a step after it was asked for) back to the step the next attempt started from.
+        "steps_lost": (max(0, (detected.detail.get("step", ev.detail["step"]) if detected else ev.detail["step"])
+                           - resumed_from) if resumed_from is not None else None),
+        "restored_from": restored.detail.get("restore_from") if restored else None,
         "outcome": _outcome(recovered is not None, detected is not None, ended.kind if ended else None),
     }
 

@@ -106,6 +106,10 @@ class CheckpointSpec(_Strict):
     mtbf_hours: float | None = Field(default=None, gt=0)
     # how long a write the store refuses for now (an outage) is retried before the save fails
     retry_budget_s: float = Field(default=30.0, ge=0)
+    # peer snapshots: every this many steps each rank's state goes to host memory on its node and on a
+    # buddy's node; a recovery loads from them instead of the store when every rank's copy survives
+    # (0 = off)
+    peer_every_steps: int = Field(default=0, ge=0)
 
 
 class HealthSpec(_Strict):

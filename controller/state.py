@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 from checkpointing.manifest import ForeignCheckpoints, IdentityMismatch
+from checkpointing.peer import Copy
 from checkpointing.store import ObjectStore, StoreError
 from controller.attempt import AttemptSpec, GroupStatus, WorkerGroup
 from controller.checkpoints import RunCheckpoints
@@ -213,6 +214,9 @@ class RunController:
         self.worker_group, self.injector = worker_group, injector
         self.policy = self._policy()
         self.checkpoints.discards.resume_to(step)
+        if step is not None:  # back to an older step: no newer snapshot of an earlier attempt either
+            for attempt in range(self.attempt + 1):
+                self.checkpoints.exclude_peers(attempt, step)
         self._cancel_requested = False
         self.error = None
         self.finished_at = None
@@ -242,7 +246,8 @@ class RunController:
             return
         try:
             with self.outside_lock():
-                point = self.checkpoints.load_point(self.spec)
+                nodes = set(self.placement.nodes_used())
+                point = self.checkpoints.load_point(self.spec, self._peer_copies(nodes), nodes)
         except StoreError as e:  # back off; past `checkpoint.retry_budget_s`, say so in the timeline (once)
             if (detail := self.checkpoints.unreachable(now, e)) is not None:
                 self.events.add(now, max(self.attempt, 0), EventKind.STORE_UNAVAILABLE, **detail)
@@ -262,7 +267,8 @@ class RunController:
         attempt = AttemptSpec(
             run_id=self.run_id, attempt=self.attempt, config=self.config, placement=self.placement,
             start_step=start_step, cursor=point.cursor, resume_step=point.resume_step,
-            **self.checkpoints.attempt_settings(self.spec, run_s=now - self.created_at, failures=len(self.failures)))
+            **self.checkpoints.attempt_settings(self.spec, run_s=now - self.created_at, failures=len(self.failures)),
+            **self.checkpoints.peer_settings(self.spec, self.placement, point))
         self._track_attempt(now)
         try:
             with self.outside_lock():
@@ -277,13 +283,23 @@ class RunController:
         self.events.add(now, self.attempt, EventKind.ATTEMPT_STARTED,
                         mesh=mesh.axes(), dp_replicas=mesh.dp_replicas,
                         placement=list(self.placement.rows()), spares=list(self.placement.spares),
-                        start_step=start_step, resume_step=point.resume_step, cursor=point.cursor)
+                        start_step=start_step, resume_step=point.resume_step, cursor=point.cursor,
+                        restore_from=point.source,
+                        **({"peer_unusable": point.peer_unusable} if point.peer_unusable and self.attempt > 0 else {}))
         self.progress.committed = start_step
         if start_step >= self.spec.train.steps:
             self._shutdown()
             self._finish(now, RunState.SUCCEEDED, step=start_step)
             return
         self.state = RunState.RUNNING
+
+    def _peer_copies(self, nodes: set[str]) -> dict[str, list[Copy]] | None:
+        """What peer snapshot copies the next attempt's nodes hold (None: peer snapshots are off, or
+        the worker group cannot say; a node that does not answer holds nothing usable)."""
+        ask = getattr(self.worker_group, "peer_copies", None)
+        if not self.spec.checkpoint.peer_every_steps or ask is None:
+            return None
+        return ask(self.run_id, nodes)
 
     def _discarded(self, now: float, discarded: list[tuple[int, str]]) -> None:
         for step, reason in discarded:
@@ -348,6 +364,7 @@ class RunController:
             # a store that does not answer now gets the discard before the next launch reads it.
             with self.outside_lock():
                 self._discarded(now, self.checkpoints.roll_back(through))
+            self.checkpoints.exclude_peers(self.attempt, through)  # taken after the corruption, perhaps
         rejected = self.watch.take_rejected() if self.watch is not None else None
         if rejected is not None:  # never loaded again: the next attempt starts from the step before it
             with self.outside_lock():

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+from checkpointing.peer import ROOT_ENV, peer_base
 from controller.errors import ClusterError
 from controller.spec import LocalClusterSpec
 from controller.topology import Node, NodeState, Topology, local_roles
@@ -80,13 +81,17 @@ class LocalRayCluster(_RayClusterBase):
         self._cluster: Any = None
         self._nodes: dict[str, Any] = {}
         self._tmp: str | None = None
+        self._peer_dir: str | None = None
         self._saved_env: dict[str, str | None] = {}
 
     def start(self) -> None:
         self._tmp = tempfile.mkdtemp(prefix="goodput-ray-")
         # Ray reads these when it is imported and passes them to every process it starts: set them
         # first so no socket binds anything but 127.0.0.1.
-        for key, value in {"RAY_TMPDIR": self._tmp, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
+        # The nodes' peer snapshots (host memory) go with the cluster: a folder of its own, removed at shutdown.
+        self._peer_dir = str(peer_base() / os.path.basename(self._tmp))
+        for key, value in {"RAY_TMPDIR": self._tmp, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                           ROOT_ENV: self._peer_dir}.items():
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value
         from ray.cluster_utils import Cluster
@@ -194,6 +199,9 @@ class LocalRayCluster(_RayClusterBase):
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        if self._peer_dir is not None:
+            shutil.rmtree(self._peer_dir, ignore_errors=True)
+            self._peer_dir = None
 
 
 class RemoteRayCluster(_RayClusterBase):

@@ -6,11 +6,15 @@ Why a forked process per attempt, see controller/ray/worker_group.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+from checkpointing.peer import Copy, forget_run, held_copies, peer_base
 
 from trainer.report import StepReport
 from trainer.worker import WorkerArgs, WorkerSummary
@@ -70,6 +74,8 @@ class RankActor:
         """This attempt's training process, start to end; its outcome is kept for `wait_done` (a
         controller that re-attaches after its predecessor died has no handle on this call)."""
         done = threading.Event()
+        if args.peer_every or args.peer_restore is not None:  # the snapshots live in this node's host memory
+            args = dataclasses.replace(args, peer_dir=str(self._peer_folder()))
         with self._lock:
             self._identity = {"run_id": args.run_id, "attempt": args.attempt, "rank": args.rank}
             self._done, self._outcome = done, None
@@ -82,6 +88,21 @@ class RankActor:
             raise
         finally:
             done.set()
+
+    def _peer_folder(self) -> Path:
+        """This node's snapshot folder: one per Ray node (a node that comes back is a new node, with
+        empty memory)."""
+        import ray
+
+        return peer_base() / ray.get_runtime_context().get_node_id()
+
+    def peer_copies(self, run_id: str) -> list[Copy]:
+        """The complete peer snapshot copies of the run this node holds."""
+        return held_copies(self._peer_folder() / run_id)
+
+    def drop_peer_copies(self, run_id: str) -> None:
+        """The run has ended: its snapshots leave this node's memory."""
+        forget_run(self._peer_folder() / run_id)
 
     def wait_done(self) -> WorkerSummary:
         """Block until the current attempt's training process ends; its summary, or its error raised."""

@@ -61,6 +61,7 @@ class RayWorkerGroup:
         self._reservations = 0
         self._growth: list[tuple[str, Any]] = []
         """(node, actor) of the last growth of the pool (undone together when it does not start)."""
+        self._run_id: str | None = None
 
     def abort(self) -> None:
         """From any thread: a `start` waiting for its workers gives up within half a second, and so does
@@ -102,6 +103,7 @@ class RayWorkerGroup:
                 raise TimeoutError(f"workers on nodes {late} did not start in {self.launch_timeout_s:.0f} s: "
                                    "those nodes lack free GPU slots or are gone")
             ray.get(ready)  # an actor that died while importing raises here
+        self._run_id = attempt.run_id
         taken: dict[str, int] = {}
         self.actors = []
         for node in placement.node_of_rank:
@@ -119,7 +121,8 @@ class RayWorkerGroup:
                 run_id=attempt.run_id, checkpoint_uri=attempt.checkpoint_uri,
                 checkpoint_every=attempt.checkpoint_every, checkpoint_auto=attempt.checkpoint_auto,
                 checkpoint_keep=attempt.checkpoint_keep, mtbf_s=attempt.mtbf_s,
-                store_retry_budget_s=attempt.store_retry_budget_s,
+                store_retry_budget_s=attempt.store_retry_budget_s, peer_every=attempt.peer_every,
+                peer_buddy=attempt.peer_buddy, peer_restore=attempt.peer_restore,
             ))
             for rank, actor in enumerate(self.actors)
         ]
@@ -290,7 +293,7 @@ class RayWorkerGroup:
         import ray
 
         if not self.warm:
-            self.close()
+            self.close(keep_snapshots=True)
             return
         stops = [actor.stop.remote() for actor in self.actors]
         done, _ = ray.wait(stops, num_returns=len(stops), timeout=15)
@@ -311,13 +314,38 @@ class RayWorkerGroup:
             if actor in pool:
                 pool.remove(actor)
 
-    def close(self) -> None:
+    def peer_copies(self, run_id: str, nodes: set[str]) -> dict[str, list[Any]]:
+        """The complete peer snapshot copies of the run each of `nodes` holds, asked of one warm actor
+        per node (a node with none, or one that does not answer within 10 s, holds nothing usable)."""
+        import ray
+
+        self._forget_dead_nodes()
+        asked = {node: self._pool[node][0].peer_copies.remote(run_id) for node in nodes if self._pool.get(node)}
+        if not asked:
+            return {}
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=10)
+        held: dict[str, list[Any]] = {}
+        for node, ref in asked.items():
+            if ref in ready:
+                try:
+                    held[node] = ray.get(ref)
+                except Exception:  # noqa: BLE001 - an actor that died since: its node holds nothing usable
+                    continue
+        return held
+
+    def close(self, *, keep_snapshots: bool = False) -> None:
         """Release everything: every actor, and with it every training process (named ones of this
-        run that an earlier controller left, too)."""
+        run that an earlier controller left, too), and the run's peer snapshots in the nodes' memory
+        (unless `keep_snapshots`: the next attempt may load them)."""
         import ray
 
         actors = [actor for pool in self._pool.values() for actor in pool]
         actors += [handle for _, handle in self._named()]
+        if not keep_snapshots and (self._run_id is not None or self.name is not None):
+            run_id = self._run_id or self.name
+            drops = [pool[0].drop_peer_copies.remote(run_id) for pool in self._pool.values() if pool]
+            if drops:
+                ray.wait(drops, num_returns=len(drops), timeout=10)
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)

@@ -1,0 +1,93 @@
+"""The peer snapshot rules (checkpointing/peer.py): buddies on other nodes and racks, and the step a
+recovery may load only when every rank's copy survives somewhere it can be read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkpointing.peer import (
+    Copy, buddies, drop_marker, forget_attempts_before, held_copies, peer_point, sender_of, write_marker,
+)
+from controller.placement import place
+from controller.topology import Topology
+from trainer.config import MeshShape
+
+
+def _copy(rank: int, *, step: int = 7, attempt: int = 0, world: int = 4, role: str = "own") -> Copy:
+    return Copy(attempt=attempt, rank=rank, world_size=world, step=step, cursor=step * 16,
+                mesh={"dp": 2, "pp": 2, "tp": 1}, identity="id", role=role, nbytes=10)
+
+
+def test_buddies_of_make_runs_placement_are_the_same_stage_of_the_other_replica_in_the_other_rack() -> None:
+    topology = Topology.from_local(nodes=5, gpus_per_node=2, racks=2, spares=1)
+    p = place(MeshShape(dp=2, pp=2, tp=2), topology)
+    buddy = buddies(p.node_of_rank, p.rack_of_node)
+    assert buddy is not None and sorted(buddy) == list(range(8))
+    for rank, keeper in enumerate(buddy):
+        assert p.node_of_rank[keeper] != p.node_of_rank[rank]
+        assert p.rack_of_node[p.node_of_rank[keeper]] != p.rack_of_node[p.node_of_rank[rank]]
+        assert MeshShape(dp=2, pp=2, tp=2).rank_coords(keeper) | {"dp": 0} == \
+            MeshShape(dp=2, pp=2, tp=2).rank_coords(rank) | {"dp": 0}
+    assert [buddy[s] for s in sender_of(buddy)] == list(range(8))
+
+
+def test_buddies_need_two_nodes_and_prefer_another_rack() -> None:
+    assert buddies(["a", "a", "a"], {"a": "r0"}) is None
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    racks = {"a": "r0", "b": "r0", "c": "r1"}
+    buddy = buddies(nodes, racks)
+    assert buddy is not None
+    assert all(nodes[buddy[r]] != nodes[r] for r in range(6))
+    # Four of six ranks sit in r0: at least two pairs must stay in it, and no more than that do.
+    assert sum(racks[nodes[buddy[r]]] == racks[nodes[r]] for r in range(6)) == 2
+
+
+def test_the_agreed_step_needs_every_ranks_copy_on_a_node_of_the_new_attempt() -> None:
+    held = {
+        "n0": [_copy(0), _copy(1), _copy(2, role="buddy"), _copy(3, role="buddy")],
+        "n1": [_copy(2), _copy(3), _copy(0, role="buddy"), _copy(1, role="buddy")],
+    }
+    point, _ = peer_point(held, identity="id", nodes={"n0", "n2"})
+    assert point is not None and (point.step, point.cursor, point.world_size) == (7, 112, 4)
+    # A node and its buddies' node lost together: rank 2 and 3's copies are gone.
+    point, why = peer_point({"n0": held["n0"][:2]}, identity="id", nodes={"n0"})
+    assert point is None and "rank(s) [2, 3]" in why
+    # A node off the new attempt's nodes cannot send what it holds.
+    assert peer_point(held, identity="id", nodes={"n1"})[0] is not None
+    assert peer_point({"n9": held["n0"]}, identity="id", nodes={"n0"})[0] is None
+    # Another model's snapshots are never loaded.
+    assert peer_point(held, identity="other", nodes={"n0", "n1"})[0] is None
+
+
+def test_the_newest_complete_step_wins_and_an_sdc_rollback_excludes_later_snapshots() -> None:
+    old = [_copy(r, step=5) for r in range(4)]
+    newer = [_copy(r, step=6) for r in range(3)]  # rank 3's copy of step 6 is still being written
+    point, _ = peer_point({"n0": old + newer}, identity="id", nodes={"n0"})
+    assert point is not None and point.step == 5
+    newest = [_copy(r, step=9, attempt=1) for r in range(4)]
+    point, _ = peer_point({"n0": old + newest}, identity="id", nodes={"n0"})
+    assert point is not None and (point.attempt, point.step) == (1, 9)
+    point, _ = peer_point({"n0": old + newest}, identity="id", nodes={"n0"}, excluded=[(1, 8)])
+    assert point is not None and (point.attempt, point.step) == (0, 5)
+
+
+def test_markers_say_what_is_complete(tmp_path: Path) -> None:
+    copy = _copy(1)
+    (tmp_path / copy.stem).write_bytes(b"x" * 10)
+    (tmp_path / f"{copy.stem}.meta").write_bytes(b"m")
+    assert held_copies(tmp_path) == []  # no marker: not a copy
+    write_marker(tmp_path, copy)
+    assert held_copies(tmp_path) == [copy]
+    (tmp_path / copy.stem).write_bytes(b"x" * 9)
+    assert held_copies(tmp_path) == [], "a file shorter than its marker says is no copy"
+    (tmp_path / copy.stem).write_bytes(b"x" * 10)
+    drop_marker(tmp_path, copy.stem)
+    assert held_copies(tmp_path) == []
+    write_marker(tmp_path, copy)
+    later = _copy(0, attempt=2)
+    for name in (later.stem, f"{later.stem}.meta"):
+        (tmp_path / name).write_bytes(b"x" * 10)
+    write_marker(tmp_path, later)
+    forget_attempts_before(tmp_path, 2)
+    assert held_copies(tmp_path) == [later]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([later.stem, f"{later.stem}.meta", f"{later.stem}.json"])
