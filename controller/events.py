@@ -25,6 +25,8 @@ class EventKind(enum.StrEnum):
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # (rank)
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # (rank) checkpoint.every_steps: auto chose an interval
     RETENTION_DEFERRED = "retention_deferred"  # (rank)
+    PEER_SNAPSHOTS = "peer_snapshots"  # (rank) an attempt's first peer snapshot is on every rank and buddy
+    PEER_SNAPSHOT_FAILED = "peer_snapshot_failed"  # (rank) a copy to a buddy failed (its copies stay incomplete)
     CHECKPOINT_UNUSABLE = "checkpoint_unusable"
     CHECKPOINT_DISCARDED = "checkpoint_discarded"
     STORE_UNAVAILABLE = "store_unavailable"

@@ -43,7 +43,7 @@ from checkpointing.manifest import CheckpointError
 from checkpointing.peer import (
     Copy, PeerPoint, copy_stem, drop_marker, forget_attempts_before, held_copies, write_marker,
 )
-from trainer.checkpoint import FLAT, trainer_state
+from trainer.checkpoint import FLAT, materialize_optimizer_state, trainer_state
 from trainer.config import state_fingerprint
 from trainer.exchange import exchange
 from trainer.report import ReportSink
@@ -127,6 +127,7 @@ class PeerSnapshots:
         self.sink = sink
         self.identity = identity
         self.mesh = dict(mesh)
+        self.buddy = list(buddy) if buddy else None
         self.to = buddy[self.rank] if buddy else None
         self.source = buddy.index(self.rank) if buddy else None
         self._pg = dist.new_group(backend="gloo") if buddy else None
@@ -160,6 +161,9 @@ class PeerSnapshots:
         copy = self._copy(trainer, "own", self.rank, self._layout.nbytes)
         write_marker(self.folder, copy)
         self.taken.append(trainer.step)
+        if self._pg is None and self._first:  # own copies only (one node): older ones go now
+            forget_attempts_before(self.folder, self.attempt)
+            self._first = False
         if self._pg is not None:
             self._thread = threading.Thread(target=self._send_to_buddy, args=(copy,), daemon=True,
                                             name=f"peer-snapshot-{trainer.step}")
@@ -219,13 +223,25 @@ class PeerSnapshots:
             _pairwise(self._own.tensor, self.to, self._kept.tensor, self.source, self._pg)
             write_marker(self.folder, dataclasses.replace(copy, role="buddy", rank=self.source, nbytes=nbytes))
             if self._first:  # this attempt's copies are complete on every rank: older ones may go
-                dist.barrier(group=self._pg)
-                forget_attempts_before(self.folder, self.attempt)
-                self._first = False
+                self._first_complete(copy, nbytes)
         except Exception as e:  # noqa: BLE001 - a peer gone mid-copy: the attempt is ending anyway
             if self._error is None:
                 self._error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 self.sink.event("peer_snapshot_failed", {"step": copy.step, "rank": self.rank, "error": self._error})
+
+    def _first_complete(self, copy: Copy, kept: int) -> None:
+        """Once per attempt, when every rank has its first snapshot and its buddy's: older attempts'
+        copies leave this node's memory, and rank 0 reports what the snapshots hold."""
+        sizes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(sizes, (copy.nbytes, kept), group=self._pg)
+        forget_attempts_before(self.folder, self.attempt)
+        self._first = False
+        if self.rank == 0:
+            ratios = [(own + kept_) / own for own, kept_ in sizes if own]
+            self.sink.event("peer_snapshots", {
+                "step": copy.step, "state_bytes": sum(own for own, _ in sizes),
+                "host_bytes": sum(own + kept_ for own, kept_ in sizes),
+                "max_host_per_state": max(ratios, default=0.0), "buddy": self.buddy})
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -273,36 +289,114 @@ class PeerLoad:
     """Bytes this rank received from other ranks over the process group."""
     bytes_local: int
     """Bytes this rank read from its own node's host memory (for itself or to send)."""
+    how: str
+    """same mesh (each rank's copy whole, into its tensors) or resharded (DCP's load plan)."""
 
 
 def load_from_peers(trainer: Any, folder: Path, point: PeerPoint) -> PeerLoad:
     """Collective: fill the trainer's model and optimizer from the peer snapshots of `point`, on any
-    mesh. CheckpointError on every rank when a copy the step needs is on no node of this attempt."""
+    mesh. CheckpointError on every rank when a copy the step needs is on no node of this attempt.
+
+    On the mesh that took the snapshots (a spare in a lost node's place, a killed rank restarted),
+    rank r's state is old rank r's snapshot byte for byte: each rank takes its own copy from its
+    node's memory, or whole from a rank whose node holds it, and copies it into its tensors along
+    its own layout (checked to be the snapshot's). On another mesh DCP's load plan reshards."""
     me = dist.get_rank()
-    wanted = {(c.rank, c.role): c for c in held_copies(folder)
-              if (c.attempt, c.step) == (point.attempt, point.step) and c.identity == state_fingerprint(trainer.config.model)}
+    held = {(c.rank, c.role): c for c in held_copies(folder)
+            if (c.attempt, c.step) == (point.attempt, point.step) and c.identity == state_fingerprint(trainer.config.model)}
+    files = {old: folder / copy_stem(point.attempt, old, "own" if (old, "own") in held else "buddy") for old, _ in held}
     listing: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(listing, sorted(wanted))
+    dist.all_gather_object(listing, {old: (path.stat().st_size, (path.parent / f"{path.name}.meta").stat().st_size)
+                                     for old, path in files.items()})
     holders: dict[int, list[int]] = {}
-    for rank, held in enumerate(listing):
-        for old_rank, _ in held:
-            if rank not in holders.setdefault(old_rank, []):
-                holders[old_rank].append(rank)
+    sizes: dict[int, tuple[int, int]] = {}
+    for rank, offered in enumerate(listing):
+        for old_rank, size in offered.items():
+            holders.setdefault(old_rank, []).append(rank)
+            sizes[old_rank] = size
     missing = sorted(set(range(point.world_size)) - set(holders))
     if missing:
         raise CheckpointError(f"peer snapshot of step {point.step} (attempt {point.attempt}): no node of this "
                               f"attempt holds a copy of old rank(s) {missing[:8]}")
-    # Each old rank's item index, read by its first holder and shared.
+    materialize_optimizer_state(trainer)
+    if point.mesh == trainer.config.mesh.axes() and point.world_size == dist.get_world_size():
+        loaded = _load_same_mesh(trainer, files, holders, sizes)
+        if loaded is not None:
+            dist.barrier()  # every rank has its copy: the holders' copies are no longer being read
+            return loaded
+    return _load_resharded(trainer, files, holders)
+
+
+def _load_same_mesh(trainer: Any, files: dict[int, Path], holders: dict[int, list[int]],
+                    sizes: dict[int, tuple[int, int]]) -> PeerLoad | None:
+    """Each rank's own old copy into its tensors, in place; None (on every rank) when any rank's
+    layout differs from its snapshot's (then DCP reshards)."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    load = [0] * world
+    routes: dict[tuple[int, int, int], tuple[int, tuple[int, ...]]] = {}
+    for old in range(world):
+        length = 8 + sizes[old][1] + sizes[old][0]  # index length, index, bytes
+        owner = old if old in holders[old] else min(holders[old], key=lambda r: (load[r], r))
+        load[owner] += length
+        routes[(old, 0, length)] = (owner, (old,))
+    mine: dict[tuple[int, int, int], bytes] = {}
+    for key, (owner, _) in routes.items():
+        if owner == me:
+            path = files[key[0]]
+            meta = (path.parent / f"{path.name}.meta").read_bytes()
+            mine[key] = len(meta).to_bytes(8, "little") + meta + path.read_bytes()
+    got = exchange(routes, mine, me)
+    key = next(k for k in routes if k[0] == me)
+    blob = got[key]
+    meta_len = int.from_bytes(blob[:8], "little")
+    entries = pickle.loads(blob[8:8 + meta_len])
+    data = memoryview(bytearray(blob))[8 + meta_len:]  # writable: torch wraps it without a warning
+    layout, blobs = _lay_out(trainer)
+    same = _same_layout(entries, layout, blobs, data)
+    verdict = torch.tensor([0 if same else 1], dtype=torch.int64, device=trainer.choice.device)
+    dist.all_reduce(verdict)
+    if int(verdict.item()):
+        return None
+    sources = iter(layout.sources)
+    for item, offset, length in layout.entries:
+        if item.type == WriteItemType.BYTE_IO:
+            continue
+        props = item.tensor_data.properties
+        stored = torch.frombuffer(data, dtype=torch.uint8, count=length, offset=offset)
+        next(sources).copy_(stored.view(props.dtype).view(item.tensor_data.chunk.sizes))
+    received = len(blob) if routes[key][0] != me else 0
+    return PeerLoad(received, sum(len(b) for b in mine.values()), "same mesh")
+
+
+def _same_layout(entries: list[tuple[Any, int, int]], layout: _Layout, blobs: list[bytes], data: memoryview) -> bool:
+    """Whether a snapshot's item index is this state's, items and places alike, and its other values
+    (the optimizers' hyperparameters) are byte for byte these."""
+    if len(entries) != len(layout.entries):
+        return False
+    blob_iter = iter(blobs)
+    for (old, old_offset, old_length), (new, offset, length) in zip(entries, layout.entries):
+        if (old.index, old.type, old_offset, old_length) != (new.index, new.type, offset, length):
+            return False
+        if new.type == WriteItemType.BYTE_IO:
+            if bytes(data[offset:offset + length]) != next(blob_iter):
+                return False
+        elif (old.tensor_data.chunk != new.tensor_data.chunk
+              or old.tensor_data.properties.dtype != new.tensor_data.properties.dtype):
+            return False
+    return True
+
+
+def _load_resharded(trainer: Any, files: dict[int, Path], holders: dict[int, list[int]]) -> PeerLoad:
+    """DCP's load over every old rank's item index: any mesh."""
+    me = dist.get_rank()
     metas: dict[int, bytes] = {}
-    for old_rank, ranks in holders.items():
+    for old_rank, ranks in holders.items():  # each old rank's item index, read by its first holder and shared
         if ranks[0] == me:
-            role = "own" if (old_rank, "own") in wanted else "buddy"
-            metas[old_rank] = (folder / f"{copy_stem(point.attempt, old_rank, role)}.meta").read_bytes()
+            path = files[old_rank]
+            metas[old_rank] = (path.parent / f"{path.name}.meta").read_bytes()
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, metas)
     entries = {old: pickle.loads(blob) for part in gathered for old, blob in part.items()}
-    files = {old: folder / copy_stem(point.attempt, old, "own" if (old, "own") in wanted else "buddy")
-             for old, _ in wanted}
     reader = PeerReader(_merged_metadata(entries), holders, files)
     state = trainer_state(trainer)
     try:
@@ -318,7 +412,7 @@ def load_from_peers(trainer: Any, folder: Path, point: PeerPoint) -> PeerLoad:
         set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(part, opt, state["optim"], options=FLAT)
     dist.barrier()  # every rank has its items: the holders' copies are no longer being read
-    return PeerLoad(reader.bytes_received, reader.bytes_local)
+    return PeerLoad(reader.bytes_received, reader.bytes_local, "resharded")
 
 
 def _merged_metadata(entries: dict[int, list[tuple[Any, int, int]]]) -> Metadata:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from checkpointing.manifest import CheckpointError, Manifest, check_identity, read_manifest, step_prefix
 from checkpointing.store import ObjectStore, StoreError
-from trainer.checkpoint import FLAT, trainer_state
+from trainer.checkpoint import FLAT, materialize_optimizer_state, trainer_state
 from trainer.config import state_fingerprint, state_identity
 from trainer.exchange import exchange
 
@@ -47,6 +47,7 @@ def load(trainer: Any, store: ObjectStore, manifest: Manifest) -> int:
     reader = StoreReader(store, manifest, metadata)
     if dist.get_rank() == 0:
         reader.bytes_read += len(metadata)
+    materialize_optimizer_state(trainer)
     state = trainer_state(trainer)
     try:
         dcp.load(state, storage_reader=reader)

@@ -169,6 +169,7 @@ def _restore_from_store(trainer: "object", ckpt_store: "object", args: WorkerArg
     """Collective: load `args.resume_step` from the object store; every rank reports `restored`."""
     from trainer.restore import load, shared_manifest
 
+    t0 = time.perf_counter()
     manifest = shared_manifest(ckpt_store, args.run_id, args.resume_step)  # type: ignore[arg-type]
     try:
         read = load(trainer, ckpt_store, manifest)  # type: ignore[arg-type]
@@ -181,7 +182,7 @@ def _restore_from_store(trainer: "object", ckpt_store: "object", args: WorkerArg
     dist.all_reduce(total)
     sink.event("restored", {"source": "store", "step": manifest.step, "cursor": manifest.cursor,
                             "saved_on_mesh": manifest.mesh, "bytes_read": int(total.item()),
-                            "bytes": manifest.total_bytes()})
+                            "bytes": manifest.total_bytes(), "seconds": time.perf_counter() - t0})
 
 
 def _restore_from_peers(trainer: "object", folder: Path, point: PeerPoint, sink: ReportSink,
@@ -197,7 +198,7 @@ def _restore_from_peers(trainer: "object", folder: Path, point: PeerPoint, sink:
     dist.all_reduce(totals)
     sink.event("restored", {"source": "peer", "step": point.step, "cursor": point.cursor,
                             "saved_on_mesh": point.mesh, "saved_by_attempt": point.attempt, "bytes_read": 0,
-                            "bytes_from_peers": int(totals[0].item()), "bytes_local": int(totals[1].item()),
+                            "bytes_from_peers": int(totals[0].item()), "bytes_local": int(totals[1].item()), "how": loaded.how,
                             "seconds": time.perf_counter() - t0})
 
 

@@ -84,6 +84,7 @@ def test_a_lost_node_heals_from_peers_bit_identical(tmp_path: Path) -> None:
             assert torch.equal(value, b["state"][name]), f"{name} differs after healing from peers"
         (restored,) = [d for kind, d in b["events"] if kind == "restored"]
         assert restored["source"] == "peer" and restored["step"] == 2 and restored["bytes_read"] == 0
+        assert restored["how"] == "same mesh"
         assert restored["bytes_from_peers"] > 0  # the lost node's shards came from their buddies
         assert not [d for kind, d in b["events"] if kind == "peer_snapshot_failed"]
         assert [r.step for r in b["reports"]] == [3, 4]
@@ -115,3 +116,4 @@ def test_a_shrunk_mesh_loads_the_peers_state(tmp_path: Path) -> None:
             assert torch.equal(value, p["state"][name]), f"{name}: the peers' state differs from the store's"
         (restored,) = [d for kind, d in p["events"] if kind == "restored"]
         assert restored["source"] == "peer" and restored["saved_on_mesh"] == {"dp": 2, "pp": 2, "tp": 1}
+        assert restored["how"] == "resharded"
