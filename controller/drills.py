@@ -318,12 +318,17 @@ class RunDrills:
         return {**request.to_dict(), "outcome": "not_injected" if ended else "scheduled"}
 
     def inject_due(self, step: int, placement: Placement, injector: DrillInjector,
-                   outside_lock: Callable[[], ContextManager[Any]]) -> tuple[EventKind, dict[str, Any]] | None:
-        """Inject the next drill whose step has come, if any: (drill_injected, what was hit) or
-        (drill_failed, why), for the timeline."""
-        drill = self.schedule.pop_due(step)
-        if drill is None:
-            return None
+                   outside_lock: Callable[[], ContextManager[Any]]) -> list[tuple[EventKind, dict[str, Any]]]:
+        """Inject every drill whose step has come, together (two drills at one step hit at once: a
+        node and its buddy's node lost together): (drill_injected, what was hit) or (drill_failed,
+        why) for each, for the timeline."""
+        outcomes = []
+        while (drill := self.schedule.pop_due(step)) is not None:
+            outcomes.append(self._inject(drill, step, placement, injector, outside_lock))
+        return outcomes
+
+    def _inject(self, drill: DrillRequest, step: int, placement: Placement, injector: DrillInjector,
+                outside_lock: Callable[[], ContextManager[Any]]) -> tuple[EventKind, dict[str, Any]]:
         target = drill.target or default_target(drill.kind, placement)
         facts = {"id": drill.id, "drill": drill.kind, "target": target, "step": step,
                  **{k: v for k, v in drill.to_dict().items() if k in ("factor", "seconds")}}

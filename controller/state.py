@@ -449,9 +449,9 @@ class RunController:
         if self.injector is None or self.attempt_steps() == 0:
             return
         assert self.placement is not None
-        outcome = self.drills.inject_due(self.progress.step, self.placement, self.injector, self.outside_lock)
-        if outcome is not None:
-            self.events.add(now, self.attempt, outcome[0], **outcome[1])
+        for kind, detail in self.drills.inject_due(self.progress.step, self.placement, self.injector,
+                                                   self.outside_lock):
+            self.events.add(now, self.attempt, kind, **detail)
 
     def attempt_steps(self) -> int:
         return self.watch.steps if self.watch is not None else 0

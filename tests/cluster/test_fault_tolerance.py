@@ -24,7 +24,7 @@ GLOBAL_BATCH = 8
 
 
 def spec(name: str, root: Path, *, nodes: int, spares: int, drills: list[dict], steps: int = 16,
-         every: int = 4, elastic: dict | None = None) -> RunSpec:
+         every: int = 4, elastic: dict | None = None, peer_every: int = 0) -> RunSpec:
     return parse_spec({
         "elastic": elastic or {},
         "name": name,
@@ -33,7 +33,7 @@ def spec(name: str, root: Path, *, nodes: int, spares: int, drills: list[dict], 
         "train": {"steps": steps, "global_batch": GLOBAL_BATCH, "micro_batch": 2, "lr": 1e-2},
         "parallelism": {"dp": 2, "pp": 2, "tp": 2},
         "cluster": {"local": {"nodes": nodes, "gpus_per_node": 2, "racks": 2, "spares": spares}},
-        "checkpoint": {"uri": f"file://{root}", "every_steps": every, "keep": 10},
+        "checkpoint": {"uri": f"file://{root}", "every_steps": every, "keep": 10, "peer_every_steps": peer_every},
         "health": {"collective_timeout_s": 6, "hang_floor_s": 10},
         "drills": drills,
     })
@@ -116,6 +116,8 @@ def simulator_agrees(spec_: RunSpec, real: RunController) -> None:
 
 
 def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
+    """From the store (the step-4 checkpoint) and from peers (the step-6 snapshots in the nodes'
+    memory), a kill-node recovery on the same mesh ends with the uninterrupted run's weights."""
     faulty = spec("spare", tmp_path, nodes=5, spares=1, drills=[{"kind": "kill-node", "at_step": 6}])
     try:
         c = drive(faulty, ray_cluster)
@@ -134,12 +136,57 @@ def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayClust
     check_cursor_accounting(tmp_path, "spare")
     simulator_agrees(faulty, c)
 
+    healing = spec("healed", tmp_path, nodes=5, spares=1, drills=[{"kind": "kill-node", "at_step": 6}], peer_every=1)
+    try:
+        h = drive(healing, ray_cluster)
+    finally:
+        restore_node(ray_cluster, "node-3")
+    assert h.state is RunState.SUCCEEDED, h.error
+    (report,) = h.to_dict(0)["drills"]
+    assert report["decision"] == "replace" and report["restored_from"] == "peer", report
+    assert report["steps_lost"] <= 1, report
+    attempts = h.events.of_kind("attempt_started")
+    assert attempts[1].detail["restore_from"] == "peer" and attempts[1].detail["start_step"] >= 6
+    restored = [e.detail for e in h.events.of_kind("restored")]
+    assert len(restored) == 8 and all(d["source"] == "peer" and d["bytes_read"] == 0 for d in restored)
+    assert restored[0]["how"] == "same mesh" and restored[0]["bytes_from_peers"] > 0, restored[0]
+    (memory, later) = [e.detail for e in h.events.of_kind("peer_snapshots")]
+    assert memory["max_host_per_state"] <= 2.1 and later["step"] > memory["step"]
+    check_cursor_accounting(tmp_path, "healed")
+
     straight = drive(spec("straight", tmp_path, nodes=5, spares=1, drills=[]), ray_cluster)
     assert straight.state is RunState.SUCCEEDED
-    a, b = final_state(tmp_path, "spare", 16), final_state(tmp_path, "straight", 16)
-    assert set(a) == set(b)
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs from the uninterrupted run"
+    b = final_state(tmp_path, "straight", 16)
+    for run in ("spare", "healed"):
+        a = final_state(tmp_path, run, 16)
+        assert set(a) == set(b)
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{run}: {key} differs from the uninterrupted run"
+
+
+def test_a_node_and_its_buddy_lost_together_fall_back_to_the_store(ray_cluster: LocalRayCluster,
+                                                                   tmp_path: Path) -> None:
+    """Two kill-node drills at one step: node-3 (dp1's last stage) and node-2 (dp0's), which keeps
+    node-3's ranks' copies (and node-3 its). Stage 1's state survives in no memory: the run loads
+    the step-4 checkpoint, says why not from peers, shrinks to dp1 and finishes."""
+    s = spec("buddies", tmp_path, nodes=5, spares=1, steps=10, peer_every=1,
+             drills=[{"kind": "kill-node", "at_step": 6, "target": "node-3"},
+                     {"kind": "kill-node", "at_step": 6, "target": "node-2"}])
+    try:
+        c = drive(s, ray_cluster)
+    finally:
+        restore_node(ray_cluster, "node-3")
+        restore_node(ray_cluster, "node-2")
+    assert c.state is RunState.SUCCEEDED, c.error
+    (first,) = [e.detail for e in c.events.of_kind("failure_detected")]
+    assert sorted(first["nodes"]) == ["node-2", "node-3"], first
+    started = c.events.of_kind("attempt_started")[1].detail
+    assert started["restore_from"] == "store" and started["start_step"] == 4, started
+    assert "rank(s)" in started["peer_unusable"], started
+    restored = [e.detail for e in c.events.of_kind("restored")]
+    assert restored and all(d["source"] == "store" and d["bytes_read"] > 0 for d in restored)
+    assert [r["restored_from"] for r in c.to_dict(0)["drills"]] == ["store", "store"]
+    check_cursor_accounting(tmp_path, "buddies")
 
 
 def test_kill_node_without_spare_shrinks_then_grows_back(ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
