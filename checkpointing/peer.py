@@ -118,28 +118,35 @@ def forget_run(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, str]) -> list[int] | None:
+def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, str], *,
+            tries: int = 64) -> list[int] | None:
     """rank -> the rank whose node keeps its copy: a permutation in which no rank's buddy shares its
     node, and as few as can share its rack. None when all ranks share one node (no copy could survive
     it). Ranks are ordered by (rack, node, rank) and shifted; the shift nearest half the world that
     keeps every pair on two nodes and has the fewest same-rack pairs wins (with dp outermost and
-    replicas rack after rack, half the world away is the same stage of another replica)."""
+    replicas rack after rack, half the world away is the same stage of another replica). Shifts are
+    tried outward from half the world, `tries` of them at most (O(tries x world): 16k ranks stay cheap),
+    stopping at the first with no pair in one rack."""
     world = len(node_of_rank)
     if len(set(node_of_rank)) < 2:
         return None
     order = sorted(range(world), key=lambda r: (rack_of_node.get(node_of_rank[r], ""), node_of_rank[r], r))
+    half = world // 2
+    shifts = sorted(range(1, world), key=lambda s: (abs(s - half), s))[:tries]
+    rack = [rack_of_node.get(node_of_rank[r]) for r in range(world)]
     best: tuple[int, int, list[int]] | None = None
-    for shift in range(1, world):
+    for shift in shifts:
         buddy = [0] * world
         for i, rank in enumerate(order):
             buddy[rank] = order[(i + shift) % world]
         if any(node_of_rank[r] == node_of_rank[buddy[r]] for r in range(world)):
             continue
-        same_rack = sum(rack_of_node.get(node_of_rank[r]) == rack_of_node.get(node_of_rank[buddy[r]])
-                        for r in range(world))
-        score = (same_rack, abs(shift - world // 2))
+        same_rack = sum(rack[r] == rack[buddy[r]] for r in range(world))
+        score = (same_rack, abs(shift - half))
         if best is None or score < best[:2]:
             best = (*score, buddy)
+        if same_rack == 0:
+            break
     return best[2] if best is not None else None
 
 
@@ -169,6 +176,7 @@ def peer_point(held: dict[str, list[Copy]], *, identity: str, nodes: set[str],
     `held`: node -> its complete copies; `excluded`: (attempt, step) pairs after which that attempt's
     snapshots may not be used (an SDC rollback: state taken after the corruption)."""
     sets: dict[tuple[int, int], dict[int, Copy]] = {}
+    excluded_steps: set[int] = set()
     for node in sorted(held):
         if node not in nodes:
             continue
@@ -176,9 +184,13 @@ def peer_point(held: dict[str, list[Copy]], *, identity: str, nodes: set[str],
             if copy.identity != identity:
                 continue
             if any(copy.attempt == attempt and copy.step > after for attempt, after in excluded):
+                excluded_steps.add(copy.step)
                 continue
             sets.setdefault((copy.attempt, copy.step), {}).setdefault(copy.rank, copy)
     if not sets:
+        if excluded_steps:
+            return None, (f"the peer snapshots held (step {max(excluded_steps)}) were taken after the last state "
+                          "the probes vouch for")
         return None, "no node of this attempt holds a peer snapshot"
     for (attempt, step), ranks in sorted(sets.items(), key=lambda kv: (kv[0][1], kv[0][0]), reverse=True):
         any_copy = next(iter(ranks.values()))

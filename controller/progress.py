@@ -30,6 +30,10 @@ class RunProgress:
     """Every execution of every step, kept or later redone (what goodput accounting needs)."""
     committed: int = 0
     """Step of the checkpoint the current attempt started from (steps up to it are done, reported or not)."""
+    snapshot_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    """The newest RECENT peer snapshot stalls (one per snapshot step, from the rank that reports the loss)."""
+    snapshots: int = 0
+    """Peer snapshot stalls recorded in all (`snapshot_s` keeps the newest)."""
 
     def restore(self, history: list[dict]) -> None:
         """Put back the kept steps a registry holds (the executions later redone are not kept there)."""
@@ -56,6 +60,9 @@ class RunProgress:
             entry.update(start=end - report.step_time_s, end=end)
             self.spans.append(StepSpan(report.step, report.attempt, end - report.step_time_s, end))
         self.history.append(entry)
+        if report.snapshot_s:
+            self.snapshot_s.append(report.snapshot_s)
+            self.snapshots += 1
         self.step_times.append(report.step_time_s)
         self.tokens_per_s.append(report.tokens_per_s)
         return True
@@ -80,4 +87,5 @@ class RunProgress:
             "median_tokens_per_s": med(self.tokens_per_s),
             "median_compute_s": med(self.compute_s),
             "median_wait_s": med(self.wait_s),
+            "median_snapshot_s": med(self.snapshot_s),
         }

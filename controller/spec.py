@@ -190,6 +190,12 @@ class CostModelSpec(_Strict):
     restart_s: float | None = Field(default=None, ge=0)
     node_loss_detection_s: float | None = Field(default=None, ge=0)
     gpu_tflops: float | None = Field(default=None, gt=0)
+    # peer snapshots (checkpoint.peer_every_steps): the loop's stall per snapshot, the copy to the buddy
+    # (in the background; a failure before it completes finds the previous step's copies torn), and a
+    # restore from the peers' memory
+    peer_snapshot_stall_s: float | None = Field(default=None, ge=0)
+    peer_transfer_s: float | None = Field(default=None, ge=0)
+    peer_restore_s: float | None = Field(default=None, ge=0)
 
 
 class RunSpec(_Strict):

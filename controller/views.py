@@ -40,6 +40,8 @@ class GoodputView:
         self._event_dicts.extend(e.to_dict() for e in c.events.since(len(self._event_dicts)))
         events = self._event_dicts
         saves = [e["detail"]["step"] for e in events if e["kind"] in SAVE_KINDS and "step" in e["detail"]]
+        if (every := c.spec.checkpoint.peer_every_steps) > 0:  # a peer snapshot holds the loop after these too
+            saves += range(every, c.progress.step + 1, every)
         result = account(events, c.progress.spans, end=end, save_steps=saves).to_dict()
         self._cache = (end, len(c.events), result)
         return result

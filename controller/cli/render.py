@@ -123,6 +123,20 @@ def table(header: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
+def recoveries(events: list[dict]) -> dict[str, int]:
+    """Recoveries by where the next attempt's state came from: peer, store, scratch."""
+    out: dict[str, int] = {}
+    failed = False
+    for e in events:
+        if e["kind"] == EventKind.FAILURE_DETECTED:
+            failed = True
+        elif e["kind"] == EventKind.ATTEMPT_STARTED and failed:
+            source = e["detail"].get("restore_from") or "scratch"
+            out[source] = out.get(source, 0) + 1
+            failed = False
+    return out
+
+
 def run_summary(run: dict) -> dict:
     history = run.get("history") or []
     return {
@@ -131,12 +145,13 @@ def run_summary(run: dict) -> dict:
         "ettr": run["goodput"]["ettr"],
         "badput_seconds": {k: round(v, 2) for k, v in run["goodput"]["badput_seconds"].items()},
         "checkpoints": sum(1 for e in run["events"] if e["kind"] == EventKind.CHECKPOINT_COMMITTED),
+        "recovered from": recoveries(run["events"]),
         "health": {kind: n for kind, n in (run.get("health") or {}).get("counts", {}).items() if n},
         "quarantined": [f"{q['node']} ({q['reason']})" for q in run.get("quarantined", [])],
         **{f"drill {i + 1}": (f"{d['kind']} {d['target']} at step {d['at_step']}: {d['cause']} -> {d['decision']}, "
                               f"detected in {d.get('detection_s', float('nan')):.1f} s, first step after "
-                              f"{d.get('recovery_s', float('nan')):.1f} s, {d['steps_lost']} steps redone, "
-                              f"{d['outcome']}") for i, d in enumerate(run.get("drills", []))},
+                              f"{d.get('recovery_s', float('nan')):.1f} s, {d['steps_lost']} steps redone"
+                              f"{', from ' + d['restored_from'] if d.get('restored_from') else ''}, {d['outcome']}") for i, d in enumerate(run.get("drills", []))},
     }
 
 

@@ -106,6 +106,12 @@ CKPT_SAVE = _m("goodput_checkpoint_save_seconds", "histogram",
 CKPT_STALL = _m("goodput_checkpoint_stall_seconds", "histogram",
                 "Time each checkpoint save blocked the training loop (staging)", ("run",), FAST_BUCKETS)
 CKPT_FAILED = _m("goodput_checkpoint_failures", "counter", "Checkpoint saves that did not commit", ("run",))
+SNAPSHOT_STALL = _m("goodput_peer_snapshot_stall_seconds", "histogram",
+                    "Time each peer snapshot held the training loop (the copy into host memory)", ("run",), FAST_BUCKETS)
+RECOVERIES = _m("goodput_recoveries", "counter", "Recoveries by where the next attempt's state came from (peer: "
+                "snapshots in the nodes' memory, store: a checkpoint, scratch: none)", ("run", "source"))
+STEPS_REDONE = _m("goodput_steps_redone", "counter", "Steps trained again after recoveries (the step each failure "
+                  "was detected at - the step the next attempt started from)", ("run",))
 CKPT_BYTES = _m("goodput_checkpoint_last_bytes", "gauge", "Bytes of the latest committed checkpoint", ("run",))
 CKPT_STEP = _m("goodput_checkpoint_last_step", "gauge", "Step of the latest committed checkpoint", ("run",))
 CKPT_AGE = _m("goodput_checkpoint_age_seconds", "gauge",
@@ -170,17 +176,27 @@ class _Fold:
     last_commit: dict[str, Any] | None = None
     attempt_started_at: float | None = None
     interval_steps: int | None = None
+    snapshots_seen: int = 0
+    snapshot: _Histogram = field(default_factory=lambda: _Histogram(SNAPSHOT_STALL.buckets))
+    recoveries: dict[str, int] = field(default_factory=lambda: {"peer": 0, "store": 0, "scratch": 0})
+    steps_redone: int = 0
+    failed_at_step: int | None = None
 
     def fold(self, c: RunController) -> None:
         spans = c.progress.spans
         for span in spans[self.spans_seen:]:
             self.step.observe(span.end - span.start)
         self.spans_seen = len(spans)
+        stalls = c.progress.snapshot_s
+        for stall in list(stalls)[max(0, len(stalls) - (c.progress.snapshots - self.snapshots_seen)):]:
+            self.snapshot.observe(stall)
+        self.snapshots_seen = c.progress.snapshots
         for e in c.events.since(self.events_seen):
             d = e.detail
             if e.kind == EventKind.FAILURE_DETECTED:
                 cause = str(d.get("cause", "unknown"))
                 self.failures[cause] = self.failures.get(cause, 0) + 1
+                self.failed_at_step = int(d.get("step", 0))
             elif e.kind in SDC_KINDS:
                 self.sdc[e.kind] += 1
             elif e.kind == EventKind.STRAGGLER:
@@ -198,6 +214,11 @@ class _Fold:
                 self.interval_steps = int(d["steps"])
             elif e.kind == EventKind.ATTEMPT_STARTED:
                 self.attempt_started_at = e.time
+                if self.failed_at_step is not None:  # a recovery (not the first launch, not a resume)
+                    source = d.get("restore_from") or "scratch"
+                    self.recoveries[source] = self.recoveries.get(source, 0) + 1
+                    self.steps_redone += max(0, self.failed_at_step - int(d.get("start_step", 0)))
+                    self.failed_at_step = None
         self.events_seen = len(c.events)
 
 
@@ -288,6 +309,11 @@ class ServiceCollector(Collector):
             buckets, total = hist.samples()
             out(metric).add_metric([run], buckets, total)
         out(CKPT_FAILED).add_metric([run], fold.checkpoint_failures)
+        buckets, total = fold.snapshot.samples()
+        out(SNAPSHOT_STALL).add_metric([run], buckets, total)
+        for source, n in sorted(fold.recoveries.items()):
+            out(RECOVERIES).add_metric([run, source], n)
+        out(STEPS_REDONE).add_metric([run], fold.steps_redone)
 
         if fold.last_commit is not None:
             out(CKPT_BYTES).add_metric([run], fold.last_commit["bytes"])

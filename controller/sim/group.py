@@ -13,6 +13,11 @@ controller's hang verdict comes first); a software or storage fault as a worker 
 corruption as the probes' `sdc_suspect` at the next step; a straggler as slower steps (its
 detection needs every rank's samples, which the simulator does not produce: it is not detected).
 
+Peer snapshots (`checkpoint.peer_every_steps`) stall the loop for the host copy and reach the buddies
+`peer_transfer_s` later; `peer_copies` answers as the nodes would: every rank's own copy on its node
+and its buddy's copy on the buddy's, except on nodes lost since, and no buddy copies at all when the
+failure struck while they were being rewritten (then the recovery falls back to the store).
+
 Reports come from one rank of the last pipeline stage (the one carrying the loss), one per step:
 the controller's progress and accounting need no more, and 16,384 ranks' reports per step would
 make a 54-day simulation take days.
@@ -25,12 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from checkpointing.manifest import CheckpointError, Manifest, apply_retention, commit, step_prefix
+from checkpointing.peer import Copy
 from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import MemoryStore
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
 from controller.sim.model import CostModel, Incident
 from controller.topology import Topology
+from trainer.config import state_fingerprint
 from trainer.report import StepReport
 
 CHUNK_STEPS = 2000
@@ -101,6 +108,10 @@ class SimWorkerGroup:
         """Poll right after this step (the driver sets it to the next drill's step)."""
         self.full_world: int | None = None
         """World size of the first attempt: a smaller mesh keeps the global batch, so its steps are longer."""
+        self.snapshot: tuple[AttemptSpec, int, float, float] | None = None
+        """The newest peer snapshot: (its attempt, step, taken at, on the buddies at)."""
+        self.memory_lost: dict[str, float] = {}
+        """node -> when it last lost its host memory (a GPU or host failure)."""
 
     # -- the WorkerGroup protocol ------------------------------------------------------------------------
     def start(self, attempt: AttemptSpec) -> None:
@@ -109,7 +120,9 @@ class SimWorkerGroup:
         self.running = True
         self.started += 1
         self.step = attempt.start_step
-        self.next_start = now + self.cost.restart_s + (self.cost.restore_s if attempt.resume_step is not None else 0.0)
+        restore = (self.cost.peer_restore_s if attempt.peer_restore is not None
+                   else self.cost.restore_s if attempt.resume_step is not None else 0.0)
+        self.next_start = now + self.cost.restart_s + restore
         self.stop_at: float | None = None
         self.signals: list[_Signal] = []
         self.commits: list[tuple[float, int]] = []
@@ -150,6 +163,31 @@ class SimWorkerGroup:
     def shutdown(self) -> None:
         self.running = False
 
+    def peer_copies(self, run_id: str, nodes: set[str]) -> dict[str, list[Copy]]:
+        """The complete copies of the newest peer snapshot that `nodes` hold now."""
+        if self.snapshot is None:
+            return {}
+        attempt, step, taken, on_buddies = self.snapshot
+        placement, buddy = attempt.placement, attempt.peer_buddy
+        struck = self.stop_at if self.stop_at is not None else self.clock()
+        # Torn buddy copies: a failure while they were being rewritten. A drill lands on a step's end
+        # (`taken`) and counts as after the copy: a real controller injects it only once it has heard
+        # the step's report, which a rank sends after its snapshot.
+        rewriting = taken < struck < on_buddies
+        intact = {n for n in nodes if self.memory_lost.get(n, -math.inf) < taken}
+        mesh = attempt.config.mesh
+        common = dict(attempt=attempt.attempt, world_size=mesh.world_size, step=step,
+                      cursor=step * attempt.config.train.global_batch, mesh=mesh.axes(),
+                      identity=state_fingerprint(attempt.config.model), nbytes=0)
+        held: dict[str, list[Copy]] = {n: [] for n in intact}
+        for rank, node in enumerate(placement.node_of_rank):
+            if node in intact:
+                held[node].append(Copy(rank=rank, role="own", **common))  # type: ignore[arg-type]
+            keeper = placement.node_of_rank[buddy[rank]] if buddy else None
+            if keeper in intact and not rewriting:
+                held[keeper].append(Copy(rank=rank, role="buddy", **common))  # type: ignore[arg-type]
+        return held
+
     # -- what the simulation does to it --------------------------------------------------------------------
     def strike(self, incident: Incident, *, rank: int | None = None) -> bool:
         """An incident at its time (a drill names its rank); True when it interrupts this attempt."""
@@ -173,6 +211,7 @@ class SimWorkerGroup:
             self.stop_at = t
             return True
         if kind in ("gpu", "host"):
+            self.memory_lost[incident.node] = t
             self.stop_at = t
             self.signals.append(_Signal(at=t + self.cost.node_loss_detection_s, dead_nodes={incident.node}))
         elif kind == "network":
@@ -234,16 +273,20 @@ class SimWorkerGroup:
             if end > limit:
                 break
             self.step += 1
+            snapshot = bool(a.peer_every) and self.step % a.peer_every == 0
             report = StepReport(rank=self.loss_rank, attempt=a.attempt, step=self.step,
                                 cursor=self.step * a.config.train.global_batch,
                                 loss=2.0 + 8.0 / math.sqrt(self.step), step_time_s=step_s, data_s=0.0,
                                 compute_s=step_s * 0.9, wait_s=step_s * 0.1, tokens_per_s=tokens / step_s,
-                                end_time=end)
+                                end_time=end, snapshot_s=self.cost.peer_snapshot_stall_s if snapshot else 0.0)
             if result is not None:
                 result.reports.append(report)
             else:
                 self._held.append(report)
             self.next_start = end
+            if snapshot:
+                self.next_start += self.cost.peer_snapshot_stall_s
+                self.snapshot = (a, self.step, end, end + self.cost.peer_snapshot_stall_s + self.cost.peer_transfer_s)
             if a.checkpoint_uri is not None and self.interval.due(self.step, self.total_steps):
                 self.next_start += self.cost.checkpoint_stall_s
                 self.commits.append((end + self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, self.step))

@@ -21,7 +21,9 @@ Cost model defaults are goodput's own measurements where it has them (detection 
 only for staging, `benchmarks/checkpoint_stall.py`), and otherwise derived from the spec: step time
 from 6 x parameters x tokens per step at `gpu_tflops` achieved per GPU; checkpoint bytes = 16 per
 parameter (bf16 weights, fp32 master weights and Adam moments, as the planner's memory model),
-staged at 10 GB/s per GPU, written at 2 GB/s per node, read back at 5 GB/s per GPU. A spec's `cost:`
+staged at 10 GB/s per GPU, written at 2 GB/s per node, read back at 5 GB/s per GPU. Peer snapshots
+(`checkpoint.peer_every_steps`) stall the loop for the same host copy, go to the buddy and come back
+in a peer recovery at 12.5 GB/s per GPU (a 100 Gb/s share of the node's network). A spec's `cost:`
 overrides each.
 """
 
@@ -42,6 +44,7 @@ BYTES_PER_PARAM = 16
 STAGING_GBPS_PER_GPU = 10.0
 UPLOAD_GBPS_PER_NODE = 2.0
 RESTORE_GBPS_PER_GPU = 5.0
+PEER_LINK_GBPS_PER_GPU = 12.5
 MEASURED_NODE_LOSS_DETECTION_S = 0.9
 MEASURED_RESTART_S = 5.0
 DEFAULT_GPU_TFLOPS = 400.0
@@ -68,6 +71,9 @@ class CostModel:
     restart_s: float
     node_loss_detection_s: float
     collective_timeout_s: float
+    peer_snapshot_stall_s: float = 0.0
+    peer_transfer_s: float = 0.0
+    peer_restore_s: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -88,6 +94,9 @@ def cost_model(spec: Any, *, params: int, gpus: int, gpus_per_node: int) -> Cost
         restart_s=_given(c.restart_s, MEASURED_RESTART_S),
         node_loss_detection_s=_given(c.node_loss_detection_s, MEASURED_NODE_LOSS_DETECTION_S),
         collective_timeout_s=spec.health.collective_timeout_s,
+        peer_snapshot_stall_s=_given(c.peer_snapshot_stall_s, per_gpu / (STAGING_GBPS_PER_GPU * 1e9)),
+        peer_transfer_s=_given(c.peer_transfer_s, per_gpu / (PEER_LINK_GBPS_PER_GPU * 1e9)),
+        peer_restore_s=_given(c.peer_restore_s, per_gpu / (PEER_LINK_GBPS_PER_GPU * 1e9)),
     )
 
 
