@@ -369,10 +369,10 @@ def _failure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
                           if detected else None),
         "decision": decision.detail.get("action") if decision else None,
         "recovered_at": recovered.time if recovered else None,
-        # From the step the failure was detected at (a drill lands at the rank's next step boundary,
-        # perhaps a step after it was asked for) back to the step the next attempt started from.
-        "steps_lost": (max(0, (detected.detail.get("step", ev.detail["step"]) if detected else ev.detail["step"])
-                           - resumed_from) if resumed_from is not None else None),
+        # From the step it was injected at back to the step the next attempt started from; none when
+        # that is later (a bitflip lands at the rank's next step, and a snapshot of that step that the
+        # probes vouch for is loaded).
+        "steps_lost": max(0, ev.detail["step"] - resumed_from) if resumed_from is not None else None,
         "restored_from": restored.detail.get("restore_from") if restored else None,
         "outcome": _outcome(recovered is not None, detected is not None, ended.kind if ended else None),
     }

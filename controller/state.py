@@ -324,7 +324,7 @@ class RunController:
         for detail in seen.stragglers:
             self.events.add(now, self.attempt, EventKind.STRAGGLER, **detail)
         for rank, kind, detail in result.events:  # every event of the poll joins the timeline first
-            self.events.add(now, self.attempt, kind, rank=rank, **detail)
+            self.events.add(now, self.attempt, kind, **{**detail, "rank": rank})  # the reporting rank wins
         if seen.interval is not None:
             self.checkpoints.auto_interval = seen.interval
         sdc = seen.failure is not None and seen.failure.cause is FailureCause.SDC

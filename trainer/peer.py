@@ -139,6 +139,7 @@ class PeerSnapshots:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._first = True
+        self._made: tuple[_Layout, list[bytes]] | None = None
         self.taken: list[int] = []
 
     @property
@@ -174,9 +175,14 @@ class PeerSnapshots:
         return Copy(attempt=self.attempt, rank=rank, world_size=self.world_size, step=trainer.step,
                     cursor=trainer.cursor, mesh=self.mesh, identity=self.identity, role=role, nbytes=nbytes)
 
+    def adopt_layout(self, made: tuple[_Layout, list[bytes]] | None) -> None:
+        """A layout of this state made already (by a load from peers): the first snapshot uses it."""
+        self._made = made
+
     def _prepare(self, trainer: Any) -> None:
         """Lay the state out and map its file (again, only if the optimizer's hyperparameters changed)."""
-        layout, blobs = _lay_out(trainer)
+        made, self._made = self._made, None
+        layout, blobs = made if made is not None and made[0].values == _hyperparameters(trainer) else _lay_out(trainer)
         drop_marker(self.folder, self.own_stem)
         self._views = []
         if self._own is not None:
@@ -201,13 +207,20 @@ class PeerSnapshots:
         with a failed transfer are simply incomplete)."""
         assert self._pg is not None and self._own is not None and self.to is not None and self.source is not None
         try:
-            dist.barrier(group=self._pg)
+            # The barrier: every rank's own copy is complete. It also says whether any rank's layout is
+            # new (its first snapshot, or new hyperparameters): only then do sizes and indexes travel.
             meta_out = self._meta_to_send or b""
-            header_out = torch.tensor([copy.nbytes, len(meta_out)], dtype=torch.int64)
-            header_in = torch.empty(2, dtype=torch.int64)
-            _pairwise(header_out, self.to, header_in, self.source, self._pg)
-            nbytes, meta_len = (int(v) for v in header_in)
+            changed = torch.tensor([1 if meta_out else 0], dtype=torch.int64)
+            dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self._pg)
             kept = copy_stem(self.attempt, self.source, "buddy")
+            if int(changed.item()):
+                header_out = torch.tensor([copy.nbytes, len(meta_out)], dtype=torch.int64)
+                header_in = torch.empty(2, dtype=torch.int64)
+                _pairwise(header_out, self.to, header_in, self.source, self._pg)
+                nbytes, meta_len = (int(v) for v in header_in)
+            else:
+                assert self._kept is not None
+                nbytes, meta_len = self._kept.nbytes, 0
             drop_marker(self.folder, kept)
             meta_in = torch.empty(meta_len, dtype=torch.uint8)
             if meta_out or meta_len:
@@ -227,7 +240,7 @@ class PeerSnapshots:
         except Exception as e:  # noqa: BLE001 - a peer gone mid-copy: the attempt is ending anyway
             if self._error is None:
                 self._error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                self.sink.event("peer_snapshot_failed", {"step": copy.step, "rank": self.rank, "error": self._error})
+                self.sink.event("peer_snapshot_failed", {"step": copy.step, "error": self._error})
 
     def _first_complete(self, copy: Copy, kept: int) -> None:
         """Once per attempt, when every rank has its first snapshot and its buddy's: older attempts'
@@ -291,6 +304,8 @@ class PeerLoad:
     """Bytes this rank read from its own node's host memory (for itself or to send)."""
     how: str
     """same mesh (each rank's copy whole, into its tensors) or resharded (DCP's load plan)."""
+    layout: tuple[_Layout, list[bytes]] | None = None
+    """The state's layout the load made (the attempt's first snapshot need not make it again)."""
 
 
 def load_from_peers(trainer: Any, folder: Path, point: PeerPoint) -> PeerLoad:
@@ -301,7 +316,6 @@ def load_from_peers(trainer: Any, folder: Path, point: PeerPoint) -> PeerLoad:
     rank r's state is old rank r's snapshot byte for byte: each rank takes its own copy from its
     node's memory, or whole from a rank whose node holds it, and copies it into its tensors along
     its own layout (checked to be the snapshot's). On another mesh DCP's load plan reshards."""
-    me = dist.get_rank()
     held = {(c.rank, c.role): c for c in held_copies(folder)
             if (c.attempt, c.step) == (point.attempt, point.step) and c.identity == state_fingerprint(trainer.config.model)}
     files = {old: folder / copy_stem(point.attempt, old, "own" if (old, "own") in held else "buddy") for old, _ in held}
@@ -365,7 +379,7 @@ def _load_same_mesh(trainer: Any, files: dict[int, Path], holders: dict[int, lis
         stored = torch.frombuffer(data, dtype=torch.uint8, count=length, offset=offset)
         next(sources).copy_(stored.view(props.dtype).view(item.tensor_data.chunk.sizes))
     received = len(blob) if routes[key][0] != me else 0
-    return PeerLoad(received, sum(len(b) for b in mine.values()), "same mesh")
+    return PeerLoad(received, sum(len(b) for b in mine.values()), "same mesh", (layout, blobs))
 
 
 def _same_layout(entries: list[tuple[Any, int, int]], layout: _Layout, blobs: list[bytes], data: memoryview) -> bool:

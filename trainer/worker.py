@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -120,16 +120,18 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         if ckpt_store is not None and switches is not None:
             ckpt_store = OutageGate(ckpt_store, lambda: switches.outage_until)
         folder = Path(args.peer_dir) / args.run_id if args.peer_dir else None
+        layout: Any = None
         if args.peer_restore is not None:
             if folder is None:
                 raise ValueError("peer_restore needs peer_dir: where this node keeps its snapshots")
-            _restore_from_peers(trainer, folder, args.peer_restore, sink, choice.device)
+            layout = _restore_from_peers(trainer, folder, args.peer_restore, sink, choice.device)
         elif ckpt_store is not None and args.resume_step is not None:
             _restore_from_store(trainer, ckpt_store, args, sink, choice.device)
         if args.peer_every > 0 and folder is not None:
             peers = PeerSnapshots(folder=folder, run_id=args.run_id, attempt=args.attempt,
                                   buddy=list(args.peer_buddy) if args.peer_buddy else None, sink=sink,
                                   identity=state_fingerprint(args.config.model), mesh=args.config.mesh.axes())
+            peers.adopt_layout(layout)
         if trainer.probes is not None:
             trainer.probes.last_clean_step = trainer.step
         if ckpt_store is not None and (args.checkpoint_every > 0 or args.checkpoint_auto):
@@ -186,7 +188,7 @@ def _restore_from_store(trainer: "object", ckpt_store: "object", args: WorkerArg
 
 
 def _restore_from_peers(trainer: "object", folder: Path, point: PeerPoint, sink: ReportSink,
-                        device: "torch.device") -> None:
+                        device: "torch.device") -> Any:
     """Collective: load a peer snapshot step from the host memory of this attempt's nodes (no object
     store read); every rank reports `restored` with the bytes that crossed the process group."""
     from trainer.peer import load_from_peers
@@ -200,6 +202,7 @@ def _restore_from_peers(trainer: "object", folder: Path, point: PeerPoint, sink:
                             "saved_on_mesh": point.mesh, "saved_by_attempt": point.attempt, "bytes_read": 0,
                             "bytes_from_peers": int(totals[0].item()), "bytes_local": int(totals[1].item()), "how": loaded.how,
                             "seconds": time.perf_counter() - t0})
+    return loaded.layout
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from controller.progress import RunProgress
 
@@ -60,8 +61,8 @@ class ProgressView:
             self.console.print(f"step {step}: {info}")
 
     def note(self, text: str) -> None:
-        if not self.quiet:
-            self.console.print(text)
+        if not self.quiet:  # plain text: an error message's "[/path/file.cc:537]" is no markup tag
+            self.console.print(text, markup=False, highlight=False)
 
     @staticmethod
     def print_summary(summary: dict[str, Any]) -> None:
@@ -71,5 +72,5 @@ class ProgressView:
                 continue
             if isinstance(value, float):
                 value = f"{value:.4g}"
-            table.add_row(key, str(value))
+            table.add_row(key, Text(str(value)))
         Console().print(table)

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,3 +137,15 @@ def test_serve_refuses_a_foreign_address_without_a_token(tmp_path: Path) -> None
     proc = subprocess.run([sys.executable, "-m", "controller", "serve", "--host", "0.0.0.0", "--state-dir",
                            str(tmp_path / "state")], capture_output=True, text=True, timeout=60, env=env)
     assert "refusing to serve on 0.0.0.0 without a token" in one_line(proc)
+
+
+def test_an_event_with_brackets_prints_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    """A gloo error names its source as [/path/pair.cc:537]: the live view prints it, it is no markup."""
+    from controller.cli.ui import ProgressView
+
+    view = ProgressView("r", 10, quiet=False)
+    view.note("peer snapshot of step 1 failed: RuntimeError: [/__w/pytorch/gloo/pair.cc:537] Connection closed")
+    ProgressView.print_summary({"name": "r", "state": "failed", "error": "[/__w/x.cc:1] closed"})
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())  # as wrapped to the width
+    assert "[/__w/pytorch/gloo/pair.cc:537] Connection closed" in out and "[/__w/x.cc:1] closed" in out
