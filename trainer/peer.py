@@ -24,7 +24,7 @@ import pickle
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -139,6 +139,10 @@ class PeerSnapshots:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._first = True
+        self._lock = threading.Lock()
+        self._sending = False
+        self._held: list[Callable[[], None]] = []
+        """Reports waiting for the copy in flight (`deliver`)."""
         self._made: tuple[_Layout, list[bytes]] | None = None
         self.taken: list[int] = []
 
@@ -166,10 +170,30 @@ class PeerSnapshots:
             forget_attempts_before(self.folder, self.attempt)
             self._first = False
         if self._pg is not None:
+            with self._lock:
+                self._sending = True
             self._thread = threading.Thread(target=self._send_to_buddy, args=(copy,), daemon=True,
                                             name=f"peer-snapshot-{trainer.step}")
             self._thread.start()
         return time.perf_counter() - t0
+
+    def deliver(self, fn: Callable[[], None]) -> None:
+        """Call `fn` (a step's report) once every snapshot taken so far is on the buddies: now, or
+        from the copying thread when it is done. A step the controller hears of can then be healed
+        from peers, and a drill injected on hearing of it cannot land while its copies are being
+        rewritten (that window falls back to the store)."""
+        with self._lock:
+            if self._sending:
+                self._held.append(fn)
+                return
+        fn()
+
+    def _delivered(self) -> None:
+        with self._lock:
+            self._sending = False
+            held, self._held = self._held, []
+        for fn in held:
+            fn()
 
     def _copy(self, trainer: Any, role: str, rank: int, nbytes: int) -> Copy:
         return Copy(attempt=self.attempt, rank=rank, world_size=self.world_size, step=trainer.step,
@@ -241,6 +265,8 @@ class PeerSnapshots:
             if self._error is None:
                 self._error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 self.sink.event("peer_snapshot_failed", {"step": copy.step, "error": self._error})
+        finally:
+            self._delivered()
 
     def _first_complete(self, copy: Copy, kept: int) -> None:
         """Once per attempt, when every rank has its first snapshot and its buddy's: older attempts'
@@ -260,6 +286,7 @@ class PeerSnapshots:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._delivered()
 
     def host_bytes(self) -> int:
         """Bytes of host memory this rank's snapshots hold (its own copy and the one it keeps)."""

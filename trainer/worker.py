@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -145,7 +146,10 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
             last = trainer.train_step()
             if peers is not None and trainer.step % args.peer_every == 0:
                 last = dataclasses.replace(last, snapshot_s=peers.take(trainer))
-            sink.report(last)
+            if peers is not None:  # heard of once its snapshot is on the buddies (PeerSnapshots.deliver)
+                peers.deliver(functools.partial(sink.report, last))
+            else:
+                sink.report(last)
             if on_step is not None:
                 on_step(trainer, last)
             if checkpointer is not None and interval.due(trainer.step, args.config.train.steps):
