@@ -43,6 +43,9 @@ def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_
     `signal_age_s`: time since the first failure signal of the attempt. `on_live_nodes`: dead ranks
     whose node is known to be alive (their actor said so): no grace is needed to rule out a node loss."""
     if dead_nodes:
+        if _dying_nodes(dead_ranks - set(on_live_nodes), node_of_rank) - dead_nodes \
+                and signal_age_s is not None and signal_age_s < NODE_SUSPECT_GRACE_S:
+            return None  # another node's ranks all died with it: Ray declares nodes one by one; one decision for all
         ranks = tuple(r for r, n in enumerate(node_of_rank) if n in dead_nodes)
         return FailureEvent(time=now, cause=FailureCause.NODE_LOST, nodes=tuple(sorted(dead_nodes)), ranks=ranks,
                             message=f"node(s) {sorted(dead_nodes)} lost with ranks {list(ranks)}")
@@ -66,11 +69,14 @@ def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_
                         message=f"collective errors on ranks {sorted(errors)} with no other cause found")
 
 
+def _dying_nodes(dead_ranks: set[int], node_of_rank: tuple[str, ...]) -> set[str]:
+    """Nodes every rank of which died."""
+    return {node for node in {node_of_rank[r] for r in dead_ranks}
+            if all(r in dead_ranks for r, n in enumerate(node_of_rank) if n == node)}
+
+
 def _whole_node_died(dead_ranks: set[int], node_of_rank: tuple[str, ...]) -> bool:
-    for node in {node_of_rank[r] for r in dead_ranks}:
-        if all(r in dead_ranks for r, n in enumerate(node_of_rank) if n == node):
-            return True
-    return False
+    return bool(_dying_nodes(dead_ranks, node_of_rank))
 
 
 def _rank_died(now: float, dead_ranks: set[int], node_of_rank: tuple[str, ...]) -> FailureEvent:

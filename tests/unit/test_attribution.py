@@ -55,3 +55,15 @@ def test_all_ranks_of_a_node_dead_waits_for_the_node_verdict() -> None:
     assert run(errors={0: GLOO}, dead_ranks={2, 3}, signal_age_s=10.0) is None, "Ray may not know yet"
     f = run(errors={0: GLOO}, dead_ranks={2, 3}, signal_age_s=25.0)
     assert f is not None and f.cause is FailureCause.RANK_DIED and f.ranks == (2, 3)
+
+
+def test_a_second_node_whose_ranks_all_died_is_waited_for() -> None:
+    """Two nodes lost at once are declared dead by Ray a moment apart: one failure names both."""
+    nodes = ("n0", "n0", "n1", "n1", "n2", "n2")
+    assert run(dead_ranks={2, 3, 4, 5}, dead_nodes={"n1"}, node_of_rank=nodes, signal_age_s=1.0) is None
+    f = run(dead_ranks={2, 3, 4, 5}, dead_nodes={"n1", "n2"}, node_of_rank=nodes, signal_age_s=1.5)
+    assert f is not None and f.nodes == ("n1", "n2") and f.ranks == (2, 3, 4, 5)
+    late = run(dead_ranks={2, 3, 4, 5}, dead_nodes={"n1"}, node_of_rank=nodes, signal_age_s=25.0)
+    assert late is not None and late.nodes == ("n1",), "not forever: the dead node is replaced"
+    f = run(dead_ranks={2, 3, 4}, dead_nodes={"n1"}, node_of_rank=nodes, signal_age_s=0.0)
+    assert f is not None and f.nodes == ("n1",), "rank 5 lives: n2 is not dying"
