@@ -61,6 +61,10 @@ class _RayClusterBase:
             ray.shutdown()
 
 
+FOLDER_PREFIX = "goodput-ray-"
+"""The embedded cluster's session folder's name (its peer snapshots' folder takes the same name)."""
+
+
 class LocalRayCluster(_RayClusterBase):
     """An embedded multi-raylet Ray cluster shaped like `cluster.local`."""
 
@@ -84,12 +88,18 @@ class LocalRayCluster(_RayClusterBase):
         self._peer_dir: str | None = None
         self._saved_env: dict[str, str | None] = {}
 
+    def folders(self) -> list[str]:
+        """What the running cluster keeps on this host outside the state dir: Ray's session folder and the
+        nodes' peer snapshots (a service killed before its shutdown leaves them to the next one)."""
+        return [f for f in (self._tmp, self._peer_dir) if f is not None]
+
     def start(self) -> None:
-        self._tmp = tempfile.mkdtemp(prefix="goodput-ray-")
+        self._tmp = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
         # Ray reads these when it is imported and passes them to every process it starts: set them
         # first so no socket binds anything but 127.0.0.1.
         # The nodes' peer snapshots (host memory) go with the cluster: a folder of its own, removed at shutdown.
         self._peer_dir = str(peer_base() / os.path.basename(self._tmp))
+        os.makedirs(self._peer_dir, exist_ok=True)
         for key, value in {"RAY_TMPDIR": self._tmp, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                            ROOT_ENV: self._peer_dir}.items():
             self._saved_env[key] = os.environ.get(key)

@@ -12,6 +12,7 @@ same state dir carries them on. The token is never printed, only where it is kep
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -112,8 +113,8 @@ def serve_forever(opts: ServeOptions) -> int:
     server = service = None
     try:
         cluster.start()
-        if not opts.address:
-            record_processes(state)
+        if isinstance(cluster, LocalRayCluster):
+            record_processes(state, cluster.folders())
         log(f"cluster {'at ' + opts.address if opts.address else 'embedded'}: "
             f"{sum(n.num_gpus for n in cluster.topology().nodes)} GPU slot(s)")
         node_actions = None
@@ -153,7 +154,7 @@ def serve_forever(opts: ServeOptions) -> int:
                 for name in repaired:
                     log(f"node {name} repaired (its raylet started again)")
                 if repaired:  # its new processes too must be ended by a service started after a kill
-                    record_processes(state)
+                    record_processes(state, cluster.folders())
         log("stopping; unfinished runs go on when a service starts again on this state dir")
     finally:
         if server is not None:
@@ -321,21 +322,25 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-def record_processes(state: Path) -> None:
-    if not Path("/proc").is_dir():
-        return
-    rows = [f"{pid} {start}" for pid in _descendants(os.getpid()) if (start := _start_time(pid)) is not None]
+def record_processes(state: Path, folders: list[str]) -> None:
+    """The embedded cluster's processes and its folders outside the state dir (Ray's session folder, the
+    nodes' peer snapshots in host memory), for `reap_leftovers`."""
+    rows = [f"dir {folder}" for folder in folders]
+    if Path("/proc").is_dir():
+        rows += [f"{pid} {start}" for pid in _descendants(os.getpid()) if (start := _start_time(pid)) is not None]
     (state / PIDS_FILE).write_text("\n".join(rows) + "\n")
 
 
 def reap_leftovers(state: Path) -> None:
     """SIGKILL the processes a previous service on this state dir started and left running (the same
-    pid with the same start time, so a reused pid is never hit)."""
+    pid with the same start time, so a reused pid is never hit), then remove its cluster's folders
+    (Ray's session, the peer snapshots it held in host memory)."""
     path = state / PIDS_FILE
     if not path.exists():
         return
     ended = 0
-    for row in path.read_text().splitlines():
+    rows = path.read_text().splitlines()
+    for row in rows:
         pid_text, _, start = row.partition(" ")
         if not pid_text.isdigit() or _start_time(int(pid_text)) != start:
             continue
@@ -346,6 +351,12 @@ def reap_leftovers(state: Path) -> None:
             pass
     if ended:
         log(f"ended {ended} process(es) of the embedded cluster a killed service left running")
+    from controller.ray.cluster import FOLDER_PREFIX
+
+    folders = [Path(row[4:]) for row in rows if row.startswith("dir ")]
+    for folder in folders:  # only what an embedded cluster makes: a stray line names nothing else
+        if folder.is_absolute() and folder.name.startswith(FOLDER_PREFIX):
+            shutil.rmtree(folder, ignore_errors=True)
     path.unlink()
 
 

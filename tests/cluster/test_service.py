@@ -103,10 +103,14 @@ def test_service_killed_mid_run_comes_back_and_carries_the_run_on(service: Serve
     before = service.json("list")
     assert isinstance(before, list)
     children = service.descendants()
+    recorded = (service.state / "embedded-cluster.pids").read_text().splitlines()
+    folders = [Path(row[4:]) for row in recorded if row.startswith("dir ")]
+    assert len(folders) == 2 and all(f.is_dir() for f in folders), recorded  # Ray's session, the peer snapshots
     assert service.proc is not None
     service.proc.send_signal(signal.SIGKILL)
     service.proc.wait()
     service.start()  # on the same state dir: it ends what the killed one left running
+    assert not any(f.exists() for f in folders), "the killed service's cluster folders are removed"
     _, alive = psutil.wait_procs(children, timeout=30)
     left = [p for p in alive if _running(p)]
     for p in left:  # the test started them too: ended by PID if the service did not

@@ -265,3 +265,22 @@ def test_goodput_run_over_another_models_checkpoints_is_refused_before_anything_
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert "goodput-runs/tiny-gpt/step-00000060 holds another model's state (d_model 64 there, 128 here)" in lines[0]
     assert "ray" not in proc.stdout.lower() + proc.stderr.lower(), "no cluster was started"
+
+
+def test_a_killed_services_cluster_folders_go_with_its_processes(tmp_path: Path) -> None:
+    """A service SIGKILLed before its shutdown leaves Ray's session folder and the nodes' peer snapshots
+    (host memory) behind; the next service on the state dir removes them, and nothing else."""
+    from controller.service.main import PIDS_FILE, reap_leftovers
+
+    session, peers = tmp_path / "goodput-ray-abc", tmp_path / "shm" / "goodput-ray-abc"
+    other = tmp_path / "not-a-cluster"
+    for folder in (session, peers / "node" / "run", other):
+        folder.mkdir(parents=True)
+    (peers / "node" / "run" / "copy").write_bytes(b"x" * 10)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / PIDS_FILE).write_text(f"dir {session}\ndir {peers}\ndir {other}\ndir relative/goodput-ray-x\n")
+    reap_leftovers(state)
+    assert not session.exists() and not peers.exists()
+    assert other.exists(), "a folder an embedded cluster does not make is never removed"
+    assert not (state / PIDS_FILE).exists()
