@@ -146,7 +146,7 @@ def run_summary(run: dict) -> dict:
         "badput_seconds": {k: round(v, 2) for k, v in run["goodput"]["badput_seconds"].items()},
         "checkpoints": sum(1 for e in run["events"] if e["kind"] == EventKind.CHECKPOINT_COMMITTED),
         "recovered from": recoveries(run["events"]),
-        "health": {kind: n for kind, n in (run.get("health") or {}).get("counts", {}).items() if n},
+        "health": {str(kind): n for kind, n in (run.get("health") or {}).get("counts", {}).items() if n},
         "quarantined": [f"{q['node']} ({q['reason']})" for q in run.get("quarantined", [])],
         **{f"drill {i + 1}": (f"{d['kind']} {d['target']} at step {d['at_step']}: {d['cause']} -> {d['decision']}, "
                               f"detected in {d.get('detection_s', float('nan')):.1f} s, first step after "

@@ -284,3 +284,15 @@ def test_a_killed_services_cluster_folders_go_with_its_processes(tmp_path: Path)
     assert not session.exists() and not peers.exists()
     assert other.exists(), "a folder an embedded cluster does not make is never removed"
     assert not (state / PIDS_FILE).exists()
+
+
+def test_the_summary_names_health_findings_as_words() -> None:
+    """A local run's health counts are keyed by EventKind: the summary shows 'sdc_suspect', not its repr."""
+    from controller.cli.render import run_summary
+    from controller.events import EventKind
+
+    run = {"name": "r", "state": "succeeded", "step": 3, "attempt": 0, "mesh": {"dp": 1}, "loss": 1.0,
+           "history": [{"loss": 2.0}], "goodput": {"ettr": 0.9, "badput_seconds": {}}, "events": [],
+           "health": {"counts": {EventKind.SDC_SUSPECT: 1, EventKind.STRAGGLER: 0}}}
+    health = run_summary(run)["health"]
+    assert health == {"sdc_suspect": 1} and repr(health) == "{'sdc_suspect': 1}"
