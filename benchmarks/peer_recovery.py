@@ -6,7 +6,8 @@ snapshots every step (`checkpoint.peer_every_steps: 1`) and without (`0`: today'
 durable checkpoint). The durable checkpoint is every 5 steps in both; the drill kills the node of the
 last ranks at step 8. Every drill's report must name the cause (node_lost) and the decision (replace);
 one that does not is counted and left out. Prints per configuration the median, min and max of:
-- failure -> first step (SIGKILL of the raylet -> the first step finished on the new attempt);
+- failure -> first step (SIGKILL of the raylet -> the first step finished on the new attempt's ranks;
+  its report may reach the controller later: "report held");
 - steps redone (the step the failure was detected at - the step the new attempt started from);
 - bytes the object store sent during the recovery;
 - step time (the mean over steps that are neither an attempt's first nor a checkpoint's: a snapshot
@@ -64,7 +65,9 @@ def one_run(cluster: LocalRayCluster, name: str, index: int, root: str, configs:
     heard = next((e["time"] for e in events if e["kind"] == "restored" and e["attempt"] == 1), float("nan"))
     phases = {"detect": report["detected_at"] - report["injected_at"], "decide+launch": started - report["detected_at"],
               "start+load": heard - started, "load": restored[0].get("seconds", float("nan")) if restored else float("nan"),
-              "first step": report["recovered_at"] - heard}
+              "first step": report["recovered_at"] - heard,
+              "report held": report["recovery_heard_at"] - report["recovered_at"],
+              "in place": sum(bool(d.get("in_place")) for d in restored)}
     memory = [e["detail"] for e in events if e["kind"] == "peer_snapshots"]
     firsts = {min(h["step"] for h in run["history"] if h["attempt"] == a) for a in {h["attempt"] for h in run["history"]}}
     steady = [h["end"] - h["start"] for h in run["history"]
@@ -106,7 +109,8 @@ def main() -> None:
                           f"{r.get('store_bytes')}, step {r.get('step_s', float('nan')):.3f} s, "
                           f"host/state {r.get('host_per_state')}, {r.get('outcome')}", flush=True)
                     if "phases" in r:
-                        print("    " + ", ".join(f"{k} {v:.2f} s" for k, v in r["phases"].items()), flush=True)
+                        print("    " + ", ".join(f"{k} {v:.2f} s" if k != "in place" else f"ranks kept in place {v}"
+                                                for k, v in r["phases"].items()), flush=True)
                     (results[name] if ok else wrong).append(r if ok else f"round {i + 1} {name}: {r}")  # type: ignore[arg-type]
     finally:
         with contextlib.redirect_stdout(sys.stderr):
@@ -120,7 +124,7 @@ def main() -> None:
         print("  store bytes read:      " + summary([float(r["store_bytes"] or 0) for r in runs], "B"))
         print("  step time:             " + summary([r["step_s"] for r in runs]))
         for phase in runs[0]["phases"]:
-            print(f"    {phase:<14} " + summary([r["phases"][phase] for r in runs]))
+            print(f"    {phase:<14} " + summary([r["phases"][phase] for r in runs], "ranks" if phase == "in place" else "s"))
         if configs[name]:
             print("  host memory / state:   " + summary([r["host_per_state"] for r in runs], "x"))
             print(f"  recovered from: {sorted({r['source'] for r in runs})}")

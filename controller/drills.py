@@ -195,7 +195,8 @@ class DrillSchedule:
 
 def drill_reports(events: list[Event]) -> list[dict[str, Any]]:
     """One report per injected (or refused) drill: injected_at, detected_at, recovered_at (first step
-    finished on the new attempt; for storage-outage, the first commit after the outage), steps_lost
+    finished on the new attempt's ranks, recovery_heard_at when the controller heard of it; for
+    storage-outage, the first commit after the outage), steps_lost
     (work redone since the last commit), decision, outcome."""
     return [drill_report(events, i) for i, ev in enumerate(events) if ev.kind in DRILL_EVENTS]
 
@@ -368,7 +369,8 @@ def _failure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
         "attributed_to": ({"nodes": detected.detail.get("nodes"), "ranks": detected.detail.get("ranks")}
                           if detected else None),
         "decision": decision.detail.get("action") if decision else None,
-        "recovered_at": recovered.time if recovered else None,
+        "recovered_at": recovered.detail.get("ended_at", recovered.time) if recovered else None,
+        "recovery_heard_at": recovered.time if recovered else None,
         # From the step it was injected at back to the step the next attempt started from; none when
         # that is later (a bitflip lands at the rank's next step, and a snapshot of that step that the
         # probes vouch for is loaded).

@@ -320,7 +320,12 @@ class RunController:
             result = self.worker_group.poll()
         seen = self.watch.fold(now, result, self.progress)
         if seen.first_step is not None and self.attempt > 0:
-            self.events.add(now, self.attempt, EventKind.FIRST_STEP_AFTER_RECOVERY, step=seen.first_step)
+            # When the ranks finished it (a report may reach us later than that: a peer snapshot's is
+            # held until the copy is on the buddies), never after we heard of it.
+            ended = next((h.get("end") for h in reversed(self.progress.history)
+                          if (h["step"], h["attempt"]) == (seen.first_step, self.attempt)), None)
+            self.events.add(now, self.attempt, EventKind.FIRST_STEP_AFTER_RECOVERY, step=seen.first_step,
+                            ended_at=min(ended, now) if ended is not None else now)
         for detail in seen.stragglers:
             self.events.add(now, self.attempt, EventKind.STRAGGLER, **detail)
         for rank, kind, detail in result.events:  # every event of the poll joins the timeline first

@@ -56,8 +56,40 @@ def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
             mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"),
         )
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
-    return init_device_mesh(device_type, tuple(shape.axes().values()), mesh_dim_names=tuple(shape.axes()))
+    else:
+        mesh = init_device_mesh(device_type, tuple(shape.axes().values()), mesh_dim_names=tuple(shape.axes()))
+    _forget_stale_shardings(mesh)
+    return mesh
+
+
+_last_mesh: tuple | None = None
+"""What the mesh this process built last looked like (`_mesh_signature`)."""
+
+
+def _mesh_signature(mesh: DeviceMesh) -> tuple:
+    """This rank's place in the mesh and, per axis, the name and members of its process group."""
+    axes = []
+    for name in (*(mesh.mesh_dim_names or ()), *(("dp",) if "dp_shard" in (mesh.mesh_dim_names or ()) else ())):
+        group = mesh[name].get_group()
+        axes.append((name, group.group_name, tuple(dist.get_process_group_ranks(group))))
+    return (mesh.device_type, dist.get_rank(), dist.get_world_size(), tuple(axes))
+
+
+def _forget_stale_shardings(mesh: DeviceMesh) -> None:
+    """A process that trains a second attempt in place (controller/ray/rank_actor.py) keeps DTensor's
+    sharding propagation caches, whose entries hold the old attempt's meshes, and those name their
+    process groups. They stay (the warm caches are much of what staying saves) only when every name
+    now belongs to a group of the same members, this rank at the same place: the old meshes then
+    mean exactly the new one. Otherwise they go, or a cached sharding would run its collectives on
+    whatever group now has that name."""
+    global _last_mesh
+    signature = _mesh_signature(mesh)
+    if _last_mesh is not None and _last_mesh != signature:
+        from torch.distributed.tensor import DTensor
+
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # this thread's
+    _last_mesh = signature
 
 
 def stage_layer_ranges(n_layers: int, num_stages: int) -> list[range]:

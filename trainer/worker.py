@@ -80,6 +80,9 @@ class WorkerArgs:
     """This rank's node's snapshot folder (checkpointing.peer); None: no peer snapshots here."""
     peer_restore: PeerPoint | None = None
     """Load this peer snapshot step before training (instead of `resume_step` from the store)."""
+    in_place: bool = False
+    """This process trained an earlier attempt of the run and stayed (its process group rebuilt in
+    place, controller/ray/rank_actor.py); said in its `restored` event."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,9 +101,11 @@ StepHook = Callable[["object", StepReport], None]
 
 
 def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = None,
-               switches: DrillSwitches | None = None) -> WorkerSummary:
+               switches: DrillSwitches | None = None, on_leave: Callable[[], None] | None = None) -> WorkerSummary:
     """Train one rank to `config.train.steps`; `on_step(trainer, report)` runs after every step.
-    `switches`: what drills ask of this GPU slot (slow it, flip a bit, refuse checkpoint writes)."""
+    `switches`: what drills ask of this GPU slot (slow it, flip a bit, refuse checkpoint writes).
+    `on_leave()` runs when the attempt fails here, before its teardown (process group, snapshots,
+    saves in flight)."""
     from trainer.checkpoint import Checkpointer
     from trainer.peer import PeerSnapshots
     from trainer.train import Trainer  # torch-heavy; keep `import trainer.worker` cheap for launchers
@@ -125,7 +130,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         if args.peer_restore is not None:
             if folder is None:
                 raise ValueError("peer_restore needs peer_dir: where this node keeps its snapshots")
-            layout = _restore_from_peers(trainer, folder, args.peer_restore, sink, choice.device)
+            layout = _restore_from_peers(trainer, folder, args.peer_restore, sink, choice.device, args.in_place)
         elif ckpt_store is not None and args.resume_step is not None:
             _restore_from_store(trainer, ckpt_store, args, sink, choice.device)
         if args.peer_every > 0 and folder is not None:
@@ -162,6 +167,10 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                         sink.event("checkpoint_interval", chosen)
         return WorkerSummary(rank=args.rank, step=trainer.step, cursor=trainer.cursor,
                              last_loss=last.loss if last else None)
+    except BaseException:
+        if on_leave is not None:
+            on_leave()
+        raise
     finally:
         if checkpointer is not None:
             checkpointer.close()
@@ -188,11 +197,12 @@ def _restore_from_store(trainer: "object", ckpt_store: "object", args: WorkerArg
     dist.all_reduce(total)
     sink.event("restored", {"source": "store", "step": manifest.step, "cursor": manifest.cursor,
                             "saved_on_mesh": manifest.mesh, "bytes_read": int(total.item()),
-                            "bytes": manifest.total_bytes(), "seconds": time.perf_counter() - t0})
+                            "bytes": manifest.total_bytes(), "seconds": time.perf_counter() - t0,
+                            "in_place": args.in_place})
 
 
 def _restore_from_peers(trainer: "object", folder: Path, point: PeerPoint, sink: ReportSink,
-                        device: "torch.device") -> Any:
+                        device: "torch.device", in_place: bool = False) -> Any:
     """Collective: load a peer snapshot step from the host memory of this attempt's nodes (no object
     store read); every rank reports `restored` with the bytes that crossed the process group."""
     from trainer.peer import load_from_peers
@@ -205,7 +215,7 @@ def _restore_from_peers(trainer: "object", folder: Path, point: PeerPoint, sink:
     sink.event("restored", {"source": "peer", "step": point.step, "cursor": point.cursor,
                             "saved_on_mesh": point.mesh, "saved_by_attempt": point.attempt, "bytes_read": 0,
                             "bytes_from_peers": int(totals[0].item()), "bytes_local": int(totals[1].item()), "how": loaded.how,
-                            "seconds": time.perf_counter() - t0})
+                            "seconds": time.perf_counter() - t0, "in_place": in_place})
     return loaded.layout
 
 

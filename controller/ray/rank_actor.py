@@ -1,8 +1,14 @@
 """The rank actor: one per GPU slot. It imports torch once ("warm") and forks the rank's training
-process from that warm image for each attempt, relays its reports and heartbeats, and holds the slot's
-drill switches (trainer/switches.py), which every process forked from it shares.
+process from that warm image, relays its reports and heartbeats, and holds the slot's drill switches
+(trainer/switches.py), which every process forked from it shares.
 
-Why a forked process per attempt, see controller/ray/worker_group.py."""
+A training process whose attempt failed under it (a peer gone: its collective raised) tears its
+process group down and parks, waiting for its slot's next attempt, which it then trains in place:
+no fork, and its warm caches kept where they still hold (trainer/parallel.py); benchmarks/
+survivors_in_place.py measures it against a re-fork. One that does not leave its collective (a gloo
+rank blocked on a live peer: a parked rank's sockets stay open, so one waiting on it waits on; a
+stopped process) is SIGKILLed when the attempt ends and the next attempt forks a fresh one. Why
+forked processes at all, see controller/ray/worker_group.py."""
 
 from __future__ import annotations
 
@@ -23,6 +29,15 @@ from trainer.worker import WorkerArgs, WorkerSummary
 UNRESPONSIVE_S = 3.0
 """A rank whose process or actor has shown no sign of life for this long counts as unresponsive."""
 
+TEARDOWN_GRACE_S = 2.0
+"""How long the end of an attempt waits for a training process that is tearing its process group
+down to park (it is then kept for the next attempt) before it is SIGKILLed."""
+
+IN_PLACE_ATTEMPTS = 4
+"""Attempts one training process trains at most (it then ends instead of parking): what an attempt
+leaves behind in the process (gloo groups that something still holds keep their sockets and threads)
+stays bounded."""
+
 HEARTBEAT_S = 0.25
 """How often a training process says it is alive (a thread of its own: a stopped process goes quiet,
 one blocked in a collective does not)."""
@@ -34,7 +49,8 @@ class RankProcessDied(RuntimeError):
 
 class RankActor:
     """Holds one GPU slot on one node. `warm` imports torch; `run` forks this attempt's training process
-    and relays its reports; `stop` SIGKILLs it. Concurrent calls (max_concurrency=5): `run` waits on
+    (or hands the attempt to the slot's parked one) and relays its reports; `stop` SIGKILLs it (a
+    parked one stays, if asked). Concurrent calls (max_concurrency=5): `run` waits on
     the process while `drain` hands reports to the controller, `wait_done` (a re-attached controller)
     waits for its outcome and `stop` ends it."""
 
@@ -50,6 +66,14 @@ class RankActor:
         self._events: list[tuple[str, dict]] = []
         self._process: Any = None
         self._beat: Any = None
+        self._receive: Any = None
+        """The training process's reports (its pipe's reading end)."""
+        self._commands: Any = None
+        """The parked training process's next attempt (the writing end of its command pipe)."""
+        self._leaving = threading.Event()
+        """The training process's attempt failed: it is tearing its process group down."""
+        self._parked = threading.Event()
+        """The training process has torn its process group down and waits for the next attempt."""
         self._identity: dict[str, Any] = {}
         self._done = threading.Event()
         self._outcome: tuple[str, Any] | None = None
@@ -121,20 +145,9 @@ class RankActor:
                     "done": self._done.is_set()}
 
     def _run(self, args: WorkerArgs) -> WorkerSummary:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("fork")
-        receive, send = ctx.Pipe(duplex=False)
-        beat = ctx.Value("d", time.time(), lock=False)
-        process = ctx.Process(target=_train_in_child, args=(args, send, beat, os.getpid(), self._switches),
-                              name=f"goodput-rank-{args.rank}", daemon=True)
-        with self._lock:
-            self._beat = beat
-            process.start()
-            self._process = process
-        send.close()
+        self._start(args)
+        process, receive = self._process, self._receive
         summary: WorkerSummary | None = None
-        error: str | None = None
         while True:
             try:
                 kind, payload = receive.recv()
@@ -144,26 +157,56 @@ class RankActor:
                 self.report(payload)
             elif kind == "event":
                 self.event(*payload)
+            elif kind == "leaving":
+                self._leaving.set()
             elif kind == "done":
                 summary = payload
             elif kind == "error":
-                error = payload
+                message, parked = payload
+                if parked:  # torn down and waiting: it may train the slot's next attempt
+                    self._parked.set()
+                raise RuntimeError(message)
         process.join()
         receive.close()
         if process.exitcode is not None and process.exitcode < 0:
             name = signal.Signals(-process.exitcode).name
             raise RankProcessDied(f"rank {args.rank}'s training process (pid {process.pid}) was killed by {name}")
-        if error is not None:
-            raise RuntimeError(error)
         if summary is None:
             raise RankProcessDied(f"rank {args.rank}'s training process exited with code {process.exitcode} "
                                   "without a result")
         return summary
 
-    def stop(self) -> None:
-        """End this attempt's training process, even a stopped one; returns once it is gone."""
+    def _start(self, args: WorkerArgs) -> None:
+        """Hand the attempt to the parked training process, or fork one."""
+        import multiprocessing
+
         with self._lock:
-            process = self._process
+            parked = self._parked.is_set() and self._process is not None and self._process.is_alive()
+            self._parked.clear()
+            self._leaving.clear()
+            if parked:
+                try:
+                    self._commands.send(dataclasses.replace(args, in_place=True))
+                    return
+                except (BrokenPipeError, OSError):  # it died parked: a fresh one
+                    pass
+            self._end_process()
+            ctx = multiprocessing.get_context("fork")
+            receive, send = ctx.Pipe(duplex=False)
+            commands_in, commands = ctx.Pipe(duplex=False)
+            beat = ctx.Value("d", time.time(), lock=False)
+            process = ctx.Process(target=_train_in_child,
+                                  args=(args, send, beat, os.getpid(), self._switches, commands_in),
+                                  name=f"goodput-rank-{args.rank}", daemon=True)
+            self._beat = beat
+            process.start()
+            send.close()
+            commands_in.close()
+            self._process, self._receive, self._commands = process, receive, commands
+
+    def _end_process(self) -> None:
+        """SIGKILL the training process (even a stopped one) and wait for it; under the lock."""
+        process = self._process
         if process is None or process.pid is None:
             return
         for sig in (signal.SIGKILL, signal.SIGCONT):
@@ -172,6 +215,22 @@ class RankActor:
             except ProcessLookupError:
                 break
         process.join(timeout=10)
+        if self._commands is not None:
+            self._commands.close()
+            self._commands = None
+        self._parked.clear()
+
+    def stop(self, keep_parked: bool = False) -> None:
+        """End this attempt's training process, even a stopped one; returns once it is gone. With
+        `keep_parked`, a process that left its failed attempt (or does so within TEARDOWN_GRACE_S of
+        starting to) stays, parked, for the slot's next attempt."""
+        if keep_parked and self._leaving.is_set():
+            self._parked.wait(TEARDOWN_GRACE_S)
+        with self._lock:
+            process = self._process
+            if keep_parked and self._parked.is_set() and process is not None and process.is_alive():
+                return
+            self._end_process()
 
     def slow(self, factor: float) -> None:
         """The slow-rank drill: this GPU slot computes `factor` times slower from now on."""
@@ -232,9 +291,14 @@ class _PipeSink:
         self.put("event", (kind, detail))
 
 
-def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, switches: Any) -> None:
+def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, switches: Any, commands: Any) -> None:
     """Body of the forked training process. It never touches Ray (the fork has none of Ray's threads)
-    and ends with its actor: the heartbeat thread exits the process once the actor is gone."""
+    and ends with its actor: the heartbeat thread exits the process once the actor is gone. An attempt
+    that fails under it is torn down (its process group destroyed, its trainer freed); the process
+    then parks until its actor hands it the next attempt, or ends when the actor closes the command
+    pipe (or when it has trained IN_PLACE_ATTEMPTS)."""
+    import gc
+    import itertools
     import traceback
 
     import torch
@@ -252,8 +316,23 @@ def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, swit
     torch.set_num_threads(1)
     sink = _PipeSink(send)
     try:
-        sink.put("done", run_worker(args, sink, switches=switches))
+        for attempts in itertools.count(1):
+            try:
+                sink.put("done", run_worker(args, sink, switches=switches,
+                                            on_leave=lambda: sink.put("leaving", None)))
+                return
+            except Exception as e:  # noqa: BLE001 - the error goes to the controller, whatever it is
+                error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+            gc.collect()  # the failed attempt's trainer and process groups
+            stay = attempts < IN_PLACE_ATTEMPTS
+            sink.put("error", (error, stay))
+            if not stay:
+                return
+            try:
+                args = commands.recv()
+            except (EOFError, OSError):
+                return
     except BaseException as e:  # noqa: BLE001 - the error goes to the controller, whatever it is
-        sink.put("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
+        sink.put("error", (f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}", False))
     finally:
         send.close()

@@ -10,7 +10,10 @@ collective cannot be freed from inside its process (`abort()` does not interrupt
 only by its peers' sockets closing or its timeout. So each actor imports torch once ("warm") and
 forks the rank's training process from that warm image per attempt: ending an attempt is a SIGKILL of
 the forked processes (instant, and it frees every peer), starting one is a fork (milliseconds). Spare
-nodes get warm actors up front, so a replacement starts as fast as a survivor.
+nodes get warm actors up front, so a replacement starts as fast as a survivor. And a training process
+that did leave its failed attempt (a peer died: its collective raised) is not ended but parked, and
+trains its slot's next attempt in place (benchmarks/survivors_in_place.py: failure -> first step 0.69x
+of a re-fork on this machine); only the failed part is replaced.
 """
 
 from __future__ import annotations
@@ -288,14 +291,15 @@ class RayWorkerGroup:
         return ray.get([a.where.remote() for a in self.actors], timeout=60)
 
     def shutdown(self) -> None:
-        """End the attempt: every rank's training process is gone when this returns. Warm actors stay
-        for the next attempt (all of them go with `close`, or here when not `warm`)."""
+        """End the attempt: every rank's training process is gone when this returns, but those that left
+        it already, parked for their slot's next attempt (controller/ray/rank_actor.py). Warm actors
+        stay for the next attempt (all of them go with `close`, or here when not `warm`)."""
         import ray
 
         if not self.warm:
             self.close(keep_snapshots=True)
             return
-        stops = [actor.stop.remote() for actor in self.actors]
+        stops = [actor.stop.remote(keep_parked=True) for actor in self.actors]
         done, _ = ray.wait(stops, num_returns=len(stops), timeout=15)
         for actor, ref in zip(self.actors, stops):
             if ref not in done:  # an actor that cannot stop its process goes with it

@@ -171,6 +171,30 @@ def test_drill_from_the_spec_is_injected_and_reported() -> None:
     assert report["detection_s"] == 1.5 and report["recovery_s"] == 9.0 and report["steps_lost"] == 6
 
 
+def test_a_drill_recovers_when_the_ranks_finish_the_first_step_not_when_it_is_heard() -> None:
+    """A step's report may reach the controller well after the ranks finished it (a peer snapshot's
+    report waits for the buddies' copies): failure -> first step ends at the step's end."""
+    raw = copy.deepcopy(BASE)
+    raw["cluster"]["local"].update(nodes=5, spares=1)
+    raw["drills"] = [{"kind": "kill-node", "at_step": 5}]
+    spec = parse_spec(raw)
+    g = FakeWorkerGroup()
+    c = RunController(spec, spec.topology(), g, now=100.0, injector=FakeInjector(g))
+    start_running(c)
+    g.finish_steps(1, 6)
+    c.step(111.0)
+    c.step(112.5)
+    c.step(113.0)
+    g.finish_steps(1, 1, end=117.25)  # finished on the ranks at 117.25, heard of at 120
+    c.step(120.0)
+    (report,) = c.to_dict(120.0)["drills"]
+    assert report["outcome"] == "recovered"
+    assert report["recovered_at"] == 117.25 and report["recovery_heard_at"] == 120.0
+    assert report["recovery_s"] == 117.25 - 111.0
+    (event,) = c.events.of_kind("first_step_after_recovery")
+    assert event.detail["ended_at"] == 117.25
+
+
 @pytest.mark.parametrize("at_state", [RunState.PLANNING, RunState.LAUNCHING, RunState.RUNNING])
 def test_cancel_from_any_live_state(at_state: RunState) -> None:
     c, g = controller()
