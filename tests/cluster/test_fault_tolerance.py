@@ -153,6 +153,12 @@ def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayClust
     (memory, later) = [e.detail for e in h.events.of_kind("peer_snapshots")]
     assert memory["max_host_per_state"] <= 2.1 and later["step"] > memory["step"]
     check_cursor_accounting(tmp_path, "healed")
+    # Survivors whose collective failed when the node went trained the next attempt in place (no
+    # fork); the spare's ranks are fresh processes.
+    kept = {name: [d["in_place"] for d in (e.detail for e in run.events.of_kind("restored") if e.attempt == 1)]
+            for name, run in (("store", c), ("peers", h))}
+    assert all(len(flags) == 8 and sum(flags) <= 6 for flags in kept.values()), kept  # 2 ranks were on node-3
+    assert any(any(flags) for flags in kept.values()), kept
 
     straight = drive(spec("straight", tmp_path, nodes=5, spares=1, drills=[]), ray_cluster)
     assert straight.state is RunState.SUCCEEDED
