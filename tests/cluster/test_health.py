@@ -79,7 +79,7 @@ def test_bitflip_is_caught_quarantined_and_the_run_ends_as_if_it_never_happened(
     assert [q["node"] for q in flipped.to_dict(0)["quarantined"]] == [node]
     later = flipped.events.of_kind("attempt_started")[1:]
     assert later and all(node not in {r["node"] for r in a.detail["placement"]} for a in later)
-    assert later[0].detail["resume_step"] <= suspect["clean_through_step"]
+    assert later[0].detail["start_step"] <= suspect["clean_through_step"]  # from peers or the store
 
     outage = drive(spec("outage", tmp_path, steps=24, checkpoint={"retry_budget_s": 1},
                         drills=[{"kind": "storage-outage", "at_step": 5, "seconds": 6}]), ray_cluster)

@@ -125,7 +125,7 @@ def test_service_killed_mid_run_comes_back_and_carries_the_run_on(service: Serve
     restarted = [e for e in events if e["kind"] == "service_restarted"]
     assert len(restarted) == 1
     new_attempt = [e for e in events if e["kind"] == "attempt_started"][-1]
-    assert new_attempt["attempt"] == 1 and new_attempt["detail"]["resume_step"] >= 20
+    assert new_attempt["attempt"] == 1 and new_attempt["detail"]["start_step"] >= 20
     assert d["step"] == 150
     committed = service.json("checkpoints", "svc-d")
     assert isinstance(committed, list) and committed[-1]["step"] == 150

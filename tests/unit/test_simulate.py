@@ -20,7 +20,7 @@ TINY: dict[str, Any] = {
     "train": {"steps": 100, "global_batch": 8, "micro_batch": 2},
     "parallelism": {"dp": 2, "tp": 1, "pp": 1},
     "cluster": {"simulated": {"nodes": 3, "gpus_per_node": 1, "racks": 1, "spares": 1}},
-    "checkpoint": {"uri": "sim://", "every_steps": 10, "keep": 3},
+    "checkpoint": {"uri": "sim://", "every_steps": 10, "keep": 3, "peer_every_steps": 0},  # the store's path
     "elastic": {"max_failures": 1000},
     "failures": NO_FAILURES,
     "cost": {"step_s": 1.0, "checkpoint_stall_s": 0.5, "checkpoint_save_s": 2.0, "restore_s": 2.0,
