@@ -92,6 +92,16 @@ def _forget_stale_shardings(mesh: DeviceMesh) -> None:
     _last_mesh = signature
 
 
+def can_train_again_in_place() -> bool:
+    """Whether this torch lets `_forget_stale_shardings` drop DTensor's caches (a private API: a
+    process that cannot must not train a second attempt)."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    return (hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache")
+            and hasattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear"))
+
+
 def stage_layer_ranges(n_layers: int, num_stages: int) -> list[range]:
     """Split layers into contiguous, as-even-as-possible stages (earlier stages take the extra)."""
     base, extra = divmod(n_layers, num_stages)

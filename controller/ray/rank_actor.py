@@ -303,6 +303,7 @@ def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, swit
 
     import torch
 
+    from trainer.parallel import can_train_again_in_place
     from trainer.worker import run_worker
 
     def heartbeat() -> None:
@@ -324,7 +325,7 @@ def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, swit
             except Exception as e:  # noqa: BLE001 - the error goes to the controller, whatever it is
                 error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
             gc.collect()  # the failed attempt's trainer and process groups
-            stay = attempts < IN_PLACE_ATTEMPTS
+            stay = attempts < IN_PLACE_ATTEMPTS and can_train_again_in_place()
             sink.put("error", (error, stay))
             if not stay:
                 return
