@@ -57,8 +57,15 @@ class RunProgress:
         entry: dict = {"step": report.step, "loss": report.loss, "attempt": report.attempt}
         end = report.end_time or heard_at
         if end is not None:
-            entry.update(start=end - report.step_time_s, end=end)
-            self.spans.append(StepSpan(report.step, report.attempt, end - report.step_time_s, end))
+            start = end - report.step_time_s
+            before = self.history[-1] if self.history else None
+            if before is not None and before["attempt"] == report.attempt and before.get("end") is not None:
+                # Consecutive steps may be reported by different ranks (the first report of a step wins,
+                # and a peer snapshot's report waits for its copy): one rank's step can seem to start
+                # before another's previous step ended. A step starts no earlier than the last ended.
+                start = min(max(start, before["end"]), end)
+            entry.update(start=start, end=end)
+            self.spans.append(StepSpan(report.step, report.attempt, start, end))
         self.history.append(entry)
         if report.snapshot_s:
             self.snapshot_s.append(report.snapshot_s)

@@ -99,6 +99,26 @@ def test_a_restored_history_gives_the_accounting_its_kept_steps() -> None:
     check(result, wall=3.0, productive=1.0, queueing=0.5, startup=0.5, other=1.0)
 
 
+def test_steps_reported_by_different_ranks_do_not_overlap() -> None:
+    """Rank 1 reports step 1 (its step ended at 2.0); rank 0's report of step 2 comes first for that
+    step and says it took 1.05 s to 2.98: it began before step 1 ended on rank 1. The kept steps are
+    one timeline, so step 2 starts at 2.0 and the productive time is the steps' sum."""
+    from controller.progress import RunProgress
+    from trainer.report import StepReport
+
+    def report(rank: int, step: int, end: float, took: float) -> StepReport:
+        return StepReport(rank=rank, attempt=0, step=step, cursor=step * 8, loss=1.0, step_time_s=took, data_s=0.0,
+                          compute_s=took, wait_s=0.0, tokens_per_s=1.0, end_time=end)
+
+    progress = RunProgress()
+    assert progress.add(report(1, 1, 2.0, 1.0)) and progress.add(report(0, 2, 2.98, 1.05))
+    assert [(s.start, s.end) for s in progress.spans] == [(1.0, 2.0), (2.0, 2.98)]
+    assert [(h["start"], h["end"]) for h in progress.history] == [(1.0, 2.0), (2.0, 2.98)]
+    result = account([ev(0.0, "submitted"), ev(0.5, "attempt_started")], progress.spans, end=3.0)
+    kept = sum(h["end"] - h["start"] for h in progress.history)
+    check(result, wall=3.0, productive=kept, queueing=0.5, startup=0.5, other=3.0 - 1.0 - kept)
+
+
 DP2 = {"dp": 2, "pp": 2, "tp": 2}
 DP1 = {"dp": 1, "pp": 2, "tp": 2}
 
