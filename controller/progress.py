@@ -59,10 +59,12 @@ class RunProgress:
         if end is not None:
             start = end - report.step_time_s
             before = self.history[-1] if self.history else None
-            if before is not None and before["attempt"] == report.attempt and before.get("end") is not None:
+            if (report.end_time and before is not None and before["attempt"] == report.attempt
+                    and before.get("end") is not None):
                 # Consecutive steps may be reported by different ranks (the first report of a step wins,
                 # and a peer snapshot's report waits for its copy): one rank's step can seem to start
                 # before another's previous step ended. A step starts no earlier than the last ended.
+                # (Reports without an end time all end when heard: their spans say nothing to clamp.)
                 start = min(max(start, before["end"]), end)
             entry.update(start=start, end=end)
             self.spans.append(StepSpan(report.step, report.attempt, start, end))
