@@ -75,6 +75,9 @@ class PollResult:
     """Dead ranks whose node is known alive (the training process died under a live actor)."""
     unresponsive: set[int] = field(default_factory=set)
     """Ranks that did not answer a status call in time (stopped or wedged)."""
+    suspect_nodes: set[str] = field(default_factory=set)
+    """Nodes of this attempt not yet declared dead whose node daemon refuses connections: dying (Ray
+    declares a node dead only after its health checks miss a few times). Looked at once a node is dead."""
 
 
 class WorkerGroup(Protocol):

@@ -38,14 +38,18 @@ def is_collective_symptom(message: str) -> bool:
 
 def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_ranks: set[int],
               unresponsive: set[int], node_of_rank: tuple[str, ...], signal_age_s: float | None,
-              on_live_nodes: frozenset[int] | set[int] = frozenset()) -> FailureEvent | None:
+              on_live_nodes: frozenset[int] | set[int] = frozenset(),
+              suspect_nodes: frozenset[str] | set[str] = frozenset()) -> FailureEvent | None:
     """The failure's cause, or None while it is too early to tell (or nothing failed).
     `signal_age_s`: time since the first failure signal of the attempt. `on_live_nodes`: dead ranks
-    whose node is known to be alive (their actor said so): no grace is needed to rule out a node loss."""
+    whose node is known to be alive (their actor said so): no grace is needed to rule out a node loss.
+    `suspect_nodes`: nodes not declared dead whose node daemon is gone (PollResult.suspect_nodes)."""
     if dead_nodes:
-        if _dying_nodes(dead_ranks - set(on_live_nodes), node_of_rank) - dead_nodes \
-                and signal_age_s is not None and signal_age_s < NODE_SUSPECT_GRACE_S:
-            return None  # another node's ranks all died with it: Ray declares nodes one by one; one decision for all
+        dying = _dying_nodes(dead_ranks - set(on_live_nodes), node_of_rank) | set(suspect_nodes)
+        if dying - dead_nodes and signal_age_s is not None and signal_age_s < NODE_SUSPECT_GRACE_S:
+            # Another node's ranks all died with it, or its daemon is gone: Ray declares nodes dead
+            # one by one, a moment apart. One decision for all of them.
+            return None
         ranks = tuple(r for r, n in enumerate(node_of_rank) if n in dead_nodes)
         return FailureEvent(time=now, cause=FailureCause.NODE_LOST, nodes=tuple(sorted(dead_nodes)), ranks=ranks,
                             message=f"node(s) {sorted(dead_nodes)} lost with ranks {list(ranks)}")
@@ -129,7 +133,7 @@ class AttemptSignals:
         age = None if self.since is None else now - self.since
         failure = attribute(now, errors=self.errors, dead_nodes=result.dead_nodes, dead_ranks=self.dead_ranks,
                             unresponsive=result.unresponsive, node_of_rank=node_of_rank, signal_age_s=age,
-                            on_live_nodes=self.on_live_nodes)
+                            on_live_nodes=self.on_live_nodes, suspect_nodes=result.suspect_nodes)
         if failure is not None or self.since is not None or not self.step_times:
             return failure
         verdict = hang_verdict(now, last_step=self.last_step, last_report_at=self.last_report_at,

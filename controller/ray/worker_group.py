@@ -18,8 +18,10 @@ of a re-fork on this machine); only the failed part is replaced.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
@@ -29,6 +31,10 @@ from trainer.worker import WorkerArgs
 
 class LaunchAborted(Exception):
     """A start given up because the run was cancelled."""
+
+
+RAYLET_PROBE_S = 0.3
+"""How long a probe of a node's raylet waits for its connection (suspect nodes, `_node_states`)."""
 
 
 NAMESPACE = "goodput"
@@ -88,8 +94,10 @@ class RayWorkerGroup:
             refs = [warm for _, warm in new]  # each actor's warm() waits for its bundle, then imports torch
             deadline = time.monotonic() + self.launch_timeout_s
             ready: list[Any] = []
-            while len(ready) < len(new) and not self._abort.is_set() and time.monotonic() < deadline:
+            gone: set[str] = set()
+            while len(ready) < len(new) and not self._abort.is_set() and time.monotonic() < deadline and not gone:
                 ready, _ = ray.wait(refs, num_returns=len(new), timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+                gone = {node for node, _ in new} - _alive_names()  # a node that died meanwhile never starts them
             if len(ready) < len(new):
                 late = sorted({node for node, warm in new if warm not in ready})
                 for node in late:  # actors that never started must not be handed out later
@@ -103,6 +111,8 @@ class RayWorkerGroup:
                     self._drop_reservation(group)
                 if self._abort.is_set():
                     raise LaunchAborted(f"the launch was cancelled while workers on {late} were starting")
+                if gone:
+                    raise RuntimeError(f"node(s) {sorted(gone)} died while their workers were starting")
                 raise TimeoutError(f"workers on nodes {late} did not start in {self.launch_timeout_s:.0f} s: "
                                    "those nodes lack free GPU slots or are gone")
             ray.get(ready)  # an actor that died while importing raises here
@@ -185,9 +195,7 @@ class RayWorkerGroup:
 
     def _forget_dead_nodes(self) -> None:
         """Before a launch: nodes the pool knows that Ray no longer shows alive."""
-        import ray
-
-        alive = {(info.get("Labels") or {}).get("node") for info in ray.nodes() if info.get("Alive")}
+        alive = _alive_names()
         for node in [n for n in set(self._pool) | set(self._groups) if n not in alive]:
             self._forget_node(node)
 
@@ -224,7 +232,7 @@ class RayWorkerGroup:
             except Exception as e:  # noqa: BLE001 - the rank's own error, reported as is
                 result.errors[rank] = f"{type(e).__name__}: {e}"
         self._collect(result)
-        result.dead_nodes = self._dead_nodes()
+        result.dead_nodes, result.suspect_nodes = self._node_states()
         self._failed |= set(result.errors) | result.dead_ranks
         if self._failed or result.dead_nodes:  # failed stays failed: later polls must not read "finished"
             result.status = GroupStatus.FAILED
@@ -261,21 +269,25 @@ class RayWorkerGroup:
             result.events.extend((rank, kind, detail) for kind, detail in events)
         result.reports.sort(key=lambda r: (r.step, r.rank))
 
-    def _dead_nodes(self) -> set[str]:
-        """Nodes of this attempt with no alive Ray node carrying their `node` label."""
+    def _node_states(self) -> tuple[set[str], set[str]]:
+        """(dead, suspect) among this attempt's nodes. Dead: no alive Ray node carries its `node` label.
+        Suspect, looked at only once some node is dead: Ray still shows it alive but its raylet refuses
+        connections. Ray declares a node dead after a few missed health checks, so nodes lost together
+        are declared a moment apart; a refused connection tells at once."""
         import ray
 
-        alive, seen = set(), set()
+        alive: dict[str, tuple[str, int]] = {}
+        seen = set()
         for info in ray.nodes():
             name = (info.get("Labels") or {}).get("node")
             if name in self._nodes:
                 seen.add(name)
                 if info.get("Alive"):
-                    alive.add(name)
-        dead = seen - alive
+                    alive[name] = (info["NodeManagerAddress"], int(info["NodeManagerPort"]))
+        dead = seen - set(alive)
         for node in dead:
             self._forget_node(node)  # its actors died with it
-        return dead
+        return dead, (_refusing(alive) if dead else set())
 
     def rank_actor(self, rank: int) -> Any:
         """This attempt's actor of `rank` (drills act on it: controller/ray/drills.py)."""
@@ -435,3 +447,30 @@ def _reservation_node(group: Any, prefix: str) -> str | None:
     if not name.startswith(prefix):
         return None
     return name[len(prefix):].rsplit("-", 2)[0]  # node names may hold dashes: the last two parts are k, ns
+
+
+def _alive_names() -> set[str]:
+    """The `node` labels of the cluster's alive Ray nodes."""
+    import ray
+
+    return {name for info in ray.nodes() if info.get("Alive") and (name := (info.get("Labels") or {}).get("node"))}
+
+
+def _refusing(addresses: dict[str, tuple[str, int]]) -> set[str]:
+    """The names whose (host, port) refuses a TCP connection: nothing listens there. A timeout or an
+    unreachable network says nothing (a firewall may drop what a controller outside the cluster sends)."""
+    if not addresses:
+        return set()
+
+    def refused(address: tuple[str, int]) -> bool:
+        try:
+            socket.create_connection(address, timeout=RAYLET_PROBE_S).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
+        answers = dict(zip(addresses, pool.map(refused, addresses.values())))
+    return {name for name, no in answers.items() if no}

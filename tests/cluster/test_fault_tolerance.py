@@ -184,7 +184,9 @@ def test_a_node_and_its_buddy_lost_together_fall_back_to_the_store(ray_cluster: 
         restore_node(ray_cluster, "node-3")
         restore_node(ray_cluster, "node-2")
     assert c.state is RunState.SUCCEEDED, c.error
-    (first,) = [e.detail for e in c.events.of_kind("failure_detected")]
+    failures = [e.detail for e in c.events.of_kind("failure_detected")]
+    assert len(failures) == 1, failures
+    (first,) = failures
     assert sorted(first["nodes"]) == ["node-2", "node-3"], first
     started = c.events.of_kind("attempt_started")[1].detail
     assert started["restore_from"] == "store" and started["start_step"] == 4, started

@@ -67,3 +67,17 @@ def test_a_second_node_whose_ranks_all_died_is_waited_for() -> None:
     assert late is not None and late.nodes == ("n1",), "not forever: the dead node is replaced"
     f = run(dead_ranks={2, 3, 4}, dead_nodes={"n1"}, node_of_rank=nodes, signal_age_s=0.0)
     assert f is not None and f.nodes == ("n1",), "rank 5 lives: n2 is not dying"
+
+
+def test_a_second_node_whose_daemon_is_gone_is_waited_for() -> None:
+    """Its ranks may not be known dead yet (Ray reports an actor's death a moment after its worker's),
+    but its raylet refuses connections: wait for Ray to declare it, and decide for both."""
+    nodes = ("n0", "n0", "n1", "n1", "n2", "n2")
+    assert run(errors={0: GLOO}, dead_ranks={2, 3}, dead_nodes={"n1"}, suspect_nodes={"n2"}, node_of_rank=nodes,
+               signal_age_s=1.0) is None
+    f = run(errors={0: GLOO}, dead_ranks={2, 3}, dead_nodes={"n1", "n2"}, node_of_rank=nodes, signal_age_s=1.5)
+    assert f is not None and f.nodes == ("n1", "n2") and f.ranks == (2, 3, 4, 5)
+    late = run(errors={0: GLOO}, dead_nodes={"n1"}, suspect_nodes={"n2"}, node_of_rank=nodes, signal_age_s=25.0)
+    assert late is not None and late.nodes == ("n1",), "not forever"
+    f = run(errors={0: GLOO}, dead_nodes={"n1"}, suspect_nodes={"n1"}, node_of_rank=nodes, signal_age_s=0.0)
+    assert f is not None and f.nodes == ("n1",), "a suspect already declared dead is no reason to wait"

@@ -1,0 +1,17 @@
+"""A node whose raylet refuses connections is suspect at once; one that listens is not."""
+
+from __future__ import annotations
+
+import socket
+
+from controller.ray.worker_group import _refusing
+
+
+def test_only_a_refused_connection_makes_a_node_suspect() -> None:
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: the kernel refuses connections to it
+        addresses = {"alive": listening.getsockname(), "killed": closed.getsockname()}
+        assert _refusing(addresses) == {"killed"}
+    assert _refusing({}) == set()
