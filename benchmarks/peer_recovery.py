@@ -7,7 +7,8 @@ durable checkpoint). The durable checkpoint is every 5 steps in both; the drill 
 last ranks at step 8. Every drill's report must name the cause (node_lost) and the decision (replace);
 one that does not is counted and left out. Prints per configuration the median, min and max of:
 - failure -> first step (SIGKILL of the raylet -> the first step finished on the new attempt's ranks;
-  its report may reach the controller later: "report held");
+  its report may reach the controller later: "report held"), in phases: "first step" runs from the
+  controller hearing of the restore to the step's end, "its span" is the step's own time on its rank;
 - steps redone (the step the failure was detected at - the step the new attempt started from);
 - bytes the object store sent during the recovery;
 - step time (the mean over steps that are neither an attempt's first nor a checkpoint's: a snapshot
@@ -66,6 +67,8 @@ def one_run(cluster: LocalRayCluster, name: str, index: int, root: str, configs:
     phases = {"detect": report["detected_at"] - report["injected_at"], "decide+launch": started - report["detected_at"],
               "start+load": heard - started, "load": restored[0].get("seconds", float("nan")) if restored else float("nan"),
               "first step": report["recovered_at"] - heard,
+              "its span": next((h["end"] - h["start"] for h in run["history"] if h["attempt"] == 1 and h.get("end")),
+                               float("nan")),
               "report held": report["recovery_heard_at"] - report["recovered_at"],
               "in place": sum(bool(d.get("in_place")) for d in restored)}
     memory = [e["detail"] for e in events if e["kind"] == "peer_snapshots"]
