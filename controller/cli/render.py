@@ -31,7 +31,12 @@ def describe(event: dict) -> str:
         return f"planned mesh {mesh_text(d['mesh'])}: {d['explanation']}"
     if kind == EventKind.ATTEMPT_STARTED:
         nodes = sorted({r["node"] for r in d["placement"]})
-        src = f"from checkpoint step {d['resume_step']}" if d.get("resume_step") is not None else "from scratch"
+        if d.get("restore_from") == "peer":  # the step the peers' snapshots hold, no store read
+            src = f"from peer snapshots of step {d.get('start_step')}"
+        elif d.get("resume_step") is not None:
+            src = f"from checkpoint step {d['resume_step']}"
+        else:
+            src = "from scratch"
         return f"attempt {event['attempt']} started on {nodes} {src}"
     if kind == EventKind.CHECKPOINT_COMMITTED:
         return f"checkpoint committed at step {d['step']} ({d['seconds']:.2f} s)"
