@@ -182,6 +182,9 @@ def capacity_decision(now: float, *, mesh: MeshShape, topology: Topology, limits
     dp, placement = _largest(start, topology, global_batch, micro_batch, fits)
     note = _layout_note(start, dp, topology, global_batch, micro_batch, fits)
     note = f"; {note}" if note else ""
+    if target is None and dp == mesh.dp:  # idle healthy nodes (not spares: returned from repair) hold it
+        return Decision(action=Action.REPLACE, mesh=mesh, topology=topology, code="replaced", placement=placement,
+                        reason=f"{cause}: idle healthy nodes take over, mesh unchanged{note}")
     if dp >= limits.min_dp:
         new = replace(mesh, dp=dp)
         grow = target is not None and dp >= mesh.dp

@@ -37,7 +37,7 @@ def run(event: FailureEvent, topology: Topology, *, failures: int = 0, limits: E
         (6, 2, ("node-0", "node-1"), Action.REPLACE, 2),
         (4, 0, ("node-1",), Action.SHRINK, 1),
         (5, 1, ("node-0", "node-1"), Action.SHRINK, 1),
-        (8, 0, ("node-3",), Action.SHRINK, 2),   # 7 healthy nodes still hold dp2
+        (8, 0, ("node-3",), Action.REPLACE, 2),   # 7 healthy nodes still hold dp2: idle ones take over
     ],
 )
 def test_node_loss(nodes: int, spares: int, lost_nodes: tuple[str, ...], action: Action, dp: int) -> None:
@@ -46,8 +46,11 @@ def test_node_loss(nodes: int, spares: int, lost_nodes: tuple[str, ...], action:
     assert d.mesh is not None and (d.mesh.dp, d.mesh.pp, d.mesh.tp) == (dp, 2, 2)
     for n in lost_nodes:
         assert d.topology.node(n).state is NodeState.LOST
-    if action is Action.REPLACE:
+    if action is Action.REPLACE and spares:
         assert "spare" in d.reason and len(d.topology.spares()) == spares - len(lost_nodes)
+    if action is Action.REPLACE and not spares:
+        assert "idle healthy nodes take over, mesh unchanged" in d.reason, d.reason
+        assert d.placement is not None and not set(lost_nodes) & set(d.placement.node_of_rank)
 
 
 def test_shrink_keeps_global_batch_by_micro_batches() -> None:

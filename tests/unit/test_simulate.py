@@ -133,11 +133,14 @@ def test_the_cli_prints_the_breakdown_sweeps_and_draws(tmp_path: Any, capsys: py
     text = capsys.readouterr().out
     assert "sim: succeeded" in text and "recomputation" in text and "decisions: replace 1" in text
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    raw["cluster"]["simulated"]["spares"] = 0
+    path.write_text(yaml.safe_dump(raw))
     with pytest.raises(SystemExit) as swept:
-        main(["simulate", str(path), "--days", "1", "--json", "--sweep", "cluster.simulated.spares=0,1"])
+        main(["simulate", str(path), "--days", "1", "--json", "--sweep", "cluster.simulated.nodes=2,3"])
     assert swept.value.code == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["setting"] for r in rows] == [{"cluster.simulated.spares": 0}, {"cluster.simulated.spares": 1}]
+    assert [r["setting"] for r in rows] == [{"cluster.simulated.nodes": 2}, {"cluster.simulated.nodes": 3}]
+    # No spare: two nodes shrink to dp1; with a third, idle and healthy, it takes over (the mesh stays)
     assert [r["decisions"] for r in rows] == [{"shrink": 1}, {"replace": 1}]
     with pytest.raises(SystemExit) as bad:
         main(["simulate", str(path), "--sweep", "nonsense"])
