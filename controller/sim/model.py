@@ -16,15 +16,29 @@ hardware (gpu, network, storage) = 326 of 419 = 77.8 %.
 
 as rates per 1,000 node-days: count / (2,048 nodes x 54 days) x 1,000.
 
-Cost model defaults are goodput's own measurements where it has them (detection of a lost node
-0.9 s and the re-launch ~5 s, `benchmarks/recovery_drills.py`; the async checkpoint blocks the loop
-only for staging, `benchmarks/checkpoint_stall.py`), and otherwise derived from the spec: step time
-from 6 x parameters x tokens per step at `gpu_tflops` achieved per GPU; checkpoint bytes = 16 per
-parameter (bf16 weights, fp32 master weights and Adam moments, as the planner's memory model),
-staged at 10 GB/s per GPU, written at 2 GB/s per node, read back at 5 GB/s per GPU. Peer snapshots
-(`checkpoint.peer_every_steps`) stall the loop for the same host copy, go to the buddy and come back
-in a peer recovery at 12.5 GB/s per GPU (a 100 Gb/s share of the node's network). A spec's `cost:`
-overrides each.
+Cost model defaults grow with the world where the real costs do, and each says where it comes from:
+
+    step           6 x parameters x tokens per step at `gpu_tflops` achieved per GPU (400: Llama 3 405B's
+                   380-430 TFLOPs per GPU, Dubey et al. 2024, table 4)
+    restart        a fresh rank's CUDA init (0.15 s) + communicator init for the world: 0.36 s at world 1
+                   (goodput's own: benchmarks/gpu_path.py on one H100, README "Measured on a GPU") growing
+                   linearly to ~150 s at 16,384 ranks ("2.5-minute init time at large scale" on NCCL's
+                   default path, PyTorch's report in NVIDIA/nccl#1156, 2024). goodput forks each rank from
+                   a warm image (interpreter and torch imported), so the 4.2 s of those is not paid again
+    detection      a lost node: Ray's default health checks (src/ray/common/ray_config_def.h: every 3 s,
+                   10 s timeout, dead after 5 misses): a host that stops answering is declared after
+                   ~5 x 10 s; a network fault: the spec's collective timeout; the rest at once
+    checkpoint     16 bytes per parameter (bf16 weights, fp32 master weights and Adam moments, as the
+                   planner's memory model), staged at 10 GB/s per GPU (the loop's only stall), written at
+                   2 GB/s per node
+    restore        each rank reads only its shard, once (the load plan's ranged reads): a node's ranks
+                   share its 100 Gb/s link (12.5 GB/s) and every node shares the store's aggregate
+                   sustained bandwidth (2 TB/s: Llama 3's Tectonic, 7 TB/s at peak; Dubey et al. 2024,
+                   section 3.3.1)
+    peer snapshots the same host copy as the checkpoint's stall; to the buddy and back in a peer recovery
+                   at 12.5 GB/s per GPU (a 100 Gb/s share of the node's network)
+
+A spec's `cost:` overrides each (`restart_s` the whole restart).
 """
 
 from __future__ import annotations
@@ -43,11 +57,39 @@ DEFAULT_RATES = {k: v / LLAMA3_NODE_DAYS * 1000 for k, v in LLAMA3_COUNTS.items(
 BYTES_PER_PARAM = 16
 STAGING_GBPS_PER_GPU = 10.0
 UPLOAD_GBPS_PER_NODE = 2.0
-RESTORE_GBPS_PER_GPU = 5.0
+NODE_LINK_GBPS = 12.5
+"""A node's 100 Gb/s front-end link, shared by its ranks' restore reads."""
+STORE_AGGREGATE_GBPS = 2000.0
+"""The object store's sustained aggregate bandwidth (Llama 3's Tectonic: 2 TB/s, 7 TB/s at peak)."""
 PEER_LINK_GBPS_PER_GPU = 12.5
-MEASURED_NODE_LOSS_DETECTION_S = 0.9
-MEASURED_RESTART_S = 5.0
+MEASURED_CUDA_INIT_S = 0.15
+MEASURED_COMM_INIT_WORLD_1_S = 0.36
+"""benchmarks/gpu_path.py on one H100 (torch 2.11.0+cu130): CUDA init, NCCL init at world size 1."""
+PUBLISHED_COMM_INIT_S = 150.0
+PUBLISHED_COMM_INIT_WORLD = 16384
+"""NVIDIA/nccl#1156 (2024): 2.5 min of communicator init at large scale on NCCL's default path."""
+RAY_HEALTH_CHECK_TIMEOUT_S = 10.0
+RAY_HEALTH_CHECK_FAILURES = 5
+"""Ray's defaults (health_check_timeout_ms 10000, health_check_failure_threshold 5)."""
 DEFAULT_GPU_TFLOPS = 400.0
+
+
+def comm_init_s(world: int) -> float:
+    """Communicator init for `world` ranks: linear in the world (the default bootstrap's all-gathers go
+    round a ring of every rank) between goodput's measurement at 1 and the published figure at 16,384."""
+    per_rank = (PUBLISHED_COMM_INIT_S - MEASURED_COMM_INIT_WORLD_1_S) / (PUBLISHED_COMM_INIT_WORLD - 1)
+    return MEASURED_COMM_INIT_WORLD_1_S + per_rank * (max(world, 1) - 1)
+
+
+def restart_s(world: int) -> float:
+    """A relaunch of `world` ranks forked from warm images: CUDA init and the communicators."""
+    return MEASURED_CUDA_INIT_S + comm_init_s(world)
+
+
+def restore_s(state_bytes: float, *, gpus: int, gpus_per_node: int) -> float:
+    """Every rank reads its own shard once: a node's link or the store's aggregate, whichever binds."""
+    per_node = state_bytes / max(gpus, 1) * gpus_per_node
+    return max(per_node / (NODE_LINK_GBPS * 1e9), state_bytes / (STORE_AGGREGATE_GBPS * 1e9))
 
 
 @dataclass(frozen=True)
@@ -90,9 +132,9 @@ def cost_model(spec: Any, *, params: int, gpus: int, gpus_per_node: int) -> Cost
         step_s=step,
         checkpoint_stall_s=_given(c.checkpoint_stall_s, per_gpu / (STAGING_GBPS_PER_GPU * 1e9)),
         checkpoint_save_s=_given(c.checkpoint_save_s, per_gpu * gpus_per_node / (UPLOAD_GBPS_PER_NODE * 1e9)),
-        restore_s=_given(c.restore_s, per_gpu / (RESTORE_GBPS_PER_GPU * 1e9)),
-        restart_s=_given(c.restart_s, MEASURED_RESTART_S),
-        node_loss_detection_s=_given(c.node_loss_detection_s, MEASURED_NODE_LOSS_DETECTION_S),
+        restore_s=_given(c.restore_s, restore_s(BYTES_PER_PARAM * params, gpus=gpus, gpus_per_node=gpus_per_node)),
+        restart_s=_given(c.restart_s, restart_s(gpus)),
+        node_loss_detection_s=_given(c.node_loss_detection_s, RAY_HEALTH_CHECK_FAILURES * RAY_HEALTH_CHECK_TIMEOUT_S),
         collective_timeout_s=spec.health.collective_timeout_s,
         peer_snapshot_stall_s=_given(c.peer_snapshot_stall_s, per_gpu / (STAGING_GBPS_PER_GPU * 1e9)),
         peer_transfer_s=_given(c.peer_transfer_s, per_gpu / (PEER_LINK_GBPS_PER_GPU * 1e9)),

@@ -1,0 +1,38 @@
+"""The simulator's cost model, term by term, checked by hand against its sources' figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.sim.model import comm_init_s, cost_model, restart_s, restore_s
+from controller.spec import parse_spec
+
+
+def test_communicator_init_runs_from_the_measured_world_1_to_the_published_16k_figure() -> None:
+    assert comm_init_s(1) == pytest.approx(0.36)  # goodput on one H100
+    assert comm_init_s(16384) == pytest.approx(150.0)  # NVIDIA/nccl#1156: 2.5 min at large scale
+    assert comm_init_s(8193) == pytest.approx((0.36 + 150.0) / 2, rel=1e-3)  # linear between
+    assert restart_s(16384) == pytest.approx(0.15 + 150.0)  # CUDA init + communicators
+
+
+def test_restore_is_bound_by_the_node_link_or_the_store_whichever_is_slower() -> None:
+    # 8 GB per GPU, 8 GPUs per node, 64 GB per node over 12.5 GB/s: the node link binds at 16 GPUs
+    assert restore_s(16 * 8e9, gpus=16, gpus_per_node=8) == pytest.approx(64e9 / 12.5e9)
+    # 6.5 TB over 16,384 GPUs: 3.2 GB per node is 0.25 s, but the store's 2 TB/s takes 3.24 s
+    assert restore_s(6.48e12, gpus=16384, gpus_per_node=8) == pytest.approx(6.48e12 / 2e12)
+
+
+def test_defaults_fill_what_the_spec_leaves_out_and_the_spec_overrides_each() -> None:
+    raw = {"name": "c", "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 128, "seq_len": 64},
+           "train": {"steps": 10, "global_batch": 8, "micro_batch": 1},
+           "cluster": {"simulated": {"nodes": 2, "gpus_per_node": 4, "racks": 1, "spares": 0}},
+           "checkpoint": {"uri": "sim://"}}
+    spec = parse_spec(raw)
+    params = spec.to_model_config().num_params()
+    c = cost_model(spec, params=params, gpus=8, gpus_per_node=4)
+    assert c.restart_s == pytest.approx(restart_s(8)) and c.node_loss_detection_s == 50.0  # Ray's defaults: 5 x 10 s
+    assert c.restore_s == pytest.approx(restore_s(16 * params, gpus=8, gpus_per_node=4))
+    assert c.step_s == pytest.approx(6 * params * 8 * 64 / (8 * 400e12))
+    raw["cost"] = {"restart_s": 600.0, "node_loss_detection_s": 1.0, "restore_s": 7.0}
+    c = cost_model(parse_spec(raw), params=params, gpus=8, gpus_per_node=4)
+    assert (c.restart_s, c.node_loss_detection_s, c.restore_s) == (600.0, 1.0, 7.0)
