@@ -30,7 +30,7 @@ Cost model defaults grow with the world where the real costs do, and each says w
                    ~5 x 10 s; a network fault: the spec's collective timeout; the rest at once
     checkpoint     16 bytes per parameter (bf16 weights, fp32 master weights and Adam moments, as the
                    planner's memory model), staged at 10 GB/s per GPU (the loop's only stall), written at
-                   2 GB/s per node
+                   2 GB/s per node or the store's aggregate (below), whichever binds
     restore        each rank reads only its shard, once (the load plan's ranged reads): a node's ranks
                    share its 100 Gb/s link (12.5 GB/s) and every node shares the store's aggregate
                    sustained bandwidth (2 TB/s: Llama 3's Tectonic, 7 TB/s at peak; Dubey et al. 2024,
@@ -131,7 +131,8 @@ def cost_model(spec: Any, *, params: int, gpus: int, gpus_per_node: int) -> Cost
     return CostModel(
         step_s=step,
         checkpoint_stall_s=_given(c.checkpoint_stall_s, per_gpu / (STAGING_GBPS_PER_GPU * 1e9)),
-        checkpoint_save_s=_given(c.checkpoint_save_s, per_gpu * gpus_per_node / (UPLOAD_GBPS_PER_NODE * 1e9)),
+        checkpoint_save_s=_given(c.checkpoint_save_s, max(per_gpu * gpus_per_node / (UPLOAD_GBPS_PER_NODE * 1e9),
+                                                          BYTES_PER_PARAM * params / (STORE_AGGREGATE_GBPS * 1e9))),
         restore_s=_given(c.restore_s, restore_s(BYTES_PER_PARAM * params, gpus=gpus, gpus_per_node=gpus_per_node)),
         restart_s=_given(c.restart_s, restart_s(gpus)),
         node_loss_detection_s=_given(c.node_loss_detection_s, RAY_HEALTH_CHECK_FAILURES * RAY_HEALTH_CHECK_TIMEOUT_S),

@@ -33,6 +33,17 @@ def test_defaults_fill_what_the_spec_leaves_out_and_the_spec_overrides_each() ->
     assert c.restart_s == pytest.approx(restart_s(8)) and c.node_loss_detection_s == 50.0  # Ray's defaults: 5 x 10 s
     assert c.restore_s == pytest.approx(restore_s(16 * params, gpus=8, gpus_per_node=4))
     assert c.step_s == pytest.approx(6 * params * 8 * 64 / (8 * 400e12))
+    assert c.checkpoint_save_s == pytest.approx(16 * params / 8 * 4 / 2e9)  # a node's 2 GB/s binds here
     raw["cost"] = {"restart_s": 600.0, "node_loss_detection_s": 1.0, "restore_s": 7.0}
     c = cost_model(parse_spec(raw), params=params, gpus=8, gpus_per_node=4)
     assert (c.restart_s, c.node_loss_detection_s, c.restore_s) == (600.0, 1.0, 7.0)
+
+
+def test_a_save_at_scale_is_bound_by_the_store() -> None:
+    """Llama 3 405B's 6.5 TB from 2,048 nodes at 2 GB/s each would be 4 TB/s: the store takes 2."""
+    raw = {"name": "c", "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 128, "seq_len": 64},
+           "train": {"steps": 10, "global_batch": 8, "micro_batch": 1},
+           "cluster": {"simulated": {"nodes": 2, "gpus_per_node": 4, "racks": 1, "spares": 0}},
+           "checkpoint": {"uri": "sim://"}}
+    c = cost_model(parse_spec(raw), params=405_000_000_000, gpus=16384, gpus_per_node=8)
+    assert c.checkpoint_save_s == pytest.approx(16 * 405e9 / 2e12)
