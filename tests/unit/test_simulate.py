@@ -171,3 +171,21 @@ def test_a_sweep_reports_an_infeasible_setting_as_its_row_and_draws(tmp_path: An
     rows = sweep(copy.deepcopy(TINY), [("cluster.simulated.spares", ["2", "1"])], days=1, seed=0)
     assert rows[0]["state"] == "infeasible" and "healthy nodes offer 1" in rows[0]["error"]
     assert rows[1]["state"] == "succeeded" and rows[1]["setting"] == {"cluster.simulated.spares": 1}
+
+
+def test_the_llama3_preset_lands_where_the_report_does() -> None:
+    """The Llama 3 405B run as its report describes it (16,384 GPUs, 54 days, its failure counts, a
+    plain restart of the whole job at the published cost) keeps "higher than 90 %" effective training
+    time (Dubey et al. 2024, section 3.3.4). A model that loses under 1 % to ~420 interruptions would
+    flatter (the flat 5 s restart measured on 8 CPU ranks gave 0.994)."""
+    from pathlib import Path
+
+    import yaml
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "llama3-405b-restart.yaml").read_text())
+    result = simulate(parse_spec(raw), days=54, seed=0)
+    assert result["gpus"] == 16384 and result["cost_model"]["restart_s"] == 155
+    assert 380 <= sum(result["failures_by_cause"].values()) <= 470, result["failures_by_cause"]  # 419 reported
+    assert 0.90 < result["ettr"] < 0.99, result["ettr"]
+    g = result["goodput"]["badput_seconds"]
+    assert g["restart_restore"] > g["recomputation"] and g["degraded_capacity"] < 0.001 * result["simulated_seconds"]
