@@ -57,12 +57,28 @@ class Placement:
         return [r for r, n in enumerate(self.node_of_rank) if n == node]
 
 
+_last: list[tuple[MeshShape, tuple[str, ...], tuple[int, ...], dict[str, str], tuple[dict, ...]]] = []
+"""The rows made last: a relaunch that replaced a node shares the other ranks' rows with them."""
+
+
 @functools.lru_cache(maxsize=8)
 def _rows(mesh: MeshShape, node_of_rank: tuple[str, ...], gpu_of_rank: tuple[int, ...],
           rack_items: tuple[tuple[str, str], ...]) -> tuple[dict, ...]:
     racks = dict(rack_items)
-    return tuple({"rank": rank, **mesh.rank_coords(rank), "node": node, "rack": racks[node], "gpu": gpu}
-                 for rank, (node, gpu) in enumerate(zip(node_of_rank, gpu_of_rank)))
+    before = _last[0] if _last and _last[0][0] == mesh and len(_last[0][1]) == len(node_of_rank) else None
+    dp_key, pp_key, tp_key = mesh.rank_coords(0)  # the coordinates' names, in their order
+    tp, per_replica = mesh.tp, mesh.pp * mesh.tp
+    rows = []
+    for rank, (node, gpu) in enumerate(zip(node_of_rank, gpu_of_rank)):
+        if before is not None and before[1][rank] == node and before[2][rank] == gpu \
+                and before[3].get(node) == racks[node]:
+            rows.append(before[4][rank])  # the same rank on the same GPU: the same row
+            continue
+        rows.append({"rank": rank, dp_key: rank // per_replica, pp_key: rank % per_replica // tp, tp_key: rank % tp,
+                     "node": node, "rack": racks[node], "gpu": gpu})
+    out = tuple(rows)
+    _last[:] = [(mesh, node_of_rank, gpu_of_rank, racks, out)]
+    return out
 
 
 def _tp_slots(node: Node, tp: int) -> list[tuple[str, int]]:

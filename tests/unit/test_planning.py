@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.placement import PlacementError, place
+from controller.placement import Placement, PlacementError, place
 from controller.planner import PlanError, plan_mesh, static_state_bytes
 from controller.topology import Node, NodeState, Topology
 from trainer.config import MeshShape, ModelConfig, TrainConfig
@@ -139,3 +139,19 @@ def test_heterogeneous_nodes_are_not_mixed_into_tp_groups() -> None:
                   Node(name="b", rack="r", num_gpus=2, gpu_memory_bytes=1)))
     p = place(MeshShape(dp=3, pp=1, tp=2), t)
     check_rules(p, t)
+
+
+def test_rows_of_a_relaunch_share_the_unmoved_ranks_rows_and_match_the_coordinates() -> None:
+    """A 131k-rank run relaunched after a node loss lists its placement again: only the moved ranks get
+    new rows (the rest are the same, shared, objects), and every row says what rank_coords says."""
+    mesh = MeshShape(dp=2, pp=2, tp=2)
+    racks = {f"n{i}": "r0" for i in range(5)}
+    before = Placement(mesh=mesh, node_of_rank=tuple(f"n{r // 2}" for r in range(8)),
+                       gpu_of_rank=tuple(r % 2 for r in range(8)), rack_of_node=racks, spares=("n4",))
+    after = Placement(mesh=mesh, node_of_rank=before.node_of_rank[:6] + ("n4", "n4"),
+                      gpu_of_rank=before.gpu_of_rank, rack_of_node=racks, spares=())
+    a, b = list(before.rows()), list(after.rows())
+    for placement, rows in ((before, a), (after, b)):
+        assert rows == [{"rank": r, **mesh.rank_coords(r), "node": placement.node_of_rank[r], "rack": "r0",
+                         "gpu": placement.gpu_of_rank[r]} for r in range(8)]
+    assert all(b[r] is a[r] for r in range(6)) and b[6] is not a[6]
