@@ -67,6 +67,10 @@ class FailureTiming:
     onset: float
     detected_at: float
     recovered_at: float | None
+    recomputation_s: float = 0.0
+    """Work of the failed attempt that was done again: its steps a later attempt redid, and the step in flight."""
+    waiting_s: float = 0.0
+    """Of the recovery, the time spent waiting for capacity (below min_dp)."""
 
     @property
     def detection_s(self) -> float:
@@ -77,9 +81,12 @@ class FailureTiming:
         return None if self.recovered_at is None else self.recovered_at - self.detected_at
 
     def to_dict(self) -> dict[str, Any]:
+        recovery = self.recovery_s
         return {"attempt": self.attempt, "cause": self.cause, "onset": self.onset, "detected_at": self.detected_at,
                 "recovered_at": self.recovered_at, "detection_seconds": self.detection_s,
-                "recovery_seconds": self.recovery_s}
+                "recovery_seconds": recovery, "waiting_seconds": self.waiting_s,
+                "recomputation_seconds": self.recomputation_s,
+                "lost_seconds": None if recovery is None else self.detection_s + recovery + self.recomputation_s}
 
 
 @dataclass
@@ -171,10 +178,12 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         k = bisect.bisect_left(starts, next_start)
         next_first_step = starts[k] if k < len(starts) else next_start
         recovered = next_first_step if later and k < len(starts) else None
-        failures.append(FailureTiming(attempt, str(failure["detail"].get("cause", "unknown")), onset, t_detected,
-                                      recovered))
         w = bisect.bisect_left(wait_times, t_detected)
         waits = wait_times[w:w + 1] if w < len(wait_times) and wait_times[w] <= next_start else []
+        redone = sum(s.end - s.start for s in by_attempt.get(attempt, []) if s not in kept and s.end <= t_detected)
+        failures.append(FailureTiming(attempt, str(failure["detail"].get("cause", "unknown")), onset, t_detected,
+                                      recovered, recomputation_s=redone + (onset - last_end),
+                                      waiting_s=next_start - waits[0] if waits else 0.0))
         if waits:
             intervals.append((t_detected, waits[0], "restart_restore"))
             intervals.append((waits[0], next_start, "waiting_for_capacity"))

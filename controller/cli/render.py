@@ -197,3 +197,10 @@ def print_simulation(r: dict) -> None:
           + f"; interrupting the run: {sum(r['interruptions_by_component'].values())}")
     print("failures by cause: " + (", ".join(f"{k} {v}" for k, v in sorted(r["failures_by_cause"].items())) or "none"))
     print("decisions: " + (", ".join(f"{k} {v}" for k, v in sorted(r["decisions"].items())) or "none"))
+    if r.get("lost_per_failure"):
+        print()
+        print("lost per failure (mean seconds; recovery = restart + restore + waiting for capacity):")
+        table(["cause", "count", "detection", "recovery", "of it waiting", "recomputation", "lost"],
+              [[cause, f"{row['count']:.0f}", f"{row['detection_seconds']:.1f}", f"{row['recovery_seconds']:.1f}",
+                f"{row['waiting_seconds']:.1f}", f"{row['recomputation_seconds']:.1f}", f"{row['lost_seconds']:.1f}"]
+               for cause, row in r["lost_per_failure"].items()])

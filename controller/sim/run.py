@@ -122,11 +122,32 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
         "failures_by_cause": dict(Counter(e["detail"]["cause"] for e in events if e["kind"] == EventKind.FAILURE_DETECTED)),
         "decisions": dict(Counter(e["detail"]["action"] for e in events if e["kind"] == EventKind.DECISION)),
         "mttr_s": statistics.mean(recoveries) if recoveries else None,
+        "lost_per_failure": lost_per_failure(goodput["failures"]),
         "attempts": max(c.attempt, 0) + 1,
         "goodput": goodput,
         "ettr": goodput["ettr"],
         "_controller": c,
     }
+
+
+LOST_TERMS = ("detection_seconds", "recovery_seconds", "waiting_seconds", "recomputation_seconds", "lost_seconds")
+
+
+def lost_per_failure(failures: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """By cause, and for all failures ("all"): how many, and the mean of each lost-work term per failure
+    (detection, recovery: restart, restore and any wait for capacity, of which waiting, recomputation,
+    and their sum). Failures not yet recovered count in detection and recomputation only."""
+    out: dict[str, dict[str, float]] = {}
+    for cause in sorted({f["cause"] for f in failures}) + ["all"]:
+        these = [f for f in failures if cause in ("all", f["cause"])]
+        if not these:
+            continue
+        row: dict[str, float] = {"count": len(these)}
+        for term in LOST_TERMS:
+            values = [f[term] for f in these if f.get(term) is not None]
+            row[term] = statistics.fmean(values) if values else 0.0
+        out[cause] = row
+    return out
 
 
 def run_view(result: dict[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,10 @@ def test_kill_node_with_rollback() -> None:
     (failure,) = result.failures
     assert (failure.cause, failure.onset, failure.detection_s, failure.recovery_s) == ("node_lost", 9.4,
                                                                                        pytest.approx(1.0), pytest.approx(3.6))
+    # Its lost work on its own: steps 6 and 7 done again (2 s) and step 8 in flight (0.4 s)
+    d = failure.to_dict()
+    assert d["recomputation_seconds"] == pytest.approx(2.4) and d["waiting_seconds"] == 0.0
+    assert d["lost_seconds"] == pytest.approx(1.0 + 3.6 + 2.4)
 
 
 def test_wait_below_min_dp() -> None:
@@ -67,6 +71,7 @@ def test_wait_below_min_dp() -> None:
     check(result, wall=24.0, productive=5.0,
           startup=1.0, failure_detection=1.0, restart_restore=0.5 + 2.0, waiting_for_capacity=14.5)
     assert result.failures[0].recovery_s == pytest.approx(17.0)  # the wait counts in recovery
+    assert result.failures[0].waiting_s == pytest.approx(14.5)  # and is shown on its own
 
 
 def test_straggler() -> None:

@@ -61,6 +61,12 @@ def test_one_failure_at_a_known_step_costs_the_lost_steps_and_the_cost_models_re
     assert g["badput_seconds"]["restart_restore"] == pytest.approx(2.0)
     assert g["productive_seconds"] == pytest.approx(100.0)
     assert result["steps"] == 100 and result["attempts"] == 2
+    # The same failure's lost work on its own, by hand: 0.9 + 2.0 + 5 steps of 1 s
+    lost = result["lost_per_failure"]
+    assert set(lost) == {"node_lost", "all"} and lost["all"] == lost["node_lost"]
+    assert lost["all"] == pytest.approx({"count": 1, "detection_seconds": 0.9, "recovery_seconds": 2.0,
+                                         "waiting_seconds": 0.0, "recomputation_seconds": 5.0,
+                                         "lost_seconds": 7.9})
 
 
 def test_a_seed_fixes_the_outcome() -> None:
