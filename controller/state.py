@@ -374,6 +374,8 @@ class RunController:
         if rejected is not None:  # never loaded again: the next attempt starts from the step before it
             with self.outside_lock():
                 self._discarded(now, self.checkpoints.reject(*rejected))
+        if self.topology_source is not None:  # lost nodes that are back (repaired) may take over
+            self.topology = merge_returned(self.topology, self.topology_source())
         decision = self.policy.on_failure(now, failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
                                           topology=self.topology, waiting_since=self._waiting_since)
         self.failures.append(failure)

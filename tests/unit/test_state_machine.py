@@ -374,3 +374,32 @@ def test_cancel_while_recovering() -> None:
     c.cancel()
     assert c.step(111.0) is RunState.CANCELLED
     assert g.shutdowns == shutdowns + 1 and c.events.kinds()[-1] == "cancelled"
+
+
+def test_a_repaired_node_stands_in_at_the_next_loss_when_the_spares_are_used() -> None:
+    """Full mesh, one spare: node A is lost (the spare takes over) and comes back repaired; node B is
+    then lost. The run never shrank, so nothing grew it back, but the returned node is healthy and
+    idle: it takes B's place, the mesh unchanged (it used to wait for capacity, or shrink)."""
+    raw = copy.deepcopy(BASE)
+    raw["drills"] = []
+    spec = parse_spec(raw)
+    full = spec.topology()
+    live = {"topology": full}
+    g = FakeWorkerGroup()
+    c = RunController(spec, full, g, now=100.0, topology_source=lambda: live["topology"])
+    start_running(c)
+    first = g.started[0].placement.node_of_rank[7]
+    live["topology"] = Topology(tuple(n for n in full.nodes if n.name != first))
+    g.lose_node(first)
+    c.step(110.0)
+    c.step(111.0)
+    assert c.events.of_kind("decision")[-1].detail["action"] == "replace" and c.state is RunState.RUNNING
+    live["topology"] = full  # repaired
+    second = g.started[-1].placement.node_of_rank[0]
+    live["topology"] = Topology(tuple(n for n in full.nodes if n.name != second))
+    g.lose_node(second)
+    c.step(120.0)
+    c.step(121.0)
+    decision = c.events.of_kind("decision")[-1].detail
+    assert decision["action"] == "replace" and decision["mesh"] == {"dp": 2, "pp": 2, "tp": 2}, decision
+    assert c.state is RunState.RUNNING and first in g.started[-1].placement.node_of_rank
