@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,14 +181,31 @@ def quarantines_from(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for e in events if e["kind"] == EventKind.QUARANTINED and e["detail"].get("reason") != "lost"]
 
 
+class MeshStages(Mapping[int, int]):
+    """rank -> its pipeline stage, computed from the mesh (an attempt of 131k ranks builds no dict)."""
+
+    def __init__(self, mesh: MeshShape) -> None:
+        self.mesh = mesh
+
+    def __getitem__(self, rank: int) -> int:
+        if not isinstance(rank, int) or not 0 <= rank < self.mesh.world_size:
+            raise KeyError(rank)
+        return self.mesh.stage_of(rank)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.mesh.world_size))
+
+    def __len__(self) -> int:
+        return self.mesh.world_size
+
+
 class StragglerWatch:
     """One attempt's straggler judgement: each rank's compute time against its stage peers'. Verdicts
     become `straggler` events; under `straggler_action: replace` the ranks slower than their peers are
     replaced at the next checkpoint (no step is lost) when a spare can take their place."""
 
     def __init__(self, mesh: MeshShape, node_of_rank: tuple[str, ...], *, ratio: float, action: str) -> None:
-        self.tracker = StragglerTracker({r: mesh.stage_of(r) for r in range(mesh.world_size)},
-                                        StragglerConfig(ratio=ratio))
+        self.tracker = StragglerTracker(MeshStages(mesh), StragglerConfig(ratio=ratio))
         self.node_of_rank = node_of_rank
         self.ratio = ratio
         self.action = action

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -128,10 +129,11 @@ class StragglerTracker:
     MAX_PENDING_STEPS = 256
     """Steps kept waiting for their last ranks' samples; older ones are dropped unevaluated."""
 
-    def __init__(self, stage_of_rank: dict[int, int], config: StragglerConfig) -> None:
+    def __init__(self, stage_of_rank: Mapping[int, int], config: StragglerConfig) -> None:
+        """`stage_of_rank`: any read-only mapping (kept, not copied: a mesh's is computed, not stored)."""
         if not stage_of_rank:
             raise ValueError("a straggler tracker needs at least one rank")
-        self.stage_of_rank = dict(stage_of_rank)
+        self.stage_of_rank = stage_of_rank
         self.config = config
         self._ranks: dict[int, _Rank] = {}
         """Per-rank state, made when a rank's first step is evaluated (an attempt may have 16k ranks)."""

@@ -81,3 +81,13 @@ def test_a_second_node_whose_daemon_is_gone_is_waited_for() -> None:
     assert late is not None and late.nodes == ("n1",), "not forever"
     f = run(errors={0: GLOO}, dead_nodes={"n1"}, suspect_nodes={"n1"}, node_of_rank=nodes, signal_age_s=0.0)
     assert f is not None and f.nodes == ("n1",), "a suspect already declared dead is no reason to wait"
+
+
+def test_a_meshs_stages_are_computed_as_the_dict_would_hold_them() -> None:
+    from controller.attribution import MeshStages
+    from trainer.config import MeshShape
+
+    mesh = MeshShape(dp=2, pp=3, tp=2)
+    stages = MeshStages(mesh)
+    assert dict(stages) == {r: mesh.stage_of(r) for r in range(12)} and len(stages) == 12
+    assert 11 in stages and 12 not in stages and -1 not in stages
