@@ -244,7 +244,9 @@ def cmd_simulate(opts: argparse.Namespace) -> int:
         raise CliError(f"cannot read {opts.spec}: {e}") from None
     started = time.perf_counter()
     if opts.sweep:
-        rows = sweep(raw, [parse_sweep(s) for s in opts.sweep], days=opts.days, seed=opts.seed)
+        rows = sweep(raw, [parse_sweep(s) for s in opts.sweep], days=opts.days, seed=opts.seed, fill_dp=opts.fill)
+    elif opts.fill:
+        raise CliError("--fill goes with --sweep cluster.simulated.nodes=N1,N2,...")
     else:
         rows = [simulate(parse_spec(raw), days=opts.days, seed=opts.seed)]
     wall = time.perf_counter() - started
@@ -264,8 +266,10 @@ def cmd_simulate(opts: argparse.Namespace) -> int:
         print_simulation(public[0])
     else:
         keys = list(public[0]["setting"])
-        table(keys + ["ETTR", "steps", "interruptions", "MTTR s", "ckpt every", "largest badput"],
-               [[str(r["setting"][k]) for k in keys] + sweep_cells(r) for r in public])
+        gpus = ["GPUs"] if opts.fill else []  # what each cluster came to
+        table(keys + gpus + ["ETTR", "steps", "interruptions", "MTTR s", "ckpt every", "largest badput"],
+               [[str(r["setting"][k]) for k in keys] + [str(r.get("gpus", "-")) for _ in gpus] + sweep_cells(r)
+                for r in public])
         for r in public:
             if r["state"] == "infeasible":
                 print(f"{', '.join(f'{k}={v}' for k, v in r['setting'].items())}: infeasible: {r['error']}")

@@ -164,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
                           help="simulate each value of a spec key (dotted), e.g. checkpoint.every_steps=50,100,auto; "
                                "several --sweep: every combination")
-    simulate.add_argument("--out", metavar="PNG", help="draw the run's timeline (not with --sweep)")
+    simulate.add_argument("--fill", action="store_true",
+                          help="with --sweep cluster.simulated.nodes=...: dp grows to fill each cluster (tp, pp, "
+                               "samples per replica and min_dp's share kept), so the sweep is the world growing")
+    simulate.add_argument("--out", metavar="PNG", help="draw the run's timeline, or with --sweep its settings "
+                                                     "(a curve along a numeric axis: ETTR and MTTR)")
     simulate.add_argument("--json", action="store_true")
     simulate.set_defaults(func=cmd_simulate)
     rep = sub.add_parser("report", help="goodput/badput breakdown of a run and its timeline plot (PNG)")

@@ -132,14 +132,28 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     return out
 
 
+def curve_axis(rows: list[dict[str, Any]]) -> str | None:
+    """The sweep's first axis that is a number taking three values or more (a world size, an
+    interval): drawn as a curve along it, one line per setting of the other axes."""
+    for key in rows[0]["setting"] if rows else ():
+        values = [r["setting"][key] for r in rows]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and len(set(values)) >= 3:
+            return key
+    return None
+
+
 def plot_sweep(rows: list[dict[str, Any]], out: Path) -> Path:
-    """`goodput simulate --sweep ... --out`: ETTR and steps done per setting, side by side (an
-    infeasible setting is drawn as such, with no bar)."""
+    """`goodput simulate --sweep ... --out`: along a numeric axis (`curve_axis`), ETTR and MTTR as
+    curves, one per setting of the other axes; otherwise ETTR and steps done per setting, side by side
+    (an infeasible setting is drawn as such, with no bar)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    along = curve_axis(rows)
+    if along is not None:
+        return _plot_curves(plt, rows, along, out)
     labels = [", ".join(f"{k}={v}" for k, v in r["setting"].items()) for r in rows]
     feasible = [r["state"] != "infeasible" for r in rows]
     x = list(range(len(rows)))
@@ -161,5 +175,49 @@ def plot_sweep(rows: list[dict[str, Any]], out: Path) -> Path:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _plot_curves(plt: Any, rows: list[dict[str, Any]], along: str, out: Path) -> Path:
+    """ETTR and MTTR against `along`, a line per setting of the other axes; a point the cluster cannot
+    hold is left out of its line and named under the chart."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        label = ", ".join(f"{k}={v}" for k, v in r["setting"].items() if k != along) or "all"
+        series.setdefault(label, []).append(r)
+    fig, (ettr, mttr) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    fig.suptitle(f"goodput simulate: ETTR and MTTR as {along} grows", fontsize=13)
+    infeasible = []
+    for label, points in series.items():
+        done = sorted((r for r in points if r["state"] != "infeasible"), key=lambda r: r["setting"][along])
+        infeasible += [f"{label} at {r['setting'][along]}" for r in points if r["state"] == "infeasible"]
+        ettr.plot([r["setting"][along] for r in done], [r["ettr"] for r in done], marker="o", label=label)
+        timed = [r for r in done if r["mttr_s"] is not None]
+        mttr.plot([r["setting"][along] for r in timed], [r["mttr_s"] for r in timed], marker="o", label=label)
+        for r in done:
+            ettr.annotate(f"{r['ettr']:.3f}", (r["setting"][along], r["ettr"]), textcoords="offset points",
+                          xytext=(0, 5), ha="center", fontsize=8)
+    values = sorted({r["setting"][along] for r in rows})
+    if min(values) > 0 and max(values) >= 10 * min(values):
+        mttr.set_xscale("log")
+    gpus = {v: {r.get("gpus") for r in rows if r["setting"][along] == v and r["state"] != "infeasible"} for v in values}
+    mttr.set_xticks(values, labels=[f"{v:,}" + (f"\n{next(iter(g)):,} GPUs" if len(g) == 1 else "")
+                                    for v, g in gpus.items()])
+    mttr.minorticks_off()
+    feasible = [r["ettr"] for r in rows if r["state"] != "infeasible"]
+    ettr.set_ylim(min([0.8, *feasible]) - 0.02, 1.0)
+    ettr.set_ylabel("ETTR")
+    mttr.set_ylabel("MTTR (s)")
+    mttr.set_xlabel(along)
+    for ax in (ettr, mttr):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if infeasible:
+        mttr.annotate("infeasible: " + "; ".join(infeasible), (0.0, -0.3), xycoords="axes fraction", fontsize=8,
+                      color=COLORS["failure_detection"])
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out

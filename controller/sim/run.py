@@ -166,11 +166,37 @@ def _interval(events: list[dict[str, Any]], spec: RunSpec) -> Any:
     return spec.checkpoint.every_steps
 
 
-def sweep(raw: dict[str, Any], axes: list[tuple[str, list[str]]], *, days: float | None, seed: int
-          ) -> list[dict[str, Any]]:
+def fill(raw: dict[str, Any], base: dict[str, Any]) -> None:
+    """Grow (or shrink) the data-parallel degree of `raw` to fill its simulated cluster's non-spare
+    nodes, as `base` (the spec before the sweep) fills its own: tp and pp stay, the global batch keeps
+    `base`'s samples per replica, min_dp keeps its share of dp. What a world-size sweep needs: more
+    nodes train one model faster, not the same mesh with idle nodes beside it."""
+    par = raw.get("parallelism")
+    if not isinstance(par, dict):
+        raise SpecError("--fill needs parallelism {dp, tp, pp} in the spec, not 'auto'")
+    sim = raw.get("cluster", {}).get("simulated") or {}
+    base_par = base.get("parallelism") or {}
+    dp0 = int(base_par.get("dp", 1))
+    per_replica = int(par.get("tp", 1)) * int(par.get("pp", 1))
+    gpus = (int(sim.get("nodes", 0)) - int(sim.get("spares", 0))) * int(sim.get("gpus_per_node", 8))
+    dp = gpus // per_replica
+    if dp < 1:
+        raise SpecError(f"--fill: {gpus} non-spare GPUs cannot hold one replica of tp x pp = {per_replica}")
+    par["dp"] = dp
+    train = raw.setdefault("train", {})
+    batch0 = int((base.get("train") or {}).get("global_batch", train.get("global_batch", dp0)))
+    train["global_batch"] = max(1, batch0 // dp0) * dp
+    elastic = raw.get("elastic")
+    if isinstance(elastic, dict) and "min_dp" in elastic:
+        elastic["min_dp"] = max(1, int(elastic["min_dp"]) * dp // dp0)
+
+
+def sweep(raw: dict[str, Any], axes: list[tuple[str, list[str]]], *, days: float | None, seed: int,
+          fill_dp: bool = False) -> list[dict[str, Any]]:
     """Every combination of the axes' values (dotted keys into the spec), simulated with the same
     seed (the same incidents wherever the cluster is the same). A setting the cluster cannot hold (or
-    the spec refuses) is that row's result: {state: infeasible, error, setting}."""
+    the spec refuses) is that row's result: {state: infeasible, error, setting}. `fill_dp`: each
+    setting's dp fills its cluster (`fill`; the row's `gpus` and `mesh` say what it came to)."""
     rows = []
     for values in itertools.product(*[vals for _, vals in axes]):
         variant = copy.deepcopy(raw)
@@ -179,6 +205,8 @@ def sweep(raw: dict[str, Any], axes: list[tuple[str, list[str]]], *, days: float
             _set(variant, key, _parse_value(value))
             setting[key] = _parse_value(value)
         try:
+            if fill_dp:
+                fill(variant, raw)
             result = simulate(parse_spec(variant), days=days, seed=seed)
         except SpecError as e:  # that setting's answer; the others still run
             result = {"state": "infeasible", "error": str(e)}

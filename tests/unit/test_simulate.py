@@ -195,3 +195,73 @@ def test_the_llama3_preset_lands_where_the_report_does() -> None:
     assert 0.90 < result["ettr"] < 0.99, result["ettr"]
     g = result["goodput"]["badput_seconds"]
     assert g["restart_restore"] > g["recomputation"] and g["degraded_capacity"] < 0.001 * result["simulated_seconds"]
+
+
+def test_a_world_size_sweep_grows_the_restart_and_peers_keep_what_they_save_flat(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--sweep cluster.simulated.nodes=... --fill`: dp fills each cluster, so the sweep is the world
+    growing (16, 64, 256 GPUs). One node lost at step 25 in each. The restart is communicator init for
+    the world (controller.sim.model.restart_s): it grows on both paths, since a peer recovery rebuilds
+    the communicators too. What healing from peers saves stays flat: no step done again (the store's
+    path redoes steps 21-25 at every size) and a restore that does not grow. --out draws the curve."""
+    import json
+
+    import yaml
+
+    from controller.cli.main import main
+    from controller.sim.model import restart_s
+
+    raw = copy.deepcopy(TINY)
+    raw["model"] = {**raw["model"], "n_heads": 8}
+    raw["parallelism"] = {"dp": 2, "tp": 8, "pp": 1}
+    raw["cluster"] = {"simulated": {"nodes": 3, "gpus_per_node": 8, "racks": 1, "spares": 1}}
+    raw["cost"] = {"step_s": 1.0, "checkpoint_stall_s": 0.5, "checkpoint_save_s": 2.0, "node_loss_detection_s": 0.9}
+    raw["drills"] = [{"kind": "kill-node", "at_step": 25}]
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "world.png"
+    with pytest.raises(SystemExit) as done:
+        main(["simulate", str(path), "--days", "1", "--json", "--fill", "--sweep", "cluster.simulated.nodes=3,9,33",
+              "--sweep", "checkpoint.peer_every_steps=0,1", "--out", str(out)])
+    assert done.value.code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    by = {(r["setting"]["cluster.simulated.nodes"], r["setting"]["checkpoint.peer_every_steps"]): r for r in rows}
+    assert {n: by[n, 0]["gpus"] for n in (3, 9, 33)} == {3: 16, 9: 64, 33: 256}
+    assert {n: by[n, 0]["mesh"]["dp"] for n in (3, 9, 33)} == {3: 2, 9: 8, 33: 32}
+    lost = {key: r["lost_per_failure"]["all"] for key, r in by.items()}
+    for (nodes, peers), r in by.items():
+        assert r["state"] == "succeeded" and r["failures_by_cause"] == {"node_lost": 1}, (nodes, peers, r["state"])
+        assert r["cost_model"]["restart_s"] == pytest.approx(restart_s(r["gpus"]))
+        assert lost[nodes, peers]["detection_seconds"] == pytest.approx(0.9)
+    for peers in (0, 1):
+        restart = [by[n, peers]["cost_model"]["restart_s"] for n in (3, 9, 33)]
+        assert restart[0] < restart[1] < restart[2] and restart[2] > 2 * restart[0], restart
+        recovery = [lost[n, peers]["recovery_seconds"] for n in (3, 9, 33)]
+        assert recovery[0] < recovery[1] < recovery[2], recovery
+    # What peers save: the store's path redoes 5 steps of 1 s at every size, the peers' none; and the
+    # peers' restore (recovery less restart) does not grow with the world
+    assert [lost[n, 0]["recomputation_seconds"] for n in (3, 9, 33)] == pytest.approx([5.0, 5.0, 5.0])
+    assert [lost[n, 1]["recomputation_seconds"] for n in (3, 9, 33)] == pytest.approx([0.0, 0.0, 0.0])
+    restore = [lost[n, 1]["recovery_seconds"] - by[n, 1]["cost_model"]["restart_s"] for n in (3, 9, 33)]
+    assert restore[2] <= restore[1] <= restore[0] + 1e-9, restore
+
+
+def test_fill_scales_the_batch_and_min_dp_with_the_replicas() -> None:
+    from controller.sim.run import fill
+    from controller.spec import SpecError
+
+    base = {"parallelism": {"dp": 4, "tp": 8, "pp": 2}, "train": {"global_batch": 64},
+            "elastic": {"min_dp": 2}, "cluster": {"simulated": {"nodes": 66, "gpus_per_node": 8, "spares": 2}}}
+    grown = copy.deepcopy(base)
+    grown["cluster"]["simulated"]["nodes"] = 130
+    fill(grown, base)
+    # 128 non-spare nodes of 8 = 1,024 GPUs = 64 replicas of 16; 16 samples per replica; min_dp half of dp
+    assert grown["parallelism"]["dp"] == 64 and grown["train"]["global_batch"] == 1024
+    assert grown["elastic"]["min_dp"] == 32
+    tiny = copy.deepcopy(base)
+    tiny["cluster"]["simulated"]["nodes"] = 3
+    with pytest.raises(SpecError, match="cannot hold one replica"):
+        fill(tiny, base)
+    with pytest.raises(SpecError, match="not 'auto'"):
+        fill({**base, "parallelism": "auto"}, base)
