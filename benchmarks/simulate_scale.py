@@ -133,10 +133,12 @@ def preset_and_paths(opts: argparse.Namespace) -> None:
     slow = simulate(parse_spec(judged), days=1, seed=opts.seed)
     with_judging = time.perf_counter() - t
     events = slow["_controller"].events
-    verdicts = sum(1 for e in events if e.kind == "straggler")
+    flagged = [e for e in events if e.kind == "straggler"]
     print(f"  with {slow['incidents_by_component'].get('straggler', 0)} straggler incidents judged over all "
-          f"{slow['gpus']:,} ranks ({verdicts} verdicts): {with_judging:.1f} s, {with_judging / day:.2f}x the day "
-          f"without")
+          f"{slow['gpus']:,} ranks: {with_judging:.1f} s, {with_judging / day:.2f}x the day without; "
+          f"{len(flagged)} verdicts on {len({e.detail['rank'] for e in flagged})} ranks of "
+          f"{len({e.detail['node'] for e in flagged})} nodes in {len({e.attempt for e in flagged})} attempts "
+          f"(under straggler_action: report a slow node stays, and each attempt flags it anew)")
 
 
 if __name__ == "__main__":
