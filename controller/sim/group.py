@@ -52,6 +52,7 @@ from trainer.config import state_fingerprint
 from trainer.report import StepReport
 
 CHUNK_STEPS = 2000
+"""At most this many steps per poll (the controller absorbs them as one batch of reports)."""
 _JUDGE = StragglerConfig()
 JUDGED_STEPS = _JUDGE.warmup_steps + _JUDGE.window + _JUDGE.consecutive + 2
 """Steps of every rank's samples after a rank turns slow: enough for the tracker's window to fill with
@@ -59,9 +60,9 @@ the slow samples and its verdict to hold `consecutive` evaluations, with two to 
 COMPUTE_SHARE = 0.9
 """Of a step, the compute (the rest is waiting in collectives): what reports carry as compute_s."""
 COMPUTE_NOISE = 0.02
+"""Relative spread (one standard deviation) of a healthy rank's compute time around its stage's."""
 HANG_POLL_S = 5.0
 """How often a stopped group is polled (as the service polls a live one: its silence is evidence)."""
-"""At most this many steps per poll (the controller absorbs them as one batch of reports)."""
 
 
 class VirtualClock:
@@ -342,7 +343,8 @@ class SimWorkerGroup:
             report = StepReport(rank=self.loss_rank, attempt=a.attempt, step=self.step,
                                 cursor=self.step * a.config.train.global_batch,
                                 loss=2.0 + 8.0 / math.sqrt(self.step), step_time_s=step_s, data_s=0.0,
-                                compute_s=step_s * 0.9, wait_s=step_s * 0.1, tokens_per_s=tokens / step_s,
+                                compute_s=step_s * COMPUTE_SHARE, wait_s=step_s * (1 - COMPUTE_SHARE),
+                                tokens_per_s=tokens / step_s,
                                 end_time=end, snapshot_s=self.cost.peer_snapshot_stall_s if snapshot else 0.0)
             sampled = [(self.step, self._compute(self.step))] if self.judging is not None else []
             if result is not None:
