@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import yaml  # noqa: E402
 
-from controller.sim.run import simulate  # noqa: E402
+from controller.sim.run import fill, simulate  # noqa: E402
 from controller.spec import parse_spec  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llama3-405b-sim.yaml"
@@ -93,12 +93,13 @@ def levers(raw: dict, opts: argparse.Namespace) -> None:
 
 def at_scale(raw: dict, dp: int) -> dict:
     """The preset's model on dp replicas of pp16 x tp8 (16 nodes each), 1.5 % spare nodes, the default
-    restart for that world (the preset's published one is for 16,384 GPUs)."""
+    restart for that world (the preset's published one is for 16,384 GPUs); dp, the batch and min_dp
+    follow the nodes as `goodput simulate --fill` makes them."""
     nodes = dp * 16
     spares = max(2, nodes // 64)
     out = variant(raw, cluster__simulated__nodes=nodes + spares, cluster__simulated__spares=spares,
-                  cluster__simulated__racks=max(1, (nodes + spares) // 32), parallelism__dp=dp,
-                  train__global_batch=16 * dp, elastic__min_dp=max(1, dp // 2))
+                  cluster__simulated__racks=max(1, (nodes + spares) // 32))
+    fill(out, raw)
     out["cost"] = {k: v for k, v in (out.get("cost") or {}).items() if k != "restart_s"}
     return out
 
