@@ -71,6 +71,9 @@ class FailureTiming:
     """Work of the failed attempt that was done again: its steps a later attempt redid, and the step in flight."""
     waiting_s: float = 0.0
     """Of the recovery, the time spent waiting for capacity (below min_dp)."""
+    restore_s: float = 0.0
+    """Of the recovery, the next attempt's load of the state (its ranks' `restored` seconds, the slowest's):
+    the rest, waiting aside, is the restart (processes, communicators, the first step's start)."""
 
     @property
     def detection_s(self) -> float:
@@ -85,6 +88,8 @@ class FailureTiming:
         return {"attempt": self.attempt, "cause": self.cause, "onset": self.onset, "detected_at": self.detected_at,
                 "recovered_at": self.recovered_at, "detection_seconds": self.detection_s,
                 "recovery_seconds": recovery, "waiting_seconds": self.waiting_s,
+                "restart_seconds": None if recovery is None else max(0.0, recovery - self.waiting_s - self.restore_s),
+                "restore_seconds": self.restore_s,
                 "recomputation_seconds": self.recomputation_s,
                 "lost_seconds": None if recovery is None else self.detection_s + recovery + self.recomputation_s}
 
@@ -163,6 +168,11 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
             drills_by_attempt.setdefault(e["attempt"], []).append(e["time"])
     wait_times = sorted(e["time"] for e in events
                         if e["kind"] == EventKind.DECISION and e["detail"].get("action") == "wait")
+    attempt_at = {t: a for a, t in started.items()}
+    restore_s: dict[int, float] = {}  # attempt -> its slowest rank's load
+    for e in events:
+        if e["kind"] == EventKind.RESTORED:
+            restore_s[e["attempt"]] = max(restore_s.get(e["attempt"], 0.0), float(e["detail"].get("seconds") or 0.0))
     for failure in detected:
         attempt, t_detected = failure["attempt"], failure["time"]
         ends = ends_by_attempt.get(attempt, [])
@@ -183,7 +193,8 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         redone = sum(s.end - s.start for s in by_attempt.get(attempt, []) if s not in kept and s.end <= t_detected)
         failures.append(FailureTiming(attempt, str(failure["detail"].get("cause", "unknown")), onset, t_detected,
                                       recovered, recomputation_s=redone + (onset - last_end),
-                                      waiting_s=next_start - waits[0] if waits else 0.0))
+                                      waiting_s=next_start - waits[0] if waits else 0.0,
+                                      restore_s=restore_s.get(attempt_at[next_start], 0.0) if later else 0.0))
         if waits:
             intervals.append((t_detected, waits[0], "restart_restore"))
             intervals.append((waits[0], next_start, "waiting_for_capacity"))

@@ -199,8 +199,9 @@ def print_simulation(r: dict) -> None:
     print("decisions: " + (", ".join(f"{k} {v}" for k, v in sorted(r["decisions"].items())) or "none"))
     if r.get("lost_per_failure"):
         print()
-        print("lost per failure (mean seconds; recovery = restart + restore + waiting for capacity):")
-        table(["cause", "count", "detection", "recovery", "of it waiting", "recomputation", "lost"],
-              [[cause, f"{row['count']:.0f}", f"{row['detection_seconds']:.1f}", f"{row['recovery_seconds']:.1f}",
-                f"{row['waiting_seconds']:.1f}", f"{row['recomputation_seconds']:.1f}", f"{row['lost_seconds']:.1f}"]
+        print("lost per failure (mean seconds; total: the sums over the run; lost = detection + restart + restore"
+              " + waiting for capacity + recomputation):")
+        terms = ("detection", "restart", "restore", "waiting", "recomputation", "lost")
+        table(["cause", "count", *terms],
+              [[cause, f"{row['count']:.0f}", *(f"{row[f'{t}_seconds']:.1f}" for t in terms)]
                for cause, row in r["lost_per_failure"].items()])

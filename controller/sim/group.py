@@ -157,6 +157,10 @@ class SimWorkerGroup:
         self.pending_events: list[tuple[int, str, dict]] = []
         self._held: list[StepReport] = []
         """Steps that ended before an incident struck, for the next poll."""
+        if restore > 0:  # as the ranks report their load (the slowest's seconds split restart from restore)
+            source, step = (("peer", attempt.peer_restore.step) if attempt.peer_restore is not None
+                            else ("store", attempt.resume_step))
+            self.pending_events.append((0, EventKind.RESTORED, {"source": source, "step": step, "seconds": restore}))
         self._held_compute: list[tuple[int, Any]] = []
         self.slow_ranks = {}
         self.judging = None

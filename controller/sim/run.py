@@ -130,13 +130,15 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
     }
 
 
-LOST_TERMS = ("detection_seconds", "recovery_seconds", "waiting_seconds", "recomputation_seconds", "lost_seconds")
+LOST_TERMS = ("detection_seconds", "recovery_seconds", "restart_seconds", "restore_seconds", "waiting_seconds",
+              "recomputation_seconds", "lost_seconds")
 
 
 def lost_per_failure(failures: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """By cause, and for all failures ("all"): how many, and the mean of each lost-work term per failure
-    (detection, recovery: restart, restore and any wait for capacity, of which waiting, recomputation,
-    and their sum). Failures not yet recovered count in detection and recomputation only."""
+    (detection, recovery: restart, restore and any wait for capacity, recomputation, and their sum);
+    "total": the sums over all failures. Failures not yet recovered count in detection and
+    recomputation only."""
     out: dict[str, dict[str, float]] = {}
     for cause in sorted({f["cause"] for f in failures}) + ["all"]:
         these = [f for f in failures if cause in ("all", f["cause"])]
@@ -147,6 +149,9 @@ def lost_per_failure(failures: list[dict[str, Any]]) -> dict[str, dict[str, floa
             values = [f[term] for f in these if f.get(term) is not None]
             row[term] = statistics.fmean(values) if values else 0.0
         out[cause] = row
+    if failures:
+        out["total"] = {"count": len(failures), **{term: math.fsum(f[term] for f in failures if f.get(term) is not None)
+                                                   for term in LOST_TERMS}}
     return out
 
 

@@ -149,3 +149,20 @@ def test_with_no_step_on_the_planned_mesh_a_shrunk_one_counts_its_share_of_the_r
               ev(6.0, "succeeded", attempt=1)]
     check(account(events, spans, end=6.0), wall=6.0, productive=2.0, queueing=1.0, startup=1.0,
           degraded_capacity=2.0)
+
+
+def test_a_recovery_splits_into_restart_and_the_slowest_ranks_restore() -> None:
+    """The timeline of test_kill_node_with_rollback, where attempt 1's ranks report their loads of
+    step 5 (1.1 s, 1.5 s, 0.9 s): of the 3.6 s recovery, 1.5 s restore (the slowest rank: the others
+    wait for it), 2.1 s restart."""
+    spans = steps(1, 7, 2.0) + steps(6, 10, 14.0, attempt=1)
+    events = [ev(0.0, "submitted"), ev(1.0, "attempt_started"), ev(7.2, "checkpoint_committed", step=5),
+              ev(9.4, "drill_injected", drill="kill-node"), ev(10.4, "failure_detected", cause="node_lost"),
+              ev(10.4, "decision", action="replace"), ev(11.0, "attempt_started", attempt=1),
+              *[ev(13.9, "restored", attempt=1, rank=r, step=5, seconds=s) for r, s in enumerate((1.1, 1.5, 0.9))],
+              ev(19.5, "succeeded", attempt=1)]
+    (failure,) = account(events, spans, end=19.5, save_steps=[5]).failures
+    d = failure.to_dict()
+    assert d["recovery_seconds"] == pytest.approx(3.6)
+    assert d["restore_seconds"] == pytest.approx(1.5) and d["restart_seconds"] == pytest.approx(2.1)
+    assert d["lost_seconds"] == pytest.approx(1.0 + 2.1 + 1.5 + 2.4)

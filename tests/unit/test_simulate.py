@@ -64,10 +64,20 @@ def test_one_failure_at_a_known_step_costs_the_lost_steps_and_the_cost_models_re
     assert result["steps"] == 100 and result["attempts"] == 2
     # The same failure's lost work on its own, by hand: 0.9 + 2.0 + 5 steps of 1 s
     lost = result["lost_per_failure"]
-    assert set(lost) == {"node_lost", "all"} and lost["all"] == lost["node_lost"]
+    assert set(lost) == {"node_lost", "all", "total"} and lost["all"] == lost["node_lost"] == lost["total"]
     assert lost["all"] == pytest.approx({"count": 1, "detection_seconds": 0.9, "recovery_seconds": 2.0,
+                                         "restart_seconds": 0.0, "restore_seconds": 2.0,
                                          "waiting_seconds": 0.0, "recomputation_seconds": 5.0,
                                          "lost_seconds": 7.9})
+    # Restart and restore apart: a 3 s restart before the 2 s load of step 20; two failures, in total
+    twice = simulate(spec(drills=[{"kind": "kill-node", "at_step": 25}, {"kind": "kill-node", "at_step": 65}],
+                          cost={"restart_s": 3.0}, cluster={"simulated": {"nodes": 4, "gpus_per_node": 1, "racks": 1,
+                                                                          "spares": 2}}), days=1)
+    lost = twice["lost_per_failure"]
+    assert lost["all"]["restart_seconds"] == pytest.approx(3.0) and lost["all"]["restore_seconds"] == pytest.approx(2.0)
+    assert lost["total"] == pytest.approx({"count": 2, "detection_seconds": 1.8, "recovery_seconds": 10.0,
+                                           "restart_seconds": 6.0, "restore_seconds": 4.0, "waiting_seconds": 0.0,
+                                           "recomputation_seconds": 10.0, "lost_seconds": 21.8})
 
 
 def test_a_seed_fixes_the_outcome() -> None:
@@ -244,7 +254,10 @@ def test_a_world_size_sweep_grows_the_restart_and_peers_keep_what_they_save_flat
     # peers' restore (recovery less restart) does not grow with the world
     assert [lost[n, 0]["recomputation_seconds"] for n in (3, 9, 33)] == pytest.approx([5.0, 5.0, 5.0])
     assert [lost[n, 1]["recomputation_seconds"] for n in (3, 9, 33)] == pytest.approx([0.0, 0.0, 0.0])
-    restore = [lost[n, 1]["recovery_seconds"] - by[n, 1]["cost_model"]["restart_s"] for n in (3, 9, 33)]
+    for key, r in by.items():  # recovery = the world's restart + the path's restore, apart
+        assert lost[key]["restart_seconds"] == pytest.approx(r["cost_model"]["restart_s"])
+        assert lost[key]["restore_seconds"] == pytest.approx(r["cost_model"]["peer_restore_s" if key[1] else "restore_s"])
+    restore = [lost[n, 1]["restore_seconds"] for n in (3, 9, 33)]
     assert restore[2] <= restore[1] <= restore[0] + 1e-9, restore
 
 
