@@ -151,7 +151,7 @@ class SimWorkerGroup:
         self.commits: list[tuple[float, int]] = []
         self.interval = CheckpointInterval(attempt.checkpoint_every, auto=attempt.checkpoint_auto,
                                            mtbf_s=attempt.mtbf_s)
-        self.nodes = set(attempt.placement.node_of_rank)
+        self.nodes = set(attempt.placement.rack_of_node)  # the nodes it uses (131,072 ranks: not a scan of them)
         self.loss_rank = attempt.config.mesh.world_size - 1
         self.full_world = self.full_world or attempt.config.mesh.world_size
         self.pending_events: list[tuple[int, str, dict]] = []
@@ -227,11 +227,12 @@ class SimWorkerGroup:
             return False
         t = incident.time
         kind = incident.component
-        ranks_on = [r for r, n in enumerate(self.attempt.placement.node_of_rank) if n == incident.node]
-        if rank is not None:
-            ranks_on = [rank]
-        if kind in ("gpu", "host", "sdc", "straggler", "rank", "hang") and not ranks_on:
+        on_mesh = rank is not None or incident.node in self.nodes
+        if kind in ("gpu", "host", "sdc", "straggler", "rank", "hang") and not on_mesh:
             return False
+        node_of_rank = self.attempt.placement.node_of_rank
+        # The first rank on the struck node (131,072 ranks: looked for only where it is named)
+        first = rank if rank is not None else node_of_rank.index(incident.node) if on_mesh else None
         if kind == "straggler":  # slower steps from now on; nothing stops, the judgement looks
             self._steps(t, None)  # the steps that finished before it were not slow
             if rank is not None:
@@ -243,7 +244,8 @@ class SimWorkerGroup:
         self._steps(t, None)  # the steps that finished before it
         if kind == "rank":  # its actor sees it die at once; the node is alive
             self.stop_at = t
-            self.signals.append(_Signal(at=t, dead_ranks={ranks_on[0]}, on_live_nodes={ranks_on[0]}))
+            assert first is not None
+            self.signals.append(_Signal(at=t, dead_ranks={first}, on_live_nodes={first}))
             return True
         if kind == "hang":  # nothing is reported: the controller's hang verdict has to find it
             self.stop_at = t
@@ -260,7 +262,7 @@ class SimWorkerGroup:
             self.signals.append(_Signal(at=t + self.cost.collective_timeout_s, errors=errors))
         elif kind in ("software", "storage"):
             self.stop_at = t
-            rank = ranks_on[0] if ranks_on else 0
+            rank = first if first is not None else 0
             what = "OSError: [Errno 5] Input/output error" if kind == "storage" else "RuntimeError: simulated bug"
             self.signals.append(_Signal(at=t, errors={rank: what}))
         elif kind == "sdc":
@@ -268,8 +270,9 @@ class SimWorkerGroup:
             clean = self.step
             caught = max(t, self.next_start) + self.cost.step_s
             self.stop_at = caught
-            self.signals.append(_Signal(at=caught, events=[(ranks_on[0], EventKind.SDC_SUSPECT, {
-                "ranks": [ranks_on[0]], "step": clean + 1, "clean_through_step": clean, "check": "anomaly",
+            assert first is not None
+            self.signals.append(_Signal(at=caught, events=[(first, EventKind.SDC_SUSPECT, {
+                "ranks": [first], "step": clean + 1, "clean_through_step": clean, "check": "anomaly",
                 "evidence": {"simulated": True}})]))
         return True
 
