@@ -126,8 +126,10 @@ class StragglerTracker:
     """Steps kept waiting for their last ranks' samples; older ones are dropped unevaluated."""
 
     def __init__(self, stage_of_rank: Mapping[int, int], config: StragglerConfig) -> None:
-        """`stage_of_rank`: any read-only mapping (kept, not copied: a mesh's is computed, not stored).
-        Its arrays are built at the first evaluation: an attempt that never judges costs nothing."""
+        """`stage_of_rank`: any read-only mapping (kept, not copied: a mesh's is computed, not stored);
+        one that also has `ranks()` and `stages()` (controller.attribution.MeshStages) gives its rank
+        order and every rank's stage as a range and an array. The tracker's arrays are built at its
+        first evaluation: an attempt that never judges costs nothing."""
         if not stage_of_rank:
             raise ValueError("a straggler tracker needs at least one rank")
         self.stage_of_rank = stage_of_rank
@@ -176,12 +178,13 @@ class StragglerTracker:
         reported is skipped once a later one is whole (a rank reports its steps in order: the missing
         sample is not coming)."""
         world = len(self.stage_of_rank)
-        whole = [step for step in sorted(self._by_step) if step in self._whole or len(self._by_step[step]) >= world]
+        whole = {step for step, samples in self._by_step.items() if step in self._whole or len(samples) >= world}
         if not whole:
             return []
+        last = max(whole)
         verdicts: list[StragglerVerdict] = []
         for step in sorted(self._by_step):
-            if step > whole[-1]:
+            if step > last:
                 break
             samples = self._by_step.pop(step)
             values = self._whole.pop(step, None)
