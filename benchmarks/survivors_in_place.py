@@ -77,7 +77,7 @@ def _resume(rank: int, port: int, prefix: str, folder: Path, point: Any, started
     import torch.distributed as dist
 
     from trainer.parallel import build_mesh, choose_device
-    from trainer.peer import load_from_peers
+    from trainer.peer_load import load_from_peers
     from trainer.train import Trainer
 
     _join(rank, port, prefix)
@@ -201,6 +201,7 @@ def main() -> None:
     import torch
 
     import trainer.peer  # noqa: F401 - the warm image every rank is forked from
+    import trainer.peer_load  # noqa: F401
     import trainer.train  # noqa: F401
 
     parser = argparse.ArgumentParser()

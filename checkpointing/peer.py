@@ -1,5 +1,5 @@
 """Peer snapshots, the rules: who keeps whose copy, what a node holds, and the step a recovery may load
-from peers. Pure: no torch (trainer/peer.py takes and loads the snapshots).
+from peers. Pure: no torch (trainer/peer.py takes the snapshots, trainer/peer_load.py loads them).
 
 Every `checkpoint.peer_every_steps` steps each rank copies its whole training state into host memory
 on its node (a file on the node's tmpfs, which outlives the rank's process but not the node) and its

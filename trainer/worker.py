@@ -205,7 +205,7 @@ def _restore_from_peers(trainer: "object", folder: Path, point: PeerPoint, sink:
                         device: "torch.device", in_place: bool = False) -> Any:
     """Collective: load a peer snapshot step from the host memory of this attempt's nodes (no object
     store read); every rank reports `restored` with the bytes that crossed the process group."""
-    from trainer.peer import load_from_peers
+    from trainer.peer_load import load_from_peers
 
     t0 = time.perf_counter()
     loaded = load_from_peers(trainer, folder, point)
