@@ -10,6 +10,13 @@ import enum
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import numpy as np
+
+Ranks = TypeVar("Ranks", int, "np.ndarray")
+"""A rank, or an array of them (the arithmetic is the same, elementwise)."""
 
 
 class MeshAxis(str, enum.Enum):
@@ -57,8 +64,8 @@ class MeshShape:
         pp, tp = divmod(rest, self.tp)
         return {MeshAxis.DP.value: dp, MeshAxis.PP.value: pp, MeshAxis.TP.value: tp}
 
-    def stage_of(self, rank: int) -> int:
-        """The pipeline stage (pp coordinate) of a global rank."""
+    def stage_of(self, rank: Ranks) -> Ranks:
+        """The pipeline stage (pp coordinate) of a global rank (of each, for an array of ranks)."""
         return (rank % (self.pp * self.tp)) // self.tp
 
     def validate(self) -> None:

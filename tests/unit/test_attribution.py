@@ -91,3 +91,5 @@ def test_a_meshs_stages_are_computed_as_the_dict_would_hold_them() -> None:
     stages = MeshStages(mesh)
     assert dict(stages) == {r: mesh.stage_of(r) for r in range(12)} and len(stages) == 12
     assert 11 in stages and 12 not in stages and -1 not in stages
+    # all at once, as the straggler tracker takes them, against the coordinates' own divmod
+    assert stages.ranks() == range(12) and stages.stages().tolist() == [mesh.rank_coords(r)["pp"] for r in range(12)]
