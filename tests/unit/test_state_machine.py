@@ -394,8 +394,7 @@ def test_a_repaired_node_stands_in_at_the_next_loss_when_the_spares_are_used() -
     c.step(110.0)
     c.step(111.0)
     assert c.events.of_kind("decision")[-1].detail["action"] == "replace" and c.state is RunState.RUNNING
-    live["topology"] = full  # repaired
-    second = g.started[-1].placement.node_of_rank[0]
+    second = g.started[-1].placement.node_of_rank[0]  # the first lost node is back, repaired; this one is lost
     live["topology"] = Topology(tuple(n for n in full.nodes if n.name != second))
     g.lose_node(second)
     c.step(120.0)
