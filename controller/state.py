@@ -282,7 +282,7 @@ class RunController:
         mesh = self.config.mesh
         self.events.add(now, self.attempt, EventKind.ATTEMPT_STARTED,
                         mesh=mesh.axes(), dp_replicas=mesh.dp_replicas,
-                        placement=list(self.placement.rows()), spares=list(self.placement.spares),
+                        placement=self.placement.columns(), spares=list(self.placement.spares),
                         start_step=start_step, resume_step=point.resume_step, cursor=point.cursor,
                         restore_from=point.source,
                         **({"peer_unusable": point.peer_unusable} if point.peer_unusable and self.attempt > 0 else {}))

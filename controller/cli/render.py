@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from controller.events import EventKind
+from controller.placement import recorded_nodes
 from trainer.config import MeshAxis
 
 
@@ -30,7 +31,7 @@ def describe(event: dict) -> str:
     if kind == EventKind.PLANNED:
         return f"planned mesh {mesh_text(d['mesh'])}: {d['explanation']}"
     if kind == EventKind.ATTEMPT_STARTED:
-        nodes = sorted({r["node"] for r in d["placement"]})
+        nodes = sorted(recorded_nodes(d["placement"]))
         if d.get("restore_from") == "peer":  # the step the peers' snapshots hold, no store read
             src = f"from peer snapshots of step {d.get('start_step')}"
         elif d.get("resume_step") is not None:

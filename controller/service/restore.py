@@ -67,7 +67,7 @@ def reattach(c: RunController, events: list[dict[str, Any]], now: float) -> bool
         recorded = d.get("mesh") or {}
         mesh = MeshShape(dp=recorded.get("dp", 1), pp=recorded.get("pp", 1), tp=recorded.get("tp", 1),
                          dp_replicas=d.get("dp_replicas", 1))
-        placement = Placement.from_rows(d["placement"], mesh, d.get("spares") or [])
+        placement = Placement.recorded(d["placement"], mesh, d.get("spares") or [])
         attempt = AttemptSpec(run_id=c.run_id, attempt=c.attempt, config=c.spec.trainer_config(placement.mesh),
                               placement=placement, start_step=int(d.get("start_step") or 0),
                               cursor=int(d.get("cursor") or 0), resume_step=d.get("resume_step"))

@@ -34,6 +34,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from controller.placement import recorded_nodes
 from tests.support.postgres import PostgresServer, module_server
 from tests.support.ray_start import RayStartCluster, free_port
 from tests.support.serve import Serve, wait_for, write_spec
@@ -166,7 +167,7 @@ def test_the_deployed_controller_drives_a_run_across_hosts(cluster: RayStartClus
         serve.cli("submit", str(write_spec(tmp_path / "dep.yaml", "dep", steps=STEPS, dp=2)))
         wait_for(serve, "dep", lambda s: s["step"] >= 12)
         started = _events(serve, "attempt_started")
-        nodes = {row["node"] for row in started[0]["detail"]["placement"]}
+        nodes = recorded_nodes(started[0]["detail"]["placement"])
         assert nodes <= {"ext-0", "ext-1"}, nodes
 
         report = serve.json("drill", "dep", "kill-node")  # over REST

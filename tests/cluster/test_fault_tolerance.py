@@ -10,6 +10,7 @@ import torch
 
 from checkpointing.manifest import committed_steps, read_manifest
 from checkpointing.store import open_store
+from controller.placement import recorded_nodes
 from controller.ray.cluster import LocalRayCluster
 from controller.ray.runner import drive
 from controller.spec import RunSpec, parse_spec
@@ -131,7 +132,7 @@ def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayClust
     assert report["detection_s"] < 5.0, f"node loss detected in {report['detection_s']:.1f} s"
     attempts = c.events.of_kind("attempt_started")
     assert attempts[0].detail["mesh"] == attempts[1].detail["mesh"] == {"dp": 2, "pp": 2, "tp": 2}
-    assert "node-4" in {r["node"] for r in attempts[1].detail["placement"]}
+    assert "node-4" in recorded_nodes(attempts[1].detail["placement"])
     assert attempts[1].detail["start_step"] == 4
     check_cursor_accounting(tmp_path, "spare")
     simulator_agrees(faulty, c)
@@ -218,7 +219,7 @@ def test_kill_node_without_spare_shrinks_then_grows_back(ray_cluster: LocalRayCl
     attempts = c.events.of_kind("attempt_started")
     assert [a.detail["mesh"]["dp"] for a in attempts] == [2, 1, 2]
     shrunk_attempt = attempts[1].detail
-    assert shrunk_attempt["start_step"] == 4 and "node-3" not in {r["node"] for r in shrunk_attempt["placement"]}
+    assert shrunk_attempt["start_step"] == 4 and "node-3" not in recorded_nodes(shrunk_attempt["placement"])
     history = c.progress.history
     assert [h["step"] for h in history] == list(range(1, 21)), "the loss history continues step by step"
     assert history[-1]["loss"] < history[0]["loss"] - 1.0
@@ -249,7 +250,7 @@ def test_below_min_dp_waits_for_capacity_then_resumes_on_the_full_mesh(ray_clust
     assert decisions[1]["mesh"] == {"dp": 2, "pp": 2, "tp": 2}
     attempts = c.events.of_kind("attempt_started")
     assert [a.detail["mesh"]["dp"] for a in attempts] == [2, 2], "never ran below min_dp"
-    assert "node-3" in {r["node"] for r in attempts[1].detail["placement"]}
+    assert "node-3" in recorded_nodes(attempts[1].detail["placement"])
     assert c.progress.step == 12
     check_cursor_accounting(tmp_path, "wait")
 

@@ -11,6 +11,7 @@ import pytest
 
 from checkpointing.manifest import committed_steps, read_manifest, verify
 from checkpointing.store import open_store
+from controller.placement import recorded_nodes
 from controller.ray.cluster import LocalRayCluster
 from controller.ray.runner import drive
 from controller.spec import RunSpec, parse_spec
@@ -78,7 +79,7 @@ def test_bitflip_is_caught_quarantined_and_the_run_ends_as_if_it_never_happened(
     assert suspect["step"] - report["at_step"] <= every, "detected within sdc_every_steps of the flip"
     assert [q["node"] for q in flipped.to_dict(0)["quarantined"]] == [node]
     later = flipped.events.of_kind("attempt_started")[1:]
-    assert later and all(node not in {r["node"] for r in a.detail["placement"]} for a in later)
+    assert later and all(node not in recorded_nodes(a.detail["placement"]) for a in later)
     assert later[0].detail["start_step"] <= suspect["clean_through_step"]  # from peers or the store
 
     outage = drive(spec("outage", tmp_path, steps=24, checkpoint={"retry_budget_s": 1},

@@ -3,9 +3,12 @@ racks allow, spares and excluded nodes stay unused, infeasible requests say what
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 
-from controller.placement import Placement, PlacementError, place
+from controller.placement import Placement, PlacementError, place, recorded_nodes
 from controller.planner import PlanError, plan_mesh, static_state_bytes
 from controller.topology import Node, NodeState, Topology
 from trainer.config import MeshShape, ModelConfig, TrainConfig
@@ -141,17 +144,62 @@ def test_heterogeneous_nodes_are_not_mixed_into_tp_groups() -> None:
     check_rules(p, t)
 
 
-def test_rows_of_a_relaunch_share_the_unmoved_ranks_rows_and_match_the_coordinates() -> None:
-    """A 131k-rank run relaunched after a node loss lists its placement again: only the moved ranks get
-    new rows (the rest are the same, shared, objects), and every row says what rank_coords says."""
+def test_rows_match_the_coordinates_and_the_event_columns_give_the_placement_back() -> None:
+    """Rows (the REST form) say what rank_coords says; an attempt_started event's columns, and the rows
+    older events recorded, give the same Placement back (through JSON, as the registry keeps them)."""
     mesh = MeshShape(dp=2, pp=2, tp=2)
-    racks = {f"n{i}": "r0" for i in range(5)}
-    before = Placement(mesh=mesh, node_of_rank=tuple(f"n{r // 2}" for r in range(8)),
-                       gpu_of_rank=tuple(r % 2 for r in range(8)), rack_of_node=racks, spares=("n4",))
-    after = Placement(mesh=mesh, node_of_rank=before.node_of_rank[:6] + ("n4", "n4"),
-                      gpu_of_rank=before.gpu_of_rank, rack_of_node=racks, spares=())
-    a, b = list(before.rows()), list(after.rows())
-    for placement, rows in ((before, a), (after, b)):
-        assert rows == [{"rank": r, **mesh.rank_coords(r), "node": placement.node_of_rank[r], "rack": "r0",
-                         "gpu": placement.gpu_of_rank[r]} for r in range(8)]
-    assert all(b[r] is a[r] for r in range(6)) and b[6] is not a[6]
+    racks = {f"n{i}": f"r{i % 2}" for i in range(4)}
+    p = Placement(mesh=mesh, node_of_rank=tuple(f"n{r // 2}" for r in range(8)),
+                  gpu_of_rank=tuple(r % 2 for r in range(8)), rack_of_node=racks, spares=("n4",))
+    rows = list(p.rows())
+    assert rows == [{"rank": r, **mesh.rank_coords(r), "node": p.node_of_rank[r], "rack": racks[p.node_of_rank[r]],
+                     "gpu": p.gpu_of_rank[r]} for r in range(8)]
+    for recorded in (p.columns(), rows[::-1]):
+        back = json.loads(json.dumps(recorded))
+        assert Placement.recorded(back, mesh, ["n4"]) == p
+        assert recorded_nodes(back) == {"n0", "n1", "n2", "n3"}
+
+
+def reference_place(mesh: MeshShape, topology: Topology, excluded: frozenset[str] = frozenset()) -> Placement:
+    """The placement rules written plainly, slot by slot (what `place` computes in columns)."""
+    nodes = topology.usable(excluded)
+    racks: dict[str, list[Node]] = {}
+    for n in nodes:
+        racks.setdefault(n.rack, []).append(n)
+    pipelines: list[list[tuple[str, int]]] = []
+    leftovers: list[tuple[str, int]] = []
+    for rack in sorted(racks):
+        slots = [(n.name, g) for n in racks[rack] for g in range(0, n.num_gpus - mesh.tp + 1, mesh.tp)]
+        whole = len(slots) // mesh.pp * mesh.pp
+        pipelines.extend(slots[i:i + mesh.pp] for i in range(0, whole, mesh.pp))
+        leftovers.extend(slots[whole:])
+    pipelines.extend(leftovers[i:i + mesh.pp] for i in range(0, len(leftovers) - mesh.pp + 1, mesh.pp))
+    if len(pipelines) < mesh.dp:
+        raise PlacementError("too small")
+    node_of_rank = [node for pipeline in pipelines[:mesh.dp] for node, _ in pipeline for _ in range(mesh.tp)]
+    gpu_of_rank = [g + t for pipeline in pipelines[:mesh.dp] for _, g in pipeline for t in range(mesh.tp)]
+    return Placement(mesh=mesh, node_of_rank=tuple(node_of_rank), gpu_of_rank=tuple(gpu_of_rank),
+                     rack_of_node={n.name: n.rack for n in nodes if n.name in set(node_of_rank)},
+                     spares=tuple(n.name for n in topology.spares() if n.name not in excluded))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_place_matches_the_plain_rules_on_random_clusters(seed: int) -> None:
+    """Mixed GPU counts, uneven racks, lost, quarantined, spare and excluded nodes: the same placement
+    as the plain reference, or the same refusal."""
+    rng = random.Random(seed)
+    states = [NodeState.HEALTHY] * 6 + [NodeState.SPARE, NodeState.LOST, NodeState.QUARANTINED]
+    nodes = tuple(Node(name=f"node-{i}", rack=f"rack-{rng.randrange(4)}", num_gpus=rng.choice([2, 4, 8, 8]),
+                       gpu_memory_bytes=1, state=rng.choice(states)) for i in range(rng.randrange(1, 40)))
+    t = Topology(nodes)
+    excluded = frozenset(n.name for n in nodes if rng.random() < 0.1)
+    mesh = MeshShape(dp=rng.randrange(1, 9), pp=rng.choice([1, 2, 3, 4]), tp=rng.choice([1, 2]))
+    try:
+        expected = reference_place(mesh, t, excluded)
+    except PlacementError:
+        with pytest.raises(PlacementError):
+            place(mesh, t, excluded)
+        return
+    got = place(mesh, t, excluded)
+    assert got == expected
+    check_rules(got, t, excluded)
