@@ -21,6 +21,7 @@ import numpy as np
 from controller.attempt import PollResult
 from controller.events import EventKind
 from controller.failure_policy import FailureCause, FailureEvent
+from controller.placement import ranks_on
 from controller.progress import RunProgress
 from health.hang import hang_verdict
 from health.straggler import RankScore, StragglerConfig, StragglerTracker
@@ -53,7 +54,7 @@ def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_
             # Another node's ranks all died with it, or its daemon is gone: Ray declares nodes dead
             # one by one, a moment apart. One decision for all of them.
             return None
-        ranks = tuple(r for r, n in enumerate(node_of_rank) if n in dead_nodes)
+        ranks = tuple(ranks_on(node_of_rank, dead_nodes))
         return FailureEvent(time=now, cause=FailureCause.NODE_LOST, nodes=tuple(sorted(dead_nodes)), ranks=ranks,
                             message=f"node(s) {sorted(dead_nodes)} lost with ranks {list(ranks)}")
     if dead_ranks and dead_ranks <= on_live_nodes:
@@ -79,7 +80,7 @@ def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_
 def _dying_nodes(dead_ranks: set[int], node_of_rank: tuple[str, ...]) -> set[str]:
     """Nodes every rank of which died."""
     return {node for node in {node_of_rank[r] for r in dead_ranks}
-            if all(r in dead_ranks for r, n in enumerate(node_of_rank) if n == node)}
+            if all(r in dead_ranks for r in ranks_on(node_of_rank, (node,)))}
 
 
 def _whole_node_died(dead_ranks: set[int], node_of_rank: tuple[str, ...]) -> bool:

@@ -284,12 +284,14 @@ def taken_out(before: Topology, decision: Decision, failure: FailureEvent | None
     """The `quarantined` event detail of each node the decision takes out of the run: lost nodes, and
     nodes quarantined on the failure's evidence."""
     out: list[dict] = []
-    for node in before.nodes:
-        new = decision.topology.node(node.name).state
-        if new is NodeState.LOST and node.state is not NodeState.LOST:
-            out.append({"node": node.name, "reason": "lost"})
-        if new is NodeState.QUARANTINED and node.state is not NodeState.QUARANTINED:
-            out.append({"node": node.name, "reason": failure.cause.value if failure else "quarantined",
+    after = decision.topology
+    changed = {name: state for state in (NodeState.LOST, NodeState.QUARANTINED)
+               for name in after.names_in(state) - before.names_in(state) if name in before.names}
+    for name in before.in_node_order(changed):
+        if changed[name] is NodeState.LOST:
+            out.append({"node": name, "reason": "lost"})
+        else:
+            out.append({"node": name, "reason": failure.cause.value if failure else "quarantined",
                         "ranks": list(failure.ranks) if failure else [], "message": failure.message if failure else "",
                         "evidence": dict(failure.evidence) if failure else {}})
     return out

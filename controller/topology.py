@@ -9,6 +9,9 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, replace
+from typing import Iterable
+
+import numpy as np
 
 
 class NodeState(str, enum.Enum):
@@ -41,6 +44,22 @@ def local_roles(nodes: int, spares: int) -> dict[str, NodeState]:
 
 
 @dataclass(frozen=True)
+class NodeColumns:
+    """Nodes as numpy columns, in rack then name order (`Topology.usable_columns`)."""
+    name: np.ndarray
+    rack: np.ndarray
+    rack_id: np.ndarray
+    """Racks numbered in order: equal for nodes of one rack, growing with the rack."""
+    num_gpus: np.ndarray
+    place_of: np.ndarray
+    """(of the whole topology) a node's position in `nodes` -> its position in this order."""
+
+    def take(self, rows: np.ndarray) -> "NodeColumns":
+        return NodeColumns(name=self.name[rows], rack=self.rack[rows], rack_id=self.rack_id[rows],
+                           num_gpus=self.num_gpus[rows], place_of=self.place_of)
+
+
+@dataclass(frozen=True)
 class Topology:
     nodes: tuple[Node, ...]
 
@@ -65,16 +84,48 @@ class Topology:
 
     def usable(self, excluded: frozenset[str] = frozenset()) -> list[Node]:
         """Healthy nodes not excluded, in rack then name order (deterministic)."""
-        return sorted(
-            (n for n in self.nodes if n.state is NodeState.HEALTHY and n.name not in excluded),
-            key=lambda n: (n.rack, _natural(n.name)),
-        )
+        nodes, healthy = self.nodes, NodeState.HEALTHY
+        return [n for i in self._order if (n := nodes[i]).state is healthy and n.name not in excluded]
 
     def spares(self) -> list[Node]:
-        return [n for n in self.nodes if n.state is NodeState.SPARE]
+        return [self.node(name) for name in self.in_node_order(self.names_in(NodeState.SPARE))]
 
     def with_state(self, name: str, state: NodeState) -> "Topology":
-        return Topology(tuple(replace(n, state=state) if n.name == name else n for n in self.nodes))
+        return self.with_states({name: state})
+
+    def with_states(self, states: "dict[str, NodeState]") -> "Topology":
+        """These nodes in these states, the others as they are. What the topology computed once (name
+        order, index, nodes by state) carries over: a policy derives several topologies per failure from
+        one of 16,384 nodes."""
+        nodes = list(self.nodes)
+        for name, state in states.items():
+            i = self._index[name]
+            nodes[i] = replace(nodes[i], state=state)
+        out = Topology(tuple(nodes))
+        for kept in ("_order", "_index", "names", "_columns"):
+            if kept in self.__dict__:
+                out.__dict__[kept] = self.__dict__[kept]
+        if "_healthy" in self.__dict__:
+            healthy = self._healthy.copy()
+            for name, state in states.items():
+                healthy[self._columns.place_of[self._index[name]]] = state is NodeState.HEALTHY
+            out.__dict__["_healthy"] = healthy
+        if "_by_state" in self.__dict__:
+            groups = {s: set(names) for s, names in self._by_state.items() if names}
+            for name, state in states.items():
+                groups[self.node(name).state].discard(name)
+                groups.setdefault(state, set()).add(name)
+            out.__dict__["_by_state"] = {s: frozenset(names) for s, names in groups.items()}
+        return out
+
+    def without(self, names: "frozenset[str]") -> "Topology":
+        """These nodes gone (a cluster's view while they are under repair)."""
+        if not names:
+            return self
+        out = Topology(tuple(n for n in self.nodes if n.name not in names))
+        if "names" in self.__dict__:
+            out.__dict__["names"] = self.names - names
+        return out
 
     def with_racks(self, racks: "dict[str, str]") -> "Topology":
         """These nodes' racks replaced (a run spec's `cluster.racks`); other nodes as they are."""
@@ -83,7 +134,11 @@ class Topology:
         return Topology(tuple(replace(n, rack=racks[n.name]) if n.name in racks else n for n in self.nodes))
 
     def node(self, name: str) -> Node:
-        return self._by_name[name]
+        return self.nodes[self._index[name]]
+
+    def in_node_order(self, names: "Iterable[str]") -> list[str]:
+        """These nodes' names in the order of `nodes`."""
+        return sorted(names, key=self._index.__getitem__)
 
     @functools.cached_property
     def names(self) -> frozenset[str]:
@@ -101,9 +156,39 @@ class Topology:
         return {state: frozenset(names) for state, names in groups.items()}
 
     @functools.cached_property
-    def _by_name(self) -> dict[str, Node]:
-        """name -> node, built once per topology (a policy looks up every node of a 2,000-node cluster)."""
-        return {n.name: n for n in self.nodes}
+    def _index(self) -> dict[str, int]:
+        """name -> position in `nodes`, built once per topology (a policy looks up every node of a 2,000-node cluster)."""
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    def usable_columns(self, excluded: frozenset[str] = frozenset()) -> "NodeColumns":
+        """`usable(excluded)` as columns (numpy arrays, same order): what placement computes on."""
+        keep = self._healthy
+        if excluded:
+            keep = keep.copy()
+            for name in excluded & self.names:
+                keep[self._columns.place_of[self._index[name]]] = False
+        return self._columns.take(np.flatnonzero(keep))
+
+    @functools.cached_property
+    def _columns(self) -> "NodeColumns":
+        ordered = [self.nodes[i] for i in self._order]
+        racks = [n.rack for n in ordered]
+        place_of = np.empty(len(ordered), dtype=np.int64)
+        place_of[list(self._order)] = np.arange(len(ordered))
+        return NodeColumns(name=np.array([n.name for n in ordered], dtype=object),
+                           rack=np.array(racks, dtype=object),
+                           rack_id=np.cumsum([0] + [a != b for a, b in zip(racks, racks[1:])], dtype=np.int64)[:len(racks)],
+                           num_gpus=np.array([n.num_gpus for n in ordered], dtype=np.int64), place_of=place_of)
+
+    @functools.cached_property
+    def _healthy(self) -> np.ndarray:
+        """Whether each node (in rack then name order) is healthy."""
+        return np.array([self.nodes[i].state is NodeState.HEALTHY for i in self._order], dtype=bool)
+
+    @functools.cached_property
+    def _order(self) -> tuple[int, ...]:
+        """Positions of the nodes in rack then name order."""
+        return tuple(sorted(range(len(self.nodes)), key=lambda i: (self.nodes[i].rack, _natural(self.nodes[i].name))))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -120,4 +205,4 @@ def merge_returned(ours: Topology, live: Topology) -> Topology:
     back = ours.names_in(NodeState.LOST) & live.names
     if not back:
         return ours
-    return Topology(tuple(replace(n, state=NodeState.HEALTHY) if n.name in back else n for n in ours.nodes))
+    return ours.with_states({name: NodeState.HEALTHY for name in sorted(back)})

@@ -90,7 +90,7 @@ class SimCluster:
         down = frozenset(n for n, t in self.down_until.items() if t > now)
         if down != self._down:  # one Topology per set of nodes under repair (the controller asks often)
             self._down = down
-            self._topology = Topology(tuple(n for n in self.full.nodes if n.name not in down))
+            self._topology = self.full.without(down)
         return self._topology
 
     def take_down(self, node: str, until: float) -> None:

@@ -203,3 +203,27 @@ def test_place_matches_the_plain_rules_on_random_clusters(seed: int) -> None:
     got = place(mesh, t, excluded)
     assert got == expected
     check_rules(got, t, excluded)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_derived_topology_answers_as_a_fresh_one(seed: int) -> None:
+    """with_states carries what a topology computed once (order, index, columns, nodes by state) over
+    to the topology it derives: what it answers equals what the same nodes answer from scratch."""
+    rng = random.Random(seed)
+    states = list(NodeState)
+    t = Topology(tuple(Node(name=f"node-{i}", rack=f"rack-{rng.randrange(3)}", num_gpus=rng.choice([4, 8]),
+                            gpu_memory_bytes=1, state=rng.choice(states)) for i in range(rng.randrange(2, 30))))
+    mesh = MeshShape(dp=1, pp=rng.choice([1, 2]), tp=rng.choice([1, 2, 4]))
+    for _ in range(4):
+        try:
+            place(mesh, t)  # computes the caches that carry over
+        except PlacementError:
+            pass
+        t.spares(), t.names_in(NodeState.LOST)
+        t = t.with_states({n.name: rng.choice(states) for n in rng.sample(t.nodes, rng.randrange(1, 4))})
+        fresh = Topology(t.nodes)
+        excluded = frozenset(n.name for n in t.nodes if rng.random() < 0.2)
+        assert t.usable(excluded) == fresh.usable(excluded) and t.spares() == fresh.spares()
+        assert all(t.names_in(s) == fresh.names_in(s) for s in states)
+        for name in ("name", "rack", "rack_id", "num_gpus"):
+            assert getattr(t.usable_columns(excluded), name).tolist() == getattr(fresh.usable_columns(excluded), name).tolist()
