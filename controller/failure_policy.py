@@ -286,7 +286,7 @@ def taken_out(before: Topology, decision: Decision, failure: FailureEvent | None
     out: list[dict] = []
     after = decision.topology
     changed = {name: state for state in (NodeState.LOST, NodeState.QUARANTINED)
-               for name in after.names_in(state) - before.names_in(state) if name in before.names}
+               for name in after.names_in(state) - before.names_in(state) if name in before}
     for name in before.in_node_order(changed):
         if changed[name] is NodeState.LOST:
             out.append({"node": name, "reason": "lost"})

@@ -34,7 +34,7 @@ class Placement:
     gpu_of_rank: tuple[int, ...]
     """GPU index on its node of each global rank."""
     rack_of_node: dict[str, str]
-    """Rack of every node used."""
+    """Rack of every node used, and of no other node."""
     spares: tuple[str, ...]
     """Nodes held back for replacement."""
 
@@ -45,25 +45,30 @@ class Placement:
                           tuple(sorted(self.rack_of_node.items()))))
 
     def columns(self) -> dict[str, Any]:
-        """The placement as an `attempt_started` event records it: {node: [node of each rank], gpu: [gpu
-        of each rank], rack: {node: rack}}. Its own columns, shared: at 131,072 ranks one dict per rank
-        cost ~70 ms and ~10 MB of JSON per attempt, and a 54-day run has thousands of attempts."""
-        return {"node": self.node_of_rank, "gpu": self.gpu_of_rank, "rack": self.rack_of_node}
+        """The placement as an `attempt_started` event records it, one entry per TP group (place() puts
+        each on consecutive GPUs of one node): {tp, node: [node of each group], gpu: [its first GPU],
+        rack: [its node's rack]}, groups in rank order. One dict per rank cost ~70 ms and ~10 MB of JSON
+        per attempt at 131,072 ranks, and a 54-day run there has ~3,000 attempts."""
+        tp = self.mesh.tp
+        nodes = self.node_of_rank[::tp]
+        return {"tp": tp, "node": nodes, "gpu": self.gpu_of_rank[::tp], "rack": [self.rack_of_node[n] for n in nodes]}
 
     @classmethod
     def recorded(cls, recorded: dict[str, Any] | list[dict], mesh: MeshShape, spares: list[str]) -> "Placement":
-        """The Placement an `attempt_started` event recorded: its columns, or (events recorded before
-        columns) its rows."""
+        """The Placement an `attempt_started` event recorded: its TP groups' columns, or (events
+        recorded before columns) its rows."""
         if isinstance(recorded, list):
             ordered = sorted(recorded, key=lambda r: r["rank"])
             return cls(mesh=mesh, node_of_rank=tuple(r["node"] for r in ordered),
                        gpu_of_rank=tuple(int(r["gpu"]) for r in ordered),
                        rack_of_node={r["node"]: r["rack"] for r in ordered}, spares=tuple(spares))
-        return cls(mesh=mesh, node_of_rank=tuple(recorded["node"]), gpu_of_rank=tuple(int(g) for g in recorded["gpu"]),
-                   rack_of_node=dict(recorded["rack"]), spares=tuple(spares))
+        tp = int(recorded["tp"])
+        return cls(mesh=mesh, node_of_rank=tuple(n for n in recorded["node"] for _ in range(tp)),
+                   gpu_of_rank=tuple(int(g) + t for g in recorded["gpu"] for t in range(tp)),
+                   rack_of_node=dict(zip(recorded["node"], recorded["rack"])), spares=tuple(spares))
 
     def nodes_used(self) -> list[str]:
-        return sorted(set(self.node_of_rank))
+        return sorted(self.rack_of_node)  # exactly the nodes used: no pass over the ranks
 
     def ranks_on(self, node: str) -> list[int]:
         return ranks_on(self.node_of_rank, (node,))

@@ -136,6 +136,10 @@ class Topology:
     def node(self, name: str) -> Node:
         return self.nodes[self._index[name]]
 
+    def __contains__(self, name: object) -> bool:
+        """Whether a node of this name is in the topology (an index carried over by with_states)."""
+        return name in self._index
+
     def in_node_order(self, names: "Iterable[str]") -> list[str]:
         """These nodes' names in the order of `nodes`."""
         return sorted(names, key=self._index.__getitem__)

@@ -33,6 +33,7 @@ def check_rules(p, topology: Topology, excluded: frozenset[str] = frozenset()) -
         assert len(set(p.node_of_rank[rank:rank + mesh.tp])) == 1, f"TP group at rank {rank} spans nodes"
     forbidden = {n.name for n in topology.nodes if n.state is not NodeState.HEALTHY} | excluded
     assert not forbidden & set(p.node_of_rank)
+    assert p.nodes_used() == sorted(set(p.node_of_rank)), "rack_of_node holds exactly the nodes used"
     for node, gpu in pairs:
         assert 0 <= gpu < topology.node(node).num_gpus
 
@@ -148,7 +149,7 @@ def test_rows_match_the_coordinates_and_the_event_columns_give_the_placement_bac
     """Rows (the REST form) say what rank_coords says; an attempt_started event's columns, and the rows
     older events recorded, give the same Placement back (through JSON, as the registry keeps them)."""
     mesh = MeshShape(dp=2, pp=2, tp=2)
-    racks = {f"n{i}": f"r{i % 2}" for i in range(4)}
+    racks = {f"n{i}": f"r{i % 2}" for i in range(4)}  # the nodes used (n4 is a spare)
     p = Placement(mesh=mesh, node_of_rank=tuple(f"n{r // 2}" for r in range(8)),
                   gpu_of_rank=tuple(r % 2 for r in range(8)), rack_of_node=racks, spares=("n4",))
     rows = list(p.rows())
@@ -157,7 +158,7 @@ def test_rows_match_the_coordinates_and_the_event_columns_give_the_placement_bac
     for recorded in (p.columns(), rows[::-1]):
         back = json.loads(json.dumps(recorded))
         assert Placement.recorded(back, mesh, ["n4"]) == p
-        assert recorded_nodes(back) == {"n0", "n1", "n2", "n3"}
+        assert recorded_nodes(back) == {"n0", "n1", "n2", "n3"} == set(p.nodes_used())
 
 
 def reference_place(mesh: MeshShape, topology: Topology, excluded: frozenset[str] = frozenset()) -> Placement:
