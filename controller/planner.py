@@ -157,11 +157,13 @@ def plan_run(spec: RunSpec, topology: Topology) -> tuple[MeshPlan, Placement]:
 
 def memory_problem(spec: RunSpec, topology: Topology, mesh: MeshShape) -> str | None:
     """Why `mesh` does not fit the smallest healthy GPU of `topology` by the memory model (None: it fits)."""
+    static, act = memory_per_gpu(spec.to_model_config(), spec.to_train_config(), mesh)
+    need = static + act
+    if need <= topology.smallest_gpu_bytes:
+        return None  # fits every GPU of the cluster: no pass over its nodes (16,384 at a time in a simulation)
     gpus = [n.gpu_memory_bytes for n in topology.nodes if n.state in (NodeState.HEALTHY, NodeState.SPARE)]
     if not gpus:
         return None
-    static, act = memory_per_gpu(spec.to_model_config(), spec.to_train_config(), mesh)
-    need = static + act
     if need > min(gpus):
         return f"{need / 2**30:.1f} GiB per GPU > {min(gpus) / 2**30:.1f} GiB"
     return None

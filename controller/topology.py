@@ -102,7 +102,7 @@ class Topology:
             i = self._index[name]
             nodes[i] = replace(nodes[i], state=state)
         out = Topology(tuple(nodes))
-        for kept in ("_order", "_index", "names", "_columns"):
+        for kept in ("_order", "_index", "names", "_columns", "smallest_gpu_bytes"):
             if kept in self.__dict__:
                 out.__dict__[kept] = self.__dict__[kept]
         if "_healthy" in self.__dict__:
@@ -122,7 +122,9 @@ class Topology:
         """These nodes gone (a cluster's view while they are under repair)."""
         if not names:
             return self
-        out = Topology(tuple(n for n in self.nodes if n.name not in names))
+        cut = sorted(self._index[n] for n in names if n in self._index)
+        kept = [self.nodes[a + 1:b] for a, b in zip([-1] + cut, cut + [len(self.nodes)])]
+        out = Topology(tuple(n for part in kept for n in part) if len(kept) > 64 else sum(kept, ()))
         if "names" in self.__dict__:
             out.__dict__["names"] = self.names - names
         return out
@@ -143,6 +145,11 @@ class Topology:
     def in_node_order(self, names: "Iterable[str]") -> list[str]:
         """These nodes' names in the order of `nodes`."""
         return sorted(names, key=self._index.__getitem__)
+
+    @functools.cached_property
+    def smallest_gpu_bytes(self) -> int:
+        """The smallest GPU memory of any node, whatever its state (0 without nodes)."""
+        return min((n.gpu_memory_bytes for n in self.nodes), default=0)
 
     @functools.cached_property
     def names(self) -> frozenset[str]:

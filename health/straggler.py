@@ -137,6 +137,8 @@ class StragglerTracker:
         self._by_step: dict[int, dict[int, float]] = {}
         self._whole: dict[int, np.ndarray] = {}
         """Steps given at once (`add_step`), in rank order."""
+        self._ready: set[int] = set()
+        """Pending steps every rank has reported (kept as they fill: a poll need not scan the pending)."""
         self._evaluated = 0
         self._first_step: int | None = None
         self._rank_order: Sequence[int] = ()
@@ -148,7 +150,10 @@ class StragglerTracker:
     def add(self, rank: int, step: int, compute_s: float) -> None:
         if rank not in self.stage_of_rank or not self._fresh(step):
             return
-        self._by_step.setdefault(step, {})[rank] = compute_s
+        samples = self._by_step.setdefault(step, {})
+        samples[rank] = compute_s
+        if len(samples) >= len(self.stage_of_rank):
+            self._ready.add(step)
         self._bound()
 
     def add_step(self, step: int, compute_s: Sequence[float] | np.ndarray) -> None:
@@ -158,6 +163,7 @@ class StragglerTracker:
         if self._fresh(step):
             self._whole[step] = np.asarray(compute_s, dtype=np.float64)
             self._by_step.setdefault(step, {})
+            self._ready.add(step)
             self._bound()
 
     def _fresh(self, step: int) -> bool:
@@ -172,15 +178,15 @@ class StragglerTracker:
             oldest = next(iter(self._by_step))  # steps arrive in order: the first is the oldest
             del self._by_step[oldest]
             self._whole.pop(oldest, None)
+            self._ready.discard(oldest)
 
     def evaluate(self) -> list[StragglerVerdict]:
         """Consume every step all ranks have reported, in order; new verdicts. A step some rank never
         reported is skipped once a later one is whole (a rank reports its steps in order: the missing
         sample is not coming)."""
-        world = len(self.stage_of_rank)
-        whole = {step for step, samples in self._by_step.items() if step in self._whole or len(samples) >= world}
-        if not whole:
+        if not self._ready:
             return []
+        whole, self._ready = self._ready, set()
         last = max(whole)
         verdicts: list[StragglerVerdict] = []
         for step in sorted(self._by_step):
