@@ -107,7 +107,7 @@ def largest_dp(mesh: MeshShape, topology: Topology, global_batch: int, micro_bat
 def _largest(mesh: MeshShape, topology: Topology, global_batch: int, micro_batch: int,
              fits: Fits | None) -> tuple[int, Placement | None]:
     """largest_dp, and the placement that proved it."""
-    gpus = sum(n.num_gpus for n in topology.nodes if n.state is NodeState.HEALTHY)
+    gpus = int(topology.usable_columns().num_gpus.sum())
     for dp in range(mesh.dp, 0, -1):
         if dp % mesh.dp_replicas or global_batch % (dp * micro_batch) or dp * mesh.pp * mesh.tp > gpus:
             continue  # (more ranks than healthy GPUs cannot place: no need to try)

@@ -94,28 +94,26 @@ class Topology:
         return self.with_states({name: state})
 
     def with_states(self, states: "dict[str, NodeState]") -> "Topology":
-        """These nodes in these states, the others as they are. What the topology computed once (name
-        order, index, nodes by state) carries over: a policy derives several topologies per failure from
-        one of 16,384 nodes."""
+        """These nodes in these states, the others as they are. What a topology computes once (name
+        order, index, columns, nodes by state) is computed on this one and carried over, changed where
+        the states changed: a policy derives several topologies per failure from one of 16,384 nodes."""
         nodes = list(self.nodes)
         for name, state in states.items():
             i = self._index[name]
             nodes[i] = replace(nodes[i], state=state)
         out = Topology(tuple(nodes))
         for kept in ("_order", "_index", "names", "_columns", "smallest_gpu_bytes"):
-            if kept in self.__dict__:
-                out.__dict__[kept] = self.__dict__[kept]
-        if "_healthy" in self.__dict__:
-            healthy = self._healthy.copy()
-            for name, state in states.items():
-                healthy[self._columns.place_of[self._index[name]]] = state is NodeState.HEALTHY
-            out.__dict__["_healthy"] = healthy
-        if "_by_state" in self.__dict__:
-            groups = {s: set(names) for s, names in self._by_state.items() if names}
-            for name, state in states.items():
-                groups[self.node(name).state].discard(name)
-                groups.setdefault(state, set()).add(name)
-            out.__dict__["_by_state"] = {s: frozenset(names) for s, names in groups.items()}
+            out.__dict__[kept] = getattr(self, kept)  # computed here once, then carried down the line
+        healthy = self._healthy.copy()
+        for name, state in states.items():
+            healthy[self._columns.place_of[self._index[name]]] = state is NodeState.HEALTHY
+        out.__dict__["_healthy"] = healthy
+        touched = {self.node(name).state for name in states} | set(states.values())
+        groups = {s: set(self._by_state.get(s, ())) for s in touched}
+        for name, state in states.items():
+            groups[self.node(name).state].discard(name)
+            groups[state].add(name)
+        out.__dict__["_by_state"] = {**self._by_state, **{s: frozenset(names) for s, names in groups.items()}}
         return out
 
     def without(self, names: "frozenset[str]") -> "Topology":

@@ -151,7 +151,7 @@ class SimWorkerGroup:
         self.commits: list[tuple[float, int]] = []
         self.interval = CheckpointInterval(attempt.checkpoint_every, auto=attempt.checkpoint_auto,
                                            mtbf_s=attempt.mtbf_s)
-        self.nodes = set(attempt.placement.rack_of_node)  # the nodes it uses (131,072 ranks: not a scan of them)
+        self.nodes = attempt.placement.rack_of_node  # the nodes it uses, as keys (not a copy, not a scan of the ranks)
         self.loss_rank = attempt.config.mesh.world_size - 1
         self.full_world = self.full_world or attempt.config.mesh.world_size
         self.pending_events: list[tuple[int, str, dict]] = []
