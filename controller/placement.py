@@ -67,6 +67,10 @@ class Placement:
                    gpu_of_rank=tuple(int(g) + t for g in recorded["gpu"] for t in range(tp)),
                    rack_of_node=dict(zip(recorded["node"], recorded["rack"])), spares=tuple(spares))
 
+    def nodes(self) -> set[str]:
+        """The nodes used (`nodes_used` without the sort)."""
+        return set(self.rack_of_node)
+
     def nodes_used(self) -> list[str]:
         return sorted(self.rack_of_node)  # exactly the nodes used: no pass over the ranks
 
@@ -106,6 +110,13 @@ def _rows(mesh: MeshShape, node_of_rank: tuple[str, ...], gpu_of_rank: tuple[int
 
 
 def place(mesh: MeshShape, topology: Topology, excluded: frozenset[str] = frozenset()) -> Placement:
+    done = topology.placed.get((mesh, excluded))
+    if done is None:
+        done = topology.placed[(mesh, excluded)] = _place(mesh, topology, excluded)
+    return done
+
+
+def _place(mesh: MeshShape, topology: Topology, excluded: frozenset[str]) -> Placement:
     nodes = topology.usable_columns(excluded)
     if (nodes.num_gpus < mesh.tp).any():
         small = nodes.name[nodes.num_gpus < mesh.tp].tolist()
@@ -131,13 +142,17 @@ def place(mesh: MeshShape, topology: Topology, excluded: frozenset[str] = frozen
             f"{len(order) // mesh.pp} such pipelines")
     chosen = order[: mesh.dp * mesh.pp]  # the slots of pipelines 0..dp-1, stage after stage
     node_of_rank = np.repeat(nodes.name[node_of_slot[chosen]], mesh.tp)
-    gpu_of_rank = np.repeat(gpu_of_slot[chosen], mesh.tp) + np.tile(np.arange(mesh.tp), len(chosen))
+    first_gpu = gpu_of_slot[chosen]
+    if not first_gpu.any():  # every TP group starts at GPU 0 (tp = GPUs per node): the same tp GPUs repeated
+        gpu_of_rank: tuple[int, ...] = tuple(range(mesh.tp)) * len(chosen)
+    else:
+        gpu_of_rank = tuple((np.repeat(first_gpu, mesh.tp) + np.tile(np.arange(mesh.tp), len(chosen))).tolist())
     used = np.flatnonzero(np.bincount(node_of_slot[chosen], minlength=len(per_node)))
     spares = topology.names_in(NodeState.SPARE) - excluded
     return Placement(
         mesh=mesh,
         node_of_rank=tuple(node_of_rank.tolist()),
-        gpu_of_rank=tuple(gpu_of_rank.tolist()),
+        gpu_of_rank=gpu_of_rank,
         rack_of_node=dict(zip(nodes.name[used].tolist(), nodes.rack[used].tolist())),
         spares=tuple(n.name for n in topology.spares() if n.name in spares) if spares else (),
     )

@@ -246,7 +246,7 @@ class RunController:
             return
         try:
             with self.outside_lock():
-                nodes = set(self.placement.nodes_used())
+                nodes = self.placement.nodes()
                 point = self.checkpoints.load_point(self.spec, self._peer_copies(nodes), nodes)
         except StoreError as e:  # back off; past `checkpoint.retry_budget_s`, say so in the timeline (once)
             if (detail := self.checkpoints.unreachable(now, e)) is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -108,12 +108,12 @@ class Topology:
         for name, state in states.items():
             healthy[self._columns.place_of[self._index[name]]] = state is NodeState.HEALTHY
         out.__dict__["_healthy"] = healthy
-        touched = {self.node(name).state for name in states} | set(states.values())
-        groups = {s: set(self._by_state.get(s, ())) for s in touched}
-        for name, state in states.items():
-            groups[self.node(name).state].discard(name)
-            groups[state].add(name)
-        out.__dict__["_by_state"] = {**self._by_state, **{s: frozenset(names) for s, names in groups.items()}}
+        by_state = dict(self._by_state)
+        for state in {self.node(name).state for name in states} | set(states.values()):
+            leaving = {name for name, new in states.items() if new is not state}
+            coming = {name for name, new in states.items() if new is state}
+            by_state[state] = (by_state.get(state, frozenset()) - leaving) | coming  # one copy of a big set
+        out.__dict__["_by_state"] = by_state
         return out
 
     def without(self, names: "frozenset[str]") -> "Topology":
@@ -143,6 +143,12 @@ class Topology:
     def in_node_order(self, names: "Iterable[str]") -> list[str]:
         """These nodes' names in the order of `nodes`."""
         return sorted(names, key=self._index.__getitem__)
+
+    @functools.cached_property
+    def placed(self) -> "dict[Any, Any]":
+        """Placements made on this topology, by (mesh, excluded nodes): a topology is immutable, so the
+        same mesh places the same way (a restart on unchanged nodes places its mesh again)."""
+        return {}
 
     @functools.cached_property
     def smallest_gpu_bytes(self) -> int:

@@ -55,7 +55,9 @@ def test_place_follows_rules(mesh, nodes, gpus, racks, spares, excluded) -> None
     dp, pp, tp = mesh
     p = place(MeshShape(dp=dp, pp=pp, tp=tp), t, frozenset(excluded))
     check_rules(p, t, frozenset(excluded))
-    assert p == place(MeshShape(dp=dp, pp=pp, tp=tp), t, frozenset(excluded)), "not deterministic"
+    again = place(MeshShape(dp=dp, pp=pp, tp=tp), Topology(t.nodes), frozenset(excluded))
+    assert p == again and p is not again, "not deterministic (a fresh topology places it anew)"
+    assert place(MeshShape(dp=dp, pp=pp, tp=tp), t, frozenset(excluded)) is p, "the same topology remembers it"
 
 
 @pytest.mark.parametrize("racks, expect_same_rack", [(2, True), (1, True)])
