@@ -347,6 +347,12 @@ class RunController:
         else:
             self._run_due_drills(now)
 
+    def acts_on_commits(self) -> bool:
+        """Whether a commit may make the controller act now: grow back a shrunk mesh, or replace a
+        straggler it judged (a driver that wakes for events may skip commits otherwise)."""
+        return (self.config is not None and self.policy.may_grow(self.config.mesh)) or \
+            (self.watch is not None and bool(self.watch.stragglers.to_replace))
+
     def _maybe_replace_stragglers(self, now: float) -> bool:
         """At a checkpoint (no step is lost): replace the ranks judged slower than their peers, if a spare exists."""
         assert self.watch is not None

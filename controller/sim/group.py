@@ -125,6 +125,10 @@ class SimWorkerGroup:
         """Committed steps still in the store, oldest first."""
         self.wake_at_step: int | None = None
         """Poll right after this step (the driver sets it to the next drill's step)."""
+        self.wake_at_commits = True
+        """Poll at every commit (the driver clears it while the controller cannot act on one: nothing to
+        grow back into, no straggler to replace, no drill to report on; the commits are then heard at the
+        next poll, as a real controller hears steps and commits late when it polls rarely)."""
         self.full_world: int | None = None
         """World size of the first attempt: a smaller mesh keeps the global batch, so its steps are longer."""
         self.snapshot: tuple[AttemptSpec, int, float, float] | None = None
@@ -285,7 +289,7 @@ class SimWorkerGroup:
                 chunk = min(chunk, self.wake_at_step - self.step)  # a drill waits for this step
             if self.judging is not None:
                 chunk = min(chunk, self.judging[0])  # the judgement's verdict at its time, not the next commit's
-            if self.attempt is not None and self.attempt.checkpoint_uri is not None:
+            if self.attempt is not None and self.attempt.checkpoint_uri is not None and self.wake_at_commits:
                 # the next save's commit: the controller acts on commits (growing back, replacing stragglers)
                 save = min((self.step // self.interval.every + 1) * self.interval.every, self.total_steps)
                 times.append(self.next_start + (save - self.step) * self._step_s(self.next_start)

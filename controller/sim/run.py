@@ -96,6 +96,8 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
         before = c.state
         c.step(clock.t)
         if c.state is RunState.RUNNING and before is RunState.RUNNING:
+            # as the poll left them; while the ranks' times are judged, a verdict may come at any poll
+            group.wake_at_commits = bool(c.drills.pending()) or c.acts_on_commits() or group.judging is not None
             wake = group.next_wake(clock.t)
         elif c.state is RunState.RECOVERING:
             repair = cluster.next_repair(clock.t)
@@ -106,6 +108,8 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
         clock.t = max(nxt, clock.t)
         if nxt == math.inf:
             break
+    if c.state is RunState.RUNNING and clock.t >= horizon:
+        c.step(horizon)  # the steps and commits done by the horizon, heard (the last wake may be well before it)
     end = min(max(clock.t, c.finished_at or 0.0), horizon) if c.finished_at is None else c.finished_at
     goodput = c.goodput(end, fresh=True)
     events = [e.to_dict() for e in c.events]

@@ -333,3 +333,40 @@ def test_stragglers_from_the_failure_model_are_judged_where_they_strike() -> Non
         if e.kind == EventKind.STRAGGLER:  # flagged while its node was slow (or just after: the poll's time)
             assert any(node == e.detail["node"] and start <= e.time <= end + 60 for start, end, node in slow), e.detail
     assert result["failures_by_cause"] == {} and result["state"] == "succeeded"  # report only: nothing replaced
+
+
+@pytest.mark.parametrize("case", ["llama3-restart", "stragglers-replaced", "shrunk-and-grown"])
+def test_skipping_the_commits_the_controller_cannot_act_on_changes_no_result(case: str, monkeypatch) -> None:
+    """The simulated group polls at a commit only while the controller may act on one (grow back,
+    replace a straggler, a drill); the results equal those of a group that polls at every commit."""
+    import pathlib
+
+    import yaml
+
+    from controller.state import RunController
+
+    raw = yaml.safe_load((pathlib.Path(__file__).parents[2] / "examples" / "llama3-405b-restart.yaml").read_text())
+    raw["parallelism"]["dp"], raw["train"]["global_batch"], raw["elastic"]["min_dp"] = 16, 256, 8
+    raw["cluster"]["simulated"] = {"nodes": 264, "gpus_per_node": 8, "racks": 8, "spares": 8}
+    days = 20
+    if case == "stragglers-replaced":
+        raw["health"]["straggler_action"] = "replace"
+        raw["failures"] = {"straggler_share": 0.5, "straggler_factor": 2.0}
+    if case == "shrunk-and-grown":
+        raw["cluster"]["simulated"].update(nodes=256, spares=0)  # no node to spare: a loss shrinks dp
+        raw["failures"] = {"repair_hours": {"gpu": 2.0, "host": 4.0}}
+    spec = parse_spec(raw)
+
+    def summary(r: dict[str, Any]) -> tuple:
+        return (r["ettr"], r["steps"], r["failures_by_cause"], r["decisions"], r["mttr_s"],
+                r["goodput"]["badput_seconds"], r["lost_per_failure"])
+
+    skipping = simulate(spec, days=days, seed=2)
+    monkeypatch.setattr(RunController, "acts_on_commits", lambda self: True)
+    every = simulate(spec, days=days, seed=2)
+    assert summary(skipping) == summary(every)
+    assert sum(every["failures_by_cause"].values()) > 5
+    if case == "stragglers-replaced":
+        assert every["failures_by_cause"].get("straggler", 0) > 0, "a straggler was replaced at a commit"
+    if case == "shrunk-and-grown":
+        assert {"shrink", "grow"} <= set(every["decisions"]), every["decisions"]
