@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
@@ -108,11 +109,11 @@ class Topology:
         for name, state in states.items():
             healthy[self._columns.place_of[self._index[name]]] = state is NodeState.HEALTHY
         out.__dict__["_healthy"] = healthy
-        by_state = dict(self._by_state)
-        for state in {self.node(name).state for name in states} | set(states.values()):
+        by_state = dict(self._by_state)  # the small sets (not healthy): copied where they change
+        for state in ({self.node(name).state for name in states} | set(states.values())) - {NodeState.HEALTHY}:
             leaving = {name for name, new in states.items() if new is not state}
             coming = {name for name, new in states.items() if new is state}
-            by_state[state] = (by_state.get(state, frozenset()) - leaving) | coming  # one copy of a big set
+            by_state[state] = (by_state.get(state, frozenset()) - leaving) | coming
         out.__dict__["_by_state"] = by_state
         return out
 
@@ -122,7 +123,7 @@ class Topology:
             return self
         cut = sorted(self._index[n] for n in names if n in self._index)
         kept = [self.nodes[a + 1:b] for a, b in zip([-1] + cut, cut + [len(self.nodes)])]
-        out = Topology(tuple(n for part in kept for n in part) if len(kept) > 64 else sum(kept, ()))
+        out = Topology(tuple(itertools.chain.from_iterable(kept)))
         if "names" in self.__dict__:
             out.__dict__["names"] = self.names - names
         return out
@@ -161,14 +162,23 @@ class Topology:
 
     def names_in(self, state: NodeState) -> frozenset[str]:
         """Names of the nodes in `state` (computed once per topology)."""
+        if state is NodeState.HEALTHY:
+            return self._healthy_names
         return self._by_state.get(state, frozenset())
 
     @functools.cached_property
     def _by_state(self) -> dict[NodeState, frozenset[str]]:
+        """The nodes in each state but healthy (few: a derived topology copies them where they change)."""
         groups: dict[NodeState, set[str]] = {}
         for n in self.nodes:
-            groups.setdefault(n.state, set()).add(n.name)
+            if n.state is not NodeState.HEALTHY:
+                groups.setdefault(n.state, set()).add(n.name)
         return {state: frozenset(names) for state, names in groups.items()}
+
+    @functools.cached_property
+    def _healthy_names(self) -> frozenset[str]:
+        """The healthy nodes (most of them: built from the columns only when asked)."""
+        return frozenset(self._columns.name[self._healthy].tolist())
 
     @functools.cached_property
     def _index(self) -> dict[str, int]:
