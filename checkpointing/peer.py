@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 ROOT_ENV = "GOODPUT_PEER_DIR"
 """Where a node keeps its snapshots; by default /dev/shm/goodput-peer (host memory)."""
 
@@ -125,29 +127,43 @@ def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, s
     it). Ranks are ordered by (rack, node, rank) and shifted; the shift nearest half the world that
     keeps every pair on two nodes and has the fewest same-rack pairs wins (with dp outermost and
     replicas rack after rack, half the world away is the same stage of another replica). Shifts are
-    tried outward from half the world, `tries` of them at most (O(tries x world): 16k ranks stay cheap),
-    stopping at the first with no pair in one rack."""
+    tried outward from half the world, `tries` of them at most, stopping at the first with no pair in
+    one rack. Computed on numpy columns (131,072 ranks in milliseconds)."""
     world = len(node_of_rank)
-    if len(set(node_of_rank)) < 2:
+    names = sorted(set(node_of_rank), key=lambda n: (rack_of_node.get(n, ""), n))
+    if len(names) < 2:
         return None
-    order = sorted(range(world), key=lambda r: (rack_of_node.get(node_of_rank[r], ""), node_of_rank[r], r))
+    position = {name: i for i, name in enumerate(names)}  # a node's place in (rack, node) order
+    rack_index = {rack: i for i, rack in enumerate(sorted({rack_of_node.get(n, "") for n in names}))}
+    node = np.fromiter(map(position.__getitem__, node_of_rank), dtype=np.int64, count=world)
+    rack = np.array([rack_index[rack_of_node.get(n, "")] for n in names], dtype=np.int64)[node]
+    order = np.argsort(node, kind="stable")  # by (rack, node), then rank
     half = world // 2
-    shifts = sorted(range(1, world), key=lambda s: (abs(s - half), s))[:tries]
-    rack = [rack_of_node.get(node_of_rank[r]) for r in range(world)]
-    best: tuple[int, int, list[int]] | None = None
-    for shift in shifts:
-        buddy = [0] * world
-        for i, rank in enumerate(order):
-            buddy[rank] = order[(i + shift) % world]
-        if any(node_of_rank[r] == node_of_rank[buddy[r]] for r in range(world)):
+    best: tuple[int, int, np.ndarray] | None = None
+    for shift in _outward(half, world, tries):
+        buddy = np.empty(world, dtype=np.int64)
+        buddy[order] = np.roll(order, -shift)
+        if (node == node[buddy]).any():
             continue
-        same_rack = sum(rack[r] == rack[buddy[r]] for r in range(world))
+        same_rack = int((rack == rack[buddy]).sum())
         score = (same_rack, abs(shift - half))
         if best is None or score < best[:2]:
             best = (*score, buddy)
         if same_rack == 0:
             break
-    return best[2] if best is not None else None
+    return best[2].tolist() if best is not None else None
+
+
+def _outward(half: int, world: int, tries: int) -> list[int]:
+    """Shifts 1..world-1 by distance from `half` (the smaller first on a tie), the first `tries`."""
+    out: list[int] = []
+    for d in range(world):
+        for s in ((half,) if d == 0 else (half - d, half + d)):
+            if 1 <= s < world:
+                out.append(s)
+        if len(out) >= tries or (half - d < 1 and half + d >= world - 1):
+            break
+    return out[:tries]
 
 
 def sender_of(buddy: list[int]) -> list[int]:

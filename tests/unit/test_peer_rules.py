@@ -3,7 +3,10 @@ recovery may load only when every rank's copy survives somewhere it can be read.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+
+import pytest
 
 from checkpointing.peer import (
     Copy, buddies, drop_marker, forget_attempts_before, held_copies, peer_point, sender_of, write_marker,
@@ -91,3 +94,41 @@ def test_markers_say_what_is_complete(tmp_path: Path) -> None:
     forget_attempts_before(tmp_path, 2)
     assert held_copies(tmp_path) == [later]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([later.stem, f"{later.stem}.meta", f"{later.stem}.json"])
+
+
+def reference_buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, str], *,
+            tries: int = 64) -> list[int] | None:
+    """The buddy rule written plainly, rank by rank (what `buddies` computes on columns)."""
+    world = len(node_of_rank)
+    if len(set(node_of_rank)) < 2:
+        return None
+    order = sorted(range(world), key=lambda r: (rack_of_node.get(node_of_rank[r], ""), node_of_rank[r], r))
+    half = world // 2
+    shifts = sorted(range(1, world), key=lambda s: (abs(s - half), s))[:tries]
+    rack = [rack_of_node.get(node_of_rank[r]) for r in range(world)]
+    best: tuple[int, int, list[int]] | None = None
+    for shift in shifts:
+        buddy = [0] * world
+        for i, rank in enumerate(order):
+            buddy[rank] = order[(i + shift) % world]
+        if any(node_of_rank[r] == node_of_rank[buddy[r]] for r in range(world)):
+            continue
+        same_rack = sum(rack[r] == rack[buddy[r]] for r in range(world))
+        score = (same_rack, abs(shift - half))
+        if best is None or score < best[:2]:
+            best = (*score, buddy)
+        if same_rack == 0:
+            break
+    return best[2] if best is not None else None
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_buddies_match_the_plain_rule_on_random_placements(seed: int) -> None:
+    """Random node names and racks (some nodes without one), ranks dealt unevenly: the same buddies
+    as the rank-by-rank reference, including None."""
+    rng = random.Random(seed)
+    nodes = [f"n{rng.randrange(1000)}" for _ in range(rng.randrange(1, 12))]
+    racks = {n: f"r{rng.randrange(3)}" for n in nodes if rng.random() < 0.8}
+    node_of_rank = [rng.choice(nodes) for _ in range(rng.randrange(1, 60))]
+    tries = rng.choice([1, 4, 64])
+    assert buddies(node_of_rank, racks, tries=tries) == reference_buddies(node_of_rank, racks, tries=tries)
