@@ -199,10 +199,14 @@ def peer_point(held: dict[str, list[Copy]], *, identity: str, nodes: set[str],
         for copy in held[node]:
             if copy.identity != identity:
                 continue
-            if any(copy.attempt == attempt and copy.step > after for attempt, after in excluded):
+            if excluded and any(copy.attempt == attempt and copy.step > after for attempt, after in excluded):
                 excluded_steps.add(copy.step)
                 continue
-            sets.setdefault((copy.attempt, copy.step), {}).setdefault(copy.rank, copy)
+            ranks = sets.get(key := (copy.attempt, copy.step))
+            if ranks is None:
+                ranks = sets[key] = {}
+            if copy.rank not in ranks:
+                ranks[copy.rank] = copy
     if not sets:
         if excluded_steps:
             return None, (f"the peer snapshots held (step {max(excluded_steps)}) were taken after the last state "

@@ -211,16 +211,16 @@ class SimWorkerGroup:
         rewriting = taken < struck < on_buddies
         intact = {n for n in nodes if self.memory_lost.get(n, -math.inf) < taken}
         mesh = attempt.config.mesh
-        common = dict(attempt=attempt.attempt, world_size=mesh.world_size, step=step,
-                      cursor=step * attempt.config.train.global_batch, mesh=mesh.axes(),
-                      identity=state_fingerprint(attempt.config.model), nbytes=0)
+        a, world, cursor = attempt.attempt, mesh.world_size, step * attempt.config.train.global_batch
+        axes, identity = mesh.axes(), state_fingerprint(attempt.config.model)
         held: dict[str, list[Copy]] = {n: [] for n in intact}
-        for rank, node in enumerate(placement.node_of_rank):
+        node_of_rank = placement.node_of_rank
+        for rank, node in enumerate(node_of_rank):  # (positional: 262,144 copies at 131,072 ranks)
             if node in intact:
-                held[node].append(Copy(rank=rank, role="own", **common))  # type: ignore[arg-type]
-            keeper = placement.node_of_rank[buddy[rank]] if buddy else None
+                held[node].append(Copy(a, rank, world, step, cursor, axes, identity, "own", 0))
+            keeper = node_of_rank[buddy[rank]] if buddy else None
             if keeper in intact and not rewriting:
-                held[keeper].append(Copy(rank=rank, role="buddy", **common))  # type: ignore[arg-type]
+                held[keeper].append(Copy(a, rank, world, step, cursor, axes, identity, "buddy", 0))
         return held
 
     # -- what the simulation does to it --------------------------------------------------------------------
