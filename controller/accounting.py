@@ -31,6 +31,7 @@ Events are dicts {time, attempt, kind, detail} (the REST form); spans come from 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -74,6 +75,12 @@ class FailureTiming:
     restore_s: float = 0.0
     """Of the recovery, the next attempt's load of the state (its ranks' `restored` seconds, the slowest's):
     the rest, waiting aside, is the restart (processes, communicators, the first step's start)."""
+    next_attempt: int | None = None
+    """The attempt the recovery started (None while none has)."""
+    degraded_s: float = 0.0
+    """What running that attempt on a mesh smaller than the planned one cost (its `degraded_capacity`):
+    a shrink's price after the recovery, until the next failure or grow. Not in `lost_seconds`, which
+    is time the run did not train at all."""
 
     @property
     def detection_s(self) -> float:
@@ -90,7 +97,7 @@ class FailureTiming:
                 "recovery_seconds": recovery, "waiting_seconds": self.waiting_s,
                 "restart_seconds": None if recovery is None else max(0.0, recovery - self.waiting_s - self.restore_s),
                 "restore_seconds": self.restore_s,
-                "recomputation_seconds": self.recomputation_s,
+                "recomputation_seconds": self.recomputation_s, "degraded_seconds": self.degraded_s,
                 "lost_seconds": None if recovery is None else self.detection_s + recovery + self.recomputation_s}
 
 
@@ -194,7 +201,8 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         failures.append(FailureTiming(attempt, str(failure["detail"].get("cause", "unknown")), onset, t_detected,
                                       recovered, recomputation_s=redone + (onset - last_end),
                                       waiting_s=next_start - waits[0] if waits else 0.0,
-                                      restore_s=restore_s.get(attempt_at[next_start], 0.0) if later else 0.0))
+                                      restore_s=restore_s.get(attempt_at[next_start], 0.0) if later else 0.0,
+                                      next_attempt=attempt_at[next_start] if later else None))
         if waits:
             intervals.append((t_detected, waits[0], "restart_restore"))
             intervals.append((waits[0], next_start, "waiting_for_capacity"))
@@ -206,7 +214,8 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
     excess = _straggler_excess(events, kept, by_attempt)
     degraded = _degraded(events, kept, by_attempt, excess)
     whole = _total(segments, start, end, sum(excess.values()), sum(degraded.values()))
-    whole.failures = failures
+    whole.failures = [dataclasses.replace(f, degraded_s=degraded.get(f.next_attempt, 0.0))
+                      if f.next_attempt is not None else f for f in failures]
     bounds = sorted((t, a) for a, t in started.items())
     seg_ends = [y for _, y, _ in segments]  # segments are in time order and do not overlap
     for i, (t, attempt) in enumerate(bounds):

@@ -201,8 +201,9 @@ def print_simulation(r: dict) -> None:
     if r.get("lost_per_failure"):
         print()
         print("lost per failure (mean seconds; total: the sums over the run; lost = detection + restart + restore"
-              " + waiting for capacity + recomputation):")
-        terms = ("detection", "restart", "restore", "waiting", "recomputation", "lost")
+              " + waiting for capacity + recomputation; degraded: the next attempt's training on a smaller mesh, at"
+              " the throughput it lacked):")
+        terms = ("detection", "restart", "restore", "waiting", "recomputation", "lost", "degraded")
         table(["cause", "count", *terms],
               [[cause, f"{row['count']:.0f}", *(f"{row[f'{t}_seconds']:.1f}" for t in terms)]
                for cause, row in r["lost_per_failure"].items()])

@@ -139,6 +139,8 @@ def test_a_shrunk_mesh_is_productive_only_in_proportion_to_its_throughput() -> N
     check(result, wall=20.0, productive=5.0 + 5.0, startup=1.0, failure_detection=1.0, restart_restore=3.0,
           degraded_capacity=5.0)
     check(result.attempts[1], wall=12.0, productive=5.0, restart_restore=2.0, degraded_capacity=5.0)
+    (failure,) = result.to_dict()["failures"]  # the shrink's price, charged to the failure that forced it
+    assert failure["degraded_seconds"] == pytest.approx(5.0) and failure["lost_seconds"] == pytest.approx(4.0)
 
 
 def test_with_no_step_on_the_planned_mesh_a_shrunk_one_counts_its_share_of_the_ranks() -> None:

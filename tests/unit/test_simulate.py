@@ -370,3 +370,6 @@ def test_skipping_the_commits_the_controller_cannot_act_on_changes_no_result(cas
         assert every["failures_by_cause"].get("straggler", 0) > 0, "a straggler was replaced at a commit"
     if case == "shrunk-and-grown":
         assert {"shrink", "grow"} <= set(every["decisions"]), every["decisions"]
+        # each shrink's price is charged to the failure that forced it: the failures' sum is the run's
+        degraded = every["goodput"]["badput_seconds"]["degraded_capacity"]
+        assert degraded > 0 and every["lost_per_failure"]["total"]["degraded_seconds"] == pytest.approx(degraded)
