@@ -7,7 +7,6 @@ import pytest
 from controller.failure_policy import (
     Action, ElasticLimits, FailureCause, FailureEvent, decide, grow_target,
 )
-from controller.topology import Topology as Topology  # noqa: F811 - named in parametrize
 from controller.topology import NodeState, Topology
 from trainer.config import MeshShape
 
