@@ -18,6 +18,7 @@ of a re-fork on this machine); only the failed part is replaced.
 
 from __future__ import annotations
 
+import collections
 import socket
 import threading
 import time
@@ -85,7 +86,8 @@ class RayWorkerGroup:
             self._store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False)
         placement = attempt.placement
         world = placement.mesh.world_size
-        wanted = {node: len(placement.ranks_on(node)) for node in placement.nodes_used()}
+        ranks_per_node = collections.Counter(placement.node_of_rank)  # one pass (not one per node)
+        wanted = {node: ranks_per_node[node] for node in placement.nodes_used()}
         if self.warm:  # a spare may replace any node: as many warm actors as the fullest one has
             wanted |= {spare: max(wanted.values()) for spare in placement.spares}
         self._forget_dead_nodes()
