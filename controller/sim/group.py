@@ -45,6 +45,7 @@ from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import MemoryStore
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
+from controller.placement import ranks_on
 from controller.sim.model import CostModel, Incident
 from controller.topology import Topology
 from health.straggler import StragglerConfig
@@ -321,10 +322,9 @@ class SimWorkerGroup:
         if not slow and not self.slow_ranks:
             return
         factors = dict(self.slow_ranks)
-        if slow:
-            for r, node in enumerate(self.attempt.placement.node_of_rank):
-                if node in slow:
-                    factors[r] = max(factors.get(r, 1.0), slow[node])
+        node_of_rank = self.attempt.placement.node_of_rank
+        for r in ranks_on(node_of_rank, slow):  # (a search per slow node, not a pass over 131,072 ranks)
+            factors[r] = max(factors.get(r, 1.0), slow[node_of_rank[r]])
         self.judging = (JUDGED_STEPS, factors)
 
     def _compute(self, step: int) -> Any:
