@@ -68,7 +68,7 @@ def test_one_failure_at_a_known_step_costs_the_lost_steps_and_the_cost_models_re
     assert lost["all"] == pytest.approx({"count": 1, "detection_seconds": 0.9, "recovery_seconds": 2.0,
                                          "restart_seconds": 0.0, "restore_seconds": 2.0,
                                          "waiting_seconds": 0.0, "recomputation_seconds": 5.0,
-                                         "lost_seconds": 7.9})
+                                         "lost_seconds": 7.9, "degraded_seconds": 0.0})  # a spare: no shrink
     # Restart and restore apart: a 3 s restart before the 2 s load of step 20; two failures, in total
     twice = simulate(spec(drills=[{"kind": "kill-node", "at_step": 25}, {"kind": "kill-node", "at_step": 65}],
                           cost={"restart_s": 3.0}, cluster={"simulated": {"nodes": 4, "gpus_per_node": 1, "racks": 1,
@@ -77,7 +77,7 @@ def test_one_failure_at_a_known_step_costs_the_lost_steps_and_the_cost_models_re
     assert lost["all"]["restart_seconds"] == pytest.approx(3.0) and lost["all"]["restore_seconds"] == pytest.approx(2.0)
     assert lost["total"] == pytest.approx({"count": 2, "detection_seconds": 1.8, "recovery_seconds": 10.0,
                                            "restart_seconds": 6.0, "restore_seconds": 4.0, "waiting_seconds": 0.0,
-                                           "recomputation_seconds": 10.0, "lost_seconds": 21.8})
+                                           "recomputation_seconds": 10.0, "lost_seconds": 21.8, "degraded_seconds": 0.0})
 
 
 def test_a_seed_fixes_the_outcome() -> None:
