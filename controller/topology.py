@@ -97,7 +97,11 @@ class Topology:
     def with_states(self, states: "dict[str, NodeState]") -> "Topology":
         """These nodes in these states, the others as they are. What a topology computes once (name
         order, index, columns, nodes by state) is computed on this one and carried over, changed where
-        the states changed: a policy derives several topologies per failure from one of 16,384 nodes."""
+        the states changed: a policy derives several topologies per failure from one of 16,384 nodes.
+        Names not in the topology are ignored (as they always were)."""
+        states = {name: state for name, state in states.items() if name in self._index}
+        if not states:
+            return self
         nodes = list(self.nodes)
         for name, state in states.items():
             i = self._index[name]

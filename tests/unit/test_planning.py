@@ -225,6 +225,7 @@ def test_a_derived_topology_answers_as_a_fresh_one(seed: int) -> None:
         t.spares(), t.names_in(NodeState.LOST)
         t = t.with_states({n.name: rng.choice(states) for n in rng.sample(t.nodes, rng.randrange(1, 4))})
         fresh = Topology(t.nodes)
+        assert t.with_state("not-a-node", NodeState.LOST) == t, "an unknown name changes nothing"
         excluded = frozenset(n.name for n in t.nodes if rng.random() < 0.2)
         assert t.usable(excluded) == fresh.usable(excluded) and t.spares() == fresh.spares()
         assert all(t.names_in(s) == fresh.names_in(s) for s in states)
