@@ -140,7 +140,9 @@ def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, s
     order = np.argsort(node, kind="stable")  # by (rack, node), then rank
     half = world // 2
     best: tuple[int, int, np.ndarray] | None = None
-    for shift in _outward(half, world, tries):
+    # shifts outward from half the world (the smaller first on a tie); the first `tries` lie within `tries` of it
+    near = range(max(1, half - tries), min(world, half + tries + 1))
+    for shift in sorted(near, key=lambda s: (abs(s - half), s))[:tries]:
         buddy = np.empty(world, dtype=np.int64)
         buddy[order] = np.roll(order, -shift)
         if (node == node[buddy]).any():
@@ -152,18 +154,6 @@ def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, s
         if same_rack == 0:
             break
     return best[2].tolist() if best is not None else None
-
-
-def _outward(half: int, world: int, tries: int) -> list[int]:
-    """Shifts 1..world-1 by distance from `half` (the smaller first on a tie), the first `tries`."""
-    out: list[int] = []
-    for d in range(world):
-        for s in ((half,) if d == 0 else (half - d, half + d)):
-            if 1 <= s < world:
-                out.append(s)
-        if len(out) >= tries or (half - d < 1 and half + d >= world - 1):
-            break
-    return out[:tries]
 
 
 def sender_of(buddy: list[int]) -> list[int]:
