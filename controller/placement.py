@@ -51,7 +51,8 @@ class Placement:
         per attempt at 131,072 ranks, and a 54-day run there has ~3,000 attempts."""
         tp = self.mesh.tp
         nodes = self.node_of_rank[::tp]
-        return {"tp": tp, "node": nodes, "gpu": self.gpu_of_rank[::tp], "rack": list(map(self.rack_of_node.__getitem__, nodes))}
+        return {"tp": tp, "node": nodes, "gpu": self.gpu_of_rank[::tp],
+                "rack": list(map(self.rack_of_node.__getitem__, nodes))}
 
     @classmethod
     def recorded(cls, recorded: dict[str, Any] | list[dict], mesh: MeshShape, spares: list[str]) -> "Placement":

@@ -186,7 +186,7 @@ class Topology:
 
     @functools.cached_property
     def _index(self) -> dict[str, int]:
-        """name -> position in `nodes`, built once per topology (a policy looks up every node of a 2,000-node cluster)."""
+        """name -> position in `nodes`, built once per topology and carried to those derived from it."""
         return {n.name: i for i, n in enumerate(self.nodes)}
 
     def usable_columns(self, excluded: frozenset[str] = frozenset()) -> "NodeColumns":
@@ -206,7 +206,8 @@ class Topology:
         place_of[list(self._order)] = np.arange(len(ordered))
         return NodeColumns(name=np.array([n.name for n in ordered], dtype=object),
                            rack=np.array(racks, dtype=object),
-                           rack_id=np.cumsum([0] + [a != b for a, b in zip(racks, racks[1:])], dtype=np.int64)[:len(racks)],
+                           rack_id=np.cumsum([0] + [a != b for a, b in zip(racks, racks[1:])],
+                                             dtype=np.int64)[:len(racks)],
                            num_gpus=np.array([n.num_gpus for n in ordered], dtype=np.int64), place_of=place_of)
 
     @functools.cached_property

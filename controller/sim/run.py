@@ -141,8 +141,8 @@ LOST_TERMS = ("detection_seconds", "recovery_seconds", "restart_seconds", "resto
 def lost_per_failure(failures: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """By cause, and for all failures ("all"): how many, and the mean of each lost-work term per failure
     (detection, recovery: restart, restore and any wait for capacity, recomputation, and their sum;
-    apart, degraded: what the next attempt's smaller mesh cost); "total": the sums over all failures. Failures not yet recovered count in detection and
-    recomputation only."""
+    apart, degraded: what the next attempt's smaller mesh cost); "total": the sums over all failures.
+    Failures not yet recovered count in detection and recomputation only."""
     out: dict[str, dict[str, float]] = {}
     for cause in sorted({f["cause"] for f in failures}) + ["all"]:
         these = [f for f in failures if cause in ("all", f["cause"])]
