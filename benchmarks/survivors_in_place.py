@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from checkpointing.peer import buddies, held_copies, peer_point  # noqa: E402
+from checkpointing.peer import buddies, held_copies, holdings, peer_point  # noqa: E402
 from trainer.config import (  # noqa: E402
     DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig, state_fingerprint,
 )
@@ -162,7 +162,7 @@ def trial(arm: str, index: int, port: int, root: Path) -> dict[str, Any]:
         os.kill(first[r].pid, signal.SIGKILL)  # type: ignore[arg-type]
     shutil.rmtree(root / LOST)  # the node's host memory goes with it
     after = [SPARE if n == LOST else n for n in NODES]
-    held = {node: held_copies(root / node / RUN) for node in set(after)}
+    held = {node: holdings(held_copies(root / node / RUN)) for node in set(after)}
     point, why = peer_point(held, identity=state_fingerprint(CONFIG.model), nodes=set(after))
     assert point is not None and point.step == 2, why
     prefix = f"{index}/a1"

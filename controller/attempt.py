@@ -88,5 +88,5 @@ class WorkerGroup(Protocol):
     def poll(self) -> PollResult: ...
     def shutdown(self) -> None: ...
     # Optional: `abort()`, callable from any thread, makes a `start` in progress give up soon (cancel).
-    # Optional: `peer_copies(run_id, nodes) -> {node: [checkpointing.peer.Copy]}`, the complete peer
-    # snapshot copies each of those nodes holds (a group without it never recovers from peers).
+    # Optional: `peer_copies(run_id, nodes) -> {node: [checkpointing.peer.Held]}`, what each of those
+    # nodes holds of the run's peer snapshots (a group without it never recovers from peers).

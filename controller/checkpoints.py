@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointing.manifest import Discards, resume_point
-from checkpointing.peer import Copy, PeerPoint, buddies, peer_point
+from checkpointing.peer import Held, PeerPoint, buddies, peer_point
 from checkpointing.schedule import observed_mtbf_s
 from checkpointing.store import ObjectStore, StoreOutage
 from controller.events import EventKind
@@ -72,7 +72,7 @@ class RunCheckpoints:
         self.auto_interval = int(intervals[-1]) if intervals else 0
         self.adopted = any(e["kind"] == EventKind.RESUME_REQUESTED for e in events)
 
-    def load_point(self, spec: RunSpec, held: dict[str, list[Copy]] | None = None,
+    def load_point(self, spec: RunSpec, held: dict[str, list[Held]] | None = None,
                    nodes: set[str] | None = None) -> LoadPoint:
         """Where the next attempt starts, after the discards still owed (a resume to an older step, an
         SDC rollback): the store's latest usable step, or a newer (or as new) peer snapshot step that

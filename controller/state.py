@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 from checkpointing.manifest import ForeignCheckpoints, IdentityMismatch
-from checkpointing.peer import Copy
+from checkpointing.peer import Held
 from checkpointing.store import ObjectStore, StoreError
 from controller.attempt import AttemptSpec, GroupStatus, WorkerGroup
 from controller.checkpoints import RunCheckpoints
@@ -293,7 +293,7 @@ class RunController:
             return
         self.state = RunState.RUNNING
 
-    def _peer_copies(self, nodes: set[str]) -> dict[str, list[Copy]] | None:
+    def _peer_copies(self, nodes: set[str]) -> dict[str, list[Held]] | None:
         """What peer snapshot copies the next attempt's nodes hold (None: peer snapshots are off, or
         the worker group cannot say; a node that does not answer holds nothing usable)."""
         ask = getattr(self.worker_group, "peer_copies", None)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from checkpointing.peer import Copy, forget_run, held_copies, peer_base
+from checkpointing.peer import Held, forget_run, held_copies, holdings, peer_base
 
 from trainer.report import StepReport
 from trainer.worker import WorkerArgs, WorkerSummary
@@ -120,9 +120,9 @@ class RankActor:
 
         return peer_base() / ray.get_runtime_context().get_node_id()
 
-    def peer_copies(self, run_id: str) -> list[Copy]:
-        """The complete peer snapshot copies of the run this node holds."""
-        return held_copies(self._peer_folder() / run_id)
+    def peer_copies(self, run_id: str) -> list[Held]:
+        """What this node holds of the run's peer snapshots: its complete copies, a record per step."""
+        return holdings(held_copies(self._peer_folder() / run_id))
 
     def drop_peer_copies(self, run_id: str) -> None:
         """The run has ended: its snapshots leave this node's memory."""

@@ -333,8 +333,9 @@ class RayWorkerGroup:
                 pool.remove(actor)
 
     def peer_copies(self, run_id: str, nodes: set[str]) -> dict[str, list[Any]]:
-        """The complete peer snapshot copies of the run each of `nodes` holds, asked of one warm actor
-        per node (a node with none, or one that does not answer within 10 s, holds nothing usable)."""
+        """What each of `nodes` holds of the run's peer snapshots (`checkpointing.peer.Held` records),
+        asked of one warm actor per node (a node with none, or one that does not answer within 10 s,
+        holds nothing usable)."""
         import ray
 
         self._forget_dead_nodes()

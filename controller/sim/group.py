@@ -24,7 +24,8 @@ judge, and 131,072 ranks' samples every step of 54 days would take days.
 Peer snapshots (`checkpoint.peer_every_steps`) stall the loop for the host copy and reach the buddies
 `peer_transfer_s` later; `peer_copies` answers as the nodes would: every rank's own copy on its node
 and its buddy's copy on the buddy's, except on nodes lost since, and no buddy copies at all when the
-failure struck while they were being rewritten (then the recovery falls back to the store).
+failure struck while they were being rewritten (then the recovery falls back to the store); each
+node answers with one `Held` record naming the ranks it keeps, as a Ray node does.
 
 Reports come from one rank of the last pipeline stage (the one carrying the loss), one per step:
 the controller's progress and accounting need no more, and 16,384 ranks' reports per step would
@@ -40,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from checkpointing.manifest import CheckpointError, Manifest, apply_retention, commit, step_prefix
-from checkpointing.peer import Copy
+from checkpointing.peer import Held
 from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import MemoryStore
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
@@ -199,30 +200,38 @@ class SimWorkerGroup:
     def shutdown(self) -> None:
         self.running = False
 
-    def peer_copies(self, run_id: str, nodes: set[str]) -> dict[str, list[Copy]]:
-        """The complete copies of the newest peer snapshot that `nodes` hold now."""
+    def peer_copies(self, run_id: str, nodes: set[str]) -> dict[str, list[Held]]:
+        """What `nodes` hold now of the newest peer snapshot, as each would report it (`Held`)."""
         if self.snapshot is None:
             return {}
         attempt, step, taken, on_buddies = self.snapshot
-        placement, buddy = attempt.placement, attempt.peer_buddy
         struck = self.stop_at if self.stop_at is not None else self.clock()
         # Torn buddy copies: a failure while they were being rewritten. A drill lands on a step's end
         # (`taken`) and counts as after the copy: a real controller injects it only once it has heard
         # the step's report, which a rank sends after its snapshot.
         rewriting = taken < struck < on_buddies
-        intact = {n for n in nodes if self.memory_lost.get(n, -math.inf) < taken}
+        holds = self._copies_by_node(attempt, own_only=rewriting)
         mesh = attempt.config.mesh
         a, world, cursor = attempt.attempt, mesh.world_size, step * attempt.config.train.global_batch
         axes, identity = mesh.axes(), state_fingerprint(attempt.config.model)
-        held: dict[str, list[Copy]] = {n: [] for n in intact}
-        node_of_rank = placement.node_of_rank
-        for rank, node in enumerate(node_of_rank):  # (positional: 262,144 copies at 131,072 ranks)
-            if node in intact:
-                held[node].append(Copy(a, rank, world, step, cursor, axes, identity, "own", 0))
-            keeper = node_of_rank[buddy[rank]] if buddy else None
-            if keeper in intact and not rewriting:
-                held[keeper].append(Copy(a, rank, world, step, cursor, axes, identity, "buddy", 0))
-        return held
+        lost = self.memory_lost
+        return {n: [Held(a, step, cursor, world, axes, identity, holds[n])] for n in nodes
+                if n in holds and lost.get(n, -math.inf) < taken}
+
+    def _copies_by_node(self, attempt: AttemptSpec, *, own_only: bool) -> dict[str, tuple[int, ...]]:
+        """Node -> the ranks whose copy it keeps under `attempt`'s snapshots: its own ranks, and (unless
+        `own_only`) those whose buddy it is. Grouped on numpy columns (a recovery at 131,072 ranks asks
+        for 262,144 copies)."""
+        placement, buddy = attempt.placement, attempt.peer_buddy
+        names = list(placement.rack_of_node)  # exactly the nodes used
+        index = {name: i for i, name in enumerate(names)}
+        world = len(placement.node_of_rank)
+        node = np.fromiter(map(index.__getitem__, placement.node_of_rank), dtype=np.int64, count=world)
+        ranks = np.arange(world)
+        if own_only or not buddy:
+            return _grouped(names, node, ranks)
+        keeper = node[np.fromiter(buddy, dtype=np.int64, count=world)]  # rank r's copy is also on buddy[r]'s node
+        return _grouped(names, np.concatenate([node, keeper]), np.concatenate([ranks, ranks]))
 
     # -- what the simulation does to it --------------------------------------------------------------------
     def strike(self, incident: Incident, *, rank: int | None = None, factor: float | None = None) -> bool:
@@ -405,3 +414,13 @@ def spare_topology(sim: Any) -> Topology:
     return Topology.from_local(nodes=sim.nodes, gpus_per_node=sim.gpus_per_node, racks=sim.racks, spares=sim.spares,
                                gpu_memory_gb=sim.gpu_memory_gb)
 
+
+def _grouped(names: list[str], node: np.ndarray, rank: np.ndarray) -> dict[str, tuple[int, ...]]:
+    """names[i] -> the ranks rank[j] with node[j] == i (in their order in `rank`), over the nodes that
+    have any."""
+    order = np.argsort(node, kind="stable")
+    by_node = node[order]
+    starts = [0, *(np.flatnonzero(by_node[1:] != by_node[:-1]) + 1).tolist()]
+    ends = [*starts[1:], len(order)]
+    ranks = rank[order].tolist()
+    return {names[i]: tuple(ranks[b:e]) for i, b, e in zip(by_node[starts].tolist(), starts, ends)} if len(order) else {}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpointing.peer import buddies, held_copies, peer_point
+from checkpointing.peer import buddies, held_copies, holdings, peer_point
 from tests.dist.harness import run_ranks
 from trainer.config import (
     DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig, config_to_dict, state_fingerprint,
@@ -60,7 +60,7 @@ def train(*, rank: int, world_size: int, store_port: int, config: dict, prefix: 
 
 
 def _point(root: Path, nodes: list[str]) -> dict:
-    held = {node: held_copies(root / node / "p") for node in set(nodes)}
+    held = {node: holdings(held_copies(root / node / "p")) for node in set(nodes)}
     point, why = peer_point(held, identity=state_fingerprint(MODEL), nodes=set(nodes))
     assert point is not None, why
     return point.__dict__

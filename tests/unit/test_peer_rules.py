@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from checkpointing.peer import (
-    Copy, buddies, drop_marker, forget_attempts_before, held_copies, peer_point, sender_of, write_marker,
+    Copy, Held, PeerPoint, buddies, drop_marker, forget_attempts_before, held_copies, holdings, peer_point, sender_of,
+    write_marker,
 )
 from controller.placement import place
 from controller.topology import Topology
@@ -19,6 +20,11 @@ from trainer.config import MeshShape
 def _copy(rank: int, *, step: int = 7, attempt: int = 0, world: int = 4, role: str = "own") -> Copy:
     return Copy(attempt=attempt, rank=rank, world_size=world, step=step, cursor=step * 16,
                 mesh={"dp": 2, "pp": 2, "tp": 1}, identity="id", role=role, nbytes=10)
+
+
+def _reported(copies: dict[str, list[Copy]]) -> dict:
+    """What each node tells the controller of its copies."""
+    return {node: holdings(held) for node, held in copies.items()}
 
 
 def test_buddies_of_make_runs_placement_are_the_same_stage_of_the_other_replica_in_the_other_rack() -> None:
@@ -50,28 +56,79 @@ def test_the_agreed_step_needs_every_ranks_copy_on_a_node_of_the_new_attempt() -
         "n0": [_copy(0), _copy(1), _copy(2, role="buddy"), _copy(3, role="buddy")],
         "n1": [_copy(2), _copy(3), _copy(0, role="buddy"), _copy(1, role="buddy")],
     }
-    point, _ = peer_point(held, identity="id", nodes={"n0", "n2"})
+    point, _ = peer_point(_reported(held), identity="id", nodes={"n0", "n2"})
     assert point is not None and (point.step, point.cursor, point.world_size) == (7, 112, 4)
     # A node and its buddies' node lost together: rank 2 and 3's copies are gone.
-    point, why = peer_point({"n0": held["n0"][:2]}, identity="id", nodes={"n0"})
+    point, why = peer_point(_reported({"n0": held["n0"][:2]}), identity="id", nodes={"n0"})
     assert point is None and "rank(s) [2, 3]" in why
     # A node off the new attempt's nodes cannot send what it holds.
-    assert peer_point(held, identity="id", nodes={"n1"})[0] is not None
-    assert peer_point({"n9": held["n0"]}, identity="id", nodes={"n0"})[0] is None
+    assert peer_point(_reported(held), identity="id", nodes={"n1"})[0] is not None
+    assert peer_point(_reported({"n9": held["n0"]}), identity="id", nodes={"n0"})[0] is None
     # Another model's snapshots are never loaded.
-    assert peer_point(held, identity="other", nodes={"n0", "n1"})[0] is None
+    assert peer_point(_reported(held), identity="other", nodes={"n0", "n1"})[0] is None
 
 
 def test_the_newest_complete_step_wins_and_an_sdc_rollback_excludes_later_snapshots() -> None:
     old = [_copy(r, step=5) for r in range(4)]
     newer = [_copy(r, step=6) for r in range(3)]  # rank 3's copy of step 6 is still being written
-    point, _ = peer_point({"n0": old + newer}, identity="id", nodes={"n0"})
+    point, _ = peer_point(_reported({"n0": old + newer}), identity="id", nodes={"n0"})
     assert point is not None and point.step == 5
     newest = [_copy(r, step=9, attempt=1) for r in range(4)]
-    point, _ = peer_point({"n0": old + newest}, identity="id", nodes={"n0"})
+    point, _ = peer_point(_reported({"n0": old + newest}), identity="id", nodes={"n0"})
     assert point is not None and (point.attempt, point.step) == (1, 9)
-    point, _ = peer_point({"n0": old + newest}, identity="id", nodes={"n0"}, excluded=[(1, 8)])
+    point, _ = peer_point(_reported({"n0": old + newest}), identity="id", nodes={"n0"}, excluded=[(1, 8)])
     assert point is not None and (point.attempt, point.step) == (0, 5)
+
+
+def test_a_node_reports_one_record_per_snapshot_step_naming_each_rank_once() -> None:
+    copies = [_copy(1), _copy(0, role="buddy"), _copy(1, role="buddy"), _copy(3, step=8), _copy(2)]
+    mesh = {"dp": 2, "pp": 2, "tp": 1}
+    assert holdings(copies) == [Held(attempt=0, step=7, cursor=112, world_size=4, mesh=mesh, identity="id",
+                                     ranks=(0, 1, 2)),
+                                Held(attempt=0, step=8, cursor=128, world_size=4, mesh=mesh, identity="id",
+                                     ranks=(3,))]
+    assert holdings([]) == []
+
+
+def reference_peer_point(held: dict[str, list[Copy]], *, identity: str, nodes: set[str],
+                         excluded: list[tuple[int, int]]) -> PeerPoint | None:
+    """The rule over every copy, as it read before nodes reported `Held` records."""
+    sets: dict[tuple[int, int], dict[int, Copy]] = {}
+    for node in sorted(held):
+        if node not in nodes:
+            continue
+        for copy in held[node]:
+            if copy.identity != identity or any(copy.attempt == a and copy.step > after for a, after in excluded):
+                continue
+            sets.setdefault((copy.attempt, copy.step), {}).setdefault(copy.rank, copy)
+    for (attempt, step), ranks in sorted(sets.items(), key=lambda kv: (kv[0][1], kv[0][0]), reverse=True):
+        any_copy = next(iter(ranks.values()))
+        if set(ranks) == set(range(any_copy.world_size)):
+            return PeerPoint(attempt=attempt, step=step, cursor=any_copy.cursor, world_size=any_copy.world_size,
+                             mesh=dict(any_copy.mesh))
+    return None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_step_agreed_on_reported_records_is_the_one_every_copy_gives(seed: int) -> None:
+    rng = random.Random(seed)
+    world = rng.choice([2, 4, 6, 8])
+    names = [f"n{i}" for i in range(rng.randint(2, 5))]
+    held: dict[str, list[Copy]] = {n: [] for n in names}
+    for attempt in range(rng.randint(1, 2)):
+        for step in rng.sample(range(1, 12), rng.randint(1, 3)):
+            for rank in range(world):
+                for role in ("own", "buddy"):
+                    if rng.random() < 0.8:  # the rest lost with a node, or torn
+                        held[rng.choice(names)].append(
+                            _copy(rank, step=step, attempt=attempt, world=world, role=role))
+    for copies in held.values():
+        rng.shuffle(copies)
+    nodes = set(rng.sample(names, rng.randint(1, len(names))))
+    excluded = [(0, rng.randint(0, 12))] if rng.random() < 0.3 else []
+    point, why = peer_point(_reported(held), identity="id", nodes=nodes, excluded=excluded)
+    assert point == reference_peer_point(held, identity="id", nodes=nodes, excluded=excluded)
+    assert (point is None) == bool(why)
 
 
 def test_markers_say_what_is_complete(tmp_path: Path) -> None:
