@@ -10,6 +10,7 @@ that has a manifest is never written again. Pure: no torch, no boto3.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -184,7 +185,7 @@ def is_committed(store: ObjectStore, run_id: str, step: int) -> bool:
 def commit(store: ObjectStore, manifest: Manifest) -> Manifest:
     """Write the manifest last, if absent: this is the commit. A second committer of the same step
     (another attempt) gets CheckpointError and changes nothing."""
-    final = replace(manifest, created_at=manifest.created_at or time.time())
+    final = manifest if manifest.created_at else replace(manifest, created_at=time.time())
     key = f"{step_prefix(manifest.run_id, manifest.step)}/{MANIFEST}"
     try:  # plain JSON fields: vars and the C encoder (no indent), as a simulated run commits 100,000 times
         store.put_bytes(key, json.dumps(vars(final), sort_keys=True).encode(), if_absent=True)
@@ -379,10 +380,16 @@ def index_changes(store: ObjectStore, run_id: str, indexed: set[int]) -> tuple[l
     return missing, sorted(indexed - in_store)
 
 
+@functools.lru_cache(maxsize=64)
+def _step_key(run_id: str) -> re.Pattern:
+    """A key under one of the run's steps: (step, the rest of the key)."""
+    return re.compile(rf"^{re.escape(run_id)}/step-(\d{{8}})/(.*)$")
+
+
 def apply_retention(store: ObjectStore, run_id: str, keep: int) -> list[int]:
     """Delete all but the newest `keep` committed steps, and uncommitted leftovers older than the
     newest commit (crashed saves). Called only after a commit, so the last good step survives."""
-    step_of = re.compile(rf"^{re.escape(run_id)}/step-(\d{{8}})/(.*)$")
+    step_of = _step_key(run_id)
     seen: set[int] = set()
     committed: set[int] = set()
     for o in store.list(f"{run_id}/"):  # one listing for both

@@ -33,8 +33,8 @@ class MemoryStore:
         path.write_bytes(self._objects[key][0])
 
     def list(self, prefix: str) -> list[ObjectInfo]:
-        return [ObjectInfo(key=k, size=len(v[0]), mtime=v[1]) for k, v in sorted(self._objects.items())
-                if k.startswith(prefix)]
+        return [ObjectInfo(key=k, size=len(v[0]), mtime=v[1])
+                for k, v in sorted((k, v) for k, v in self._objects.items() if k.startswith(prefix))]
 
     def has(self, key: str) -> bool:
         return key in self._objects

@@ -159,6 +159,7 @@ class SimWorkerGroup:
                                            mtbf_s=attempt.mtbf_s)
         self.nodes = attempt.placement.rack_of_node  # the nodes it uses, as keys (not a copy, not a scan of the ranks)
         self.loss_rank = attempt.config.mesh.world_size - 1
+        self.axes = attempt.config.mesh.axes()  # (each commit's manifest names them: made once per attempt)
         self.full_world = self.full_world or attempt.config.mesh.world_size
         self.pending_events: list[tuple[int, str, dict]] = []
         self._held: list[StepReport] = []
@@ -398,7 +399,7 @@ class SimWorkerGroup:
         mesh = a.config.mesh
         # The trainer's commit and retention (the simulated shards have no files).
         try:
-            commit(self.store, Manifest(run_id=a.run_id, step=step, attempt=a.attempt, mesh=mesh.axes(),
+            commit(self.store, Manifest(run_id=a.run_id, step=step, attempt=a.attempt, mesh=self.axes,
                                         world_size=mesh.world_size, cursor=step * a.config.train.global_batch,
                                         seeds={}, created_at=at))
         except CheckpointError:  # already committed by an earlier attempt: nothing new
