@@ -175,7 +175,7 @@ class Held(NamedTuple):
     identity: str
     """Fingerprint of the state's shape (trainer.config.state_fingerprint)."""
     ranks: tuple[int, ...]
-    """The ranks (of `attempt`) whose copy at `step` the node holds, ascending, each once."""
+    """The ranks (of `attempt`) whose copy at `step` the node holds, each once (`holdings` sorts them)."""
 
 
 def holdings(copies: Iterable[Copy]) -> list[Held]:
@@ -223,18 +223,17 @@ def peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, nodes: set[
     first: dict[tuple[int, int], Held] = {}
     parts: dict[tuple[int, int], list[tuple[int, ...]]] = {}
     excluded_steps: set[int] = set()
-    for node in sorted(nodes.intersection(held)):  # (16,384 nodes at 131,072 ranks: kept to plain tuple work)
+    for node in sorted(nodes.intersection(held)):
         for h in held[node]:
-            if h[5] != identity:  # h.identity
+            if h.identity != identity:
                 continue
-            key = h[:2]  # (attempt, step)
-            if excluded and any(key[0] == attempt and key[1] > after for attempt, after in excluded):
-                excluded_steps.add(key[1])
+            if excluded and any(h.attempt == attempt and h.step > after for attempt, after in excluded):
+                excluded_steps.add(h.step)
                 continue
-            ranks = parts.get(key)
+            ranks = parts.get(key := (h.attempt, h.step))
             if ranks is None:
                 first[key], ranks = h, parts.setdefault(key, [])
-            ranks.append(h[6])  # h.ranks
+            ranks.append(h.ranks)
     if not parts:
         if excluded_steps:
             return None, (f"the peer snapshots held (step {max(excluded_steps)}) were taken after the last state "
