@@ -419,9 +419,11 @@ def spare_topology(sim: Any) -> Topology:
 def _grouped(names: list[str], node: np.ndarray, rank: np.ndarray) -> dict[str, tuple[int, ...]]:
     """names[i] -> the ranks rank[j] with node[j] == i (in their order in `rank`), over the nodes that
     have any."""
+    if not len(node):
+        return {}
     order = np.argsort(node, kind="stable")
     by_node = node[order]
     starts = [0, *(np.flatnonzero(by_node[1:] != by_node[:-1]) + 1).tolist()]
     ends = [*starts[1:], len(order)]
     ranks = rank[order].tolist()
-    return {names[i]: tuple(ranks[b:e]) for i, b, e in zip(by_node[starts].tolist(), starts, ends)} if len(order) else {}
+    return {names[i]: tuple(ranks[b:e]) for i, b, e in zip(by_node[starts].tolist(), starts, ends)}
