@@ -182,16 +182,11 @@ def holdings(copies: Iterable[Copy]) -> list[Held]:
     """A node's complete copies as it reports them: one `Held` per snapshot (attempt, step, cursor,
     world, mesh, identity), in the order each first appears."""
     ranks: dict[tuple, set[int]] = {}
-    meshes: dict[tuple, dict[str, int]] = {}
     for copy in copies:
         key = (copy.attempt, copy.step, copy.cursor, copy.world_size, tuple(sorted(copy.mesh.items())), copy.identity)
         ranks.setdefault(key, set()).add(copy.rank)
-        meshes.setdefault(key, copy.mesh)
-    out = []
-    for key, found in ranks.items():
-        attempt, step, cursor, world, _, identity = key
-        out.append(Held(attempt, step, cursor, world, dict(meshes[key]), identity, tuple(sorted(found))))
-    return out
+    return [Held(attempt, step, cursor, world, dict(mesh), identity, tuple(sorted(found)))
+            for (attempt, step, cursor, world, mesh, identity), found in ranks.items()]
 
 
 def sender_of(buddy: list[int]) -> list[int]:

@@ -56,10 +56,9 @@ def test_the_simulated_nodes_report_what_the_per_rank_rule_gives(seed: int) -> N
     assert buddy is not None  # at least 4 nodes
     attempt = AttemptSpec(run_id="p", attempt=rng.randint(0, 3), config=spec.trainer_config(mesh),
                           placement=placement, peer_every=1, peer_buddy=tuple(buddy))
-    clock = [100.0]
     cost = CostModel(step_s=1.0, checkpoint_stall_s=0.0, checkpoint_save_s=0.0, restore_s=0.0, restart_s=0.0,
                      node_loss_detection_s=1.0, collective_timeout_s=1.0)  # (what is held does not depend on it)
-    group = SimWorkerGroup(lambda: clock[0], cost, MemoryStore(lambda: clock[0]), total_steps=100)
+    group = SimWorkerGroup(lambda: 100.0, cost, MemoryStore(lambda: 100.0), total_steps=100)
     used = sorted(placement.rack_of_node)
     lost = set(rng.sample(used, rng.randint(0, min(2, len(used) - 1))))
     torn = rng.random() < 0.3
