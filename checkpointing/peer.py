@@ -3,13 +3,22 @@ from peers. Pure: no torch (trainer/peer.py takes the snapshots, trainer/peer_lo
 
 Every `checkpoint.peer_every_steps` steps each rank copies its whole training state into host memory
 on its node (a file on the node's tmpfs, which outlives the rank's process but not the node) and its
-buddy, a rank on another node (another rack where there is one), keeps a second copy. Beside each
-copy a marker says which complete step it holds; it is removed while the copy is rewritten, so a copy
-without its marker does not exist. Files of one node, under `{root}/{run_id}/`:
+buddy, a rank on another node (another rack where there is one), keeps a second copy. Each copy has
+two slots, used in turn: a snapshot is written into the slot its predecessor does not hold, so the
+previous step stays whole on both nodes until the new one is whole on both (a node lost mid-exchange
+loses the step being written, never the one before). Beside each slot a marker says which complete
+step it holds and the checksum of its bytes (`words_checksum`); it is removed while the slot is
+rewritten, so a slot without its marker does not exist, and a copy whose bytes do not give the
+marker's checksum is never loaded. Files of one node, under `{root}/{run key}/` (`run_key`: the run's
+id and the time it was created, so that another run under the same id, or another service's run,
+never reads these):
 
-    a{attempt}-r{rank}.{own|buddy}          the bytes of the state rank `rank` of `attempt` had
-    a{attempt}-r{rank}.{own|buddy}.meta     where each item lies in them (written once per attempt)
-    a{attempt}-r{rank}.{own|buddy}.json     the marker: step, cursor, world, mesh, identity
+    a{attempt}-r{rank}.{own|buddy}{slot}         the bytes of the state rank `rank` of `attempt` had
+    a{attempt}-r{rank}.{own|buddy}{slot}.meta    where each item lies in them
+    a{attempt}-r{rank}.{own|buddy}{slot}.json    the marker: step, cursor, world, mesh, identity, checksum
+
+A rank reports a step to the controller only once every rank's copies of it are whole on both nodes
+(trainer/peer.py), so a step the controller has heard of is a step the peers can serve.
 
 A recovery loads from peers only a step of which every rank's copy is complete on a node the new
 attempt runs on (the same all-or-nothing rule as a checkpoint's manifest); else from the store. A node
@@ -20,6 +29,7 @@ recovery at 131,072 ranks weighs ~16,000 records, not 262,144 copies.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -35,7 +45,7 @@ import numpy as np
 ROOT_ENV = "GOODPUT_PEER_DIR"
 """Where a node keeps its snapshots; by default /dev/shm/goodput-peer (host memory)."""
 
-_FILE = re.compile(r"^a(?P<attempt>\d+)-r(?P<rank>\d+)\.(?P<role>own|buddy)\.json$")
+_FILE = re.compile(r"^a(?P<attempt>\d+)-r(?P<rank>\d+)\.(?P<role>own|buddy)(?P<slot>[01])\.json$")
 
 
 def peer_base() -> Path:
@@ -69,14 +79,37 @@ class Copy:
     """own (kept by the rank's node) or buddy (kept for it by its buddy's node)."""
     nbytes: int
     """Size of the copy."""
+    slot: int = 0
+    """Which of the copy's two slots holds it (0 or 1)."""
+    checksum: int = 0
+    """`words_checksum` of its bytes, taken when they were written."""
 
     @property
     def stem(self) -> str:
-        return copy_stem(self.attempt, self.rank, self.role)
+        return copy_stem(self.attempt, self.rank, self.role, self.slot)
 
 
-def copy_stem(attempt: int, rank: int, role: str) -> str:
-    return f"a{attempt}-r{rank}.{role}"
+def copy_stem(attempt: int, rank: int, role: str, slot: int) -> str:
+    return f"a{attempt}-r{rank}.{role}{slot}"
+
+
+def run_key(run_id: str, created_at: float) -> str:
+    """The folder a run's snapshots live in on every node: its id and a digest of (id, creation time).
+    Another run under the same id (a name reused, another service on the same Ray cluster) has
+    another key, so it never sees, loads or removes this run's snapshots."""
+    token = hashlib.sha256(f"{run_id}@{created_at!r}".encode()).hexdigest()[:12]
+    return f"{run_id}-{token}"
+
+
+def words_checksum(data: memoryview | bytes | bytearray | np.ndarray) -> int:
+    """Checksum of a snapshot's bytes: the sum of its little-endian 64-bit words (the tail's bytes
+    added one by one), wrapped to a signed 64-bit integer (it travels in an int64 tensor): the
+    probes' checksum over raw bytes. Any single flipped bit changes it. A numpy reduction: memory speed, and it releases the GIL (a snapshot's background
+    thread computes it while training goes on)."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    words = raw[:raw.size - raw.size % 8].view("<i8")
+    total = (int(words.sum(dtype=np.int64)) + int(raw[words.size * 8:].sum(dtype=np.int64))) % 2**64
+    return total - 2**64 if total >= 2**63 else total
 
 
 def write_marker(folder: Path, copy: Copy) -> None:
@@ -92,7 +125,8 @@ def drop_marker(folder: Path, stem: str) -> None:
 
 
 def held_copies(folder: Path) -> list[Copy]:
-    """The complete copies a node's run folder holds (markers whose file is there at its size)."""
+    """The complete copies a node's run folder holds (markers whose file is there at its size; the
+    checksum is checked when a copy is loaded, not here: a node answers this at every recovery)."""
     if not folder.is_dir():
         return []
     found = []
@@ -104,19 +138,22 @@ def held_copies(folder: Path) -> list[Copy]:
         except (OSError, ValueError, TypeError):
             continue  # a marker being replaced, or not ours
         data = folder / copy.stem
-        if data.is_file() and data.stat().st_size == copy.nbytes and (folder / f"{copy.stem}.meta").is_file():
+        if path.name == f"{copy.stem}.json" and data.is_file() and data.stat().st_size == copy.nbytes and (folder / f"{copy.stem}.meta").is_file():
             found.append(copy)
     return found
 
 
-def forget_attempts_before(folder: Path, attempt: int) -> None:
-    """Remove the copies of attempts before `attempt` (markers first, so none is seen half gone)."""
+def forget_attempts_before(folder: Path, attempt: int, *, keep: tuple[int, int] | None = None) -> None:
+    """Remove the copies of attempts before `attempt` (markers first, so none is seen half gone),
+    except those of `keep` = (attempt, step): the step the new attempt loaded, until it has a
+    snapshot of its own (so that a node holds at most four copies' worth of memory per rank)."""
     if not folder.is_dir():
         return
+    kept = {copy.stem for copy in held_copies(folder) if keep is not None and (copy.attempt, copy.step) == keep}
     names = sorted(folder.iterdir(), key=lambda p: not p.name.endswith(".json"))
     for path in names:
-        m = re.match(r"^\.?a(\d+)-r\d+\.", path.name)
-        if m and int(m.group(1)) < attempt:
+        m = re.match(r"^\.?(a(\d+)-r\d+\.(?:own|buddy)[01])", path.name)
+        if m and int(m.group(2)) < attempt and m.group(1) not in kept:
             path.unlink(missing_ok=True)
 
 

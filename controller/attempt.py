@@ -49,6 +49,8 @@ class AttemptSpec:
     """rank -> the rank on another node that keeps its snapshot's copy."""
     peer_restore: PeerPoint | None = None
     """Load this peer snapshot step (from the nodes' host memory) instead of `resume_step`."""
+    peer_key: str | None = None
+    """The run's snapshot folder on every node (checkpointing.peer.run_key); None: `run_id`."""
 
 
 class GroupStatus(str, enum.Enum):
@@ -88,5 +90,5 @@ class WorkerGroup(Protocol):
     def poll(self) -> PollResult: ...
     def shutdown(self) -> None: ...
     # Optional: `abort()`, callable from any thread, makes a `start` in progress give up soon (cancel).
-    # Optional: `peer_copies(run_id, nodes) -> {node: [checkpointing.peer.Held]}`, what each of those
+    # Optional: `peer_copies(peer_key, nodes) -> {node: [checkpointing.peer.Held]}`, what each of those
     # nodes holds of the run's peer snapshots (a group without it never recovers from peers).

@@ -293,6 +293,8 @@ class AttemptWatch:
         """SDC: the last step the probes vouch for; newer commits are discarded once the attempt is down."""
         self.rejected: tuple[int, str] | None = None
         """(step, why): the checkpoint the attempt was loading failed a rank's digest check."""
+        self.peer_rejected: tuple[int, int, str] | None = None
+        """(attempt, step, why): the peer snapshot step the attempt was loading could not be loaded."""
 
     @property
     def steps(self) -> int:
@@ -324,7 +326,10 @@ class AttemptWatch:
             if kind == EventKind.SDC_SUSPECT and suspect is None:
                 suspect = detail
             if kind == EventKind.RESTORE_FAILED and "step" in detail:
-                self.rejected = (int(detail["step"]), str(detail.get("error", "")))
+                if detail.get("source") == "peer":
+                    self.peer_rejected = (int(detail["saved_by_attempt"]), int(detail["step"]), str(detail.get("error", "")))
+                else:
+                    self.rejected = (int(detail["step"]), str(detail.get("error", "")))
         if suspect is not None:
             seen.failure, self.rollback_through = sdc_failure(now, suspect, self.node_of_rank)
         else:
@@ -344,6 +349,10 @@ class AttemptWatch:
 
     def take_rejected(self) -> tuple[int, str] | None:
         rejected, self.rejected = self.rejected, None
+        return rejected
+
+    def take_peer_rejected(self) -> tuple[int, int, str] | None:
+        rejected, self.peer_rejected = self.peer_rejected, None
         return rejected
 
 

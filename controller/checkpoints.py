@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointing.manifest import Discards, resume_point
-from checkpointing.peer import Held, PeerPoint, buddies, peer_point
+from checkpointing.peer import Held, PeerPoint, buddies, peer_point, run_key
 from checkpointing.schedule import observed_mtbf_s
 from checkpointing.store import ObjectStore, StoreOutage
 from controller.events import EventKind
@@ -51,6 +51,8 @@ class RunCheckpoints:
         self.run_id = run_id
         self.store = store
         self.created_at = created_at
+        self.peer_key = run_key(run_id, created_at)
+        """The run's snapshot folder on every node: another run under the same id never reads it."""
         self.discards = Discards(run_id)
         """Discards owed before the next launch reads: a resume's step (newer commits go), an SDC rollback."""
         self.outage = StoreOutage(retry_budget_s)
@@ -135,4 +137,5 @@ class RunCheckpoints:
         """The peer snapshot fields of the next AttemptSpec: how often, who keeps whose copy, what to load."""
         every = spec.checkpoint.peer_every_steps
         buddy = buddies(placement.node_of_rank, placement.rack_of_node) if every else None
-        return dict(peer_every=every, peer_buddy=tuple(buddy) if buddy else None, peer_restore=point.peer)
+        return dict(peer_every=every, peer_buddy=tuple(buddy) if buddy else None, peer_restore=point.peer,
+                    peer_key=self.peer_key)

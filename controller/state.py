@@ -299,7 +299,7 @@ class RunController:
         ask = getattr(self.worker_group, "peer_copies", None)
         if not self.spec.checkpoint.peer_every_steps or ask is None:
             return None
-        return ask(self.run_id, nodes)
+        return ask(self.checkpoints.peer_key, nodes)
 
     def _discarded(self, now: float, discarded: list[tuple[int, str]]) -> None:
         for step, reason in discarded:
@@ -380,6 +380,12 @@ class RunController:
         if rejected is not None:  # never loaded again: the next attempt starts from the step before it
             with self.outside_lock():
                 self._discarded(now, self.checkpoints.reject(*rejected))
+        peer_rejected = self.watch.take_peer_rejected() if self.watch is not None else None
+        if peer_rejected is not None:  # nor is a peer snapshot step that failed to load: an older one, or the store
+            attempt, step, why = peer_rejected
+            self.checkpoints.exclude_peers(attempt, step - 1)
+            self.events.add(now, self.attempt, EventKind.CHECKPOINT_UNUSABLE, source="peer", step=step,
+                            reason=f"the peer snapshot of step {step} (attempt {attempt}) failed to load: {why}")
         if self.topology_source is not None:  # lost nodes that are back (repaired) may take over
             self.topology = merge_returned(self.topology, self.topology_source())
         decision = self.policy.on_failure(now, failure, failures_so_far=len(self.failures), mesh=self.config.mesh,

@@ -1,13 +1,20 @@
 """Peer snapshots, the torch side (the rules are checkpointing/peer.py): take them. Loading from them
 is trainer/peer_load.py.
 
-`PeerSnapshots.take` copies this rank's whole state into a file on its node's tmpfs: the tensors DCP
-would save (model and optimizer shards, laid out by DCP's save plan, which also gives their place in
-the global tensors) and the optimizer's other values. The file and the views into it are made once
-per attempt: a snapshot is then one copy of each tensor into host memory, the only time the loop
-waits. A background thread then sends the copy to this rank's buddy on another node, which keeps it
-in a file of its own, while training goes on (before the exchange, every rank's own copy of the step
-is complete: a barrier; before the next snapshot, the thread is waited for).
+`PeerSnapshots.take` copies this rank's whole state into one of its two slots on its node's tmpfs
+(the one the previous snapshot is not in): the tensors DCP would save (model and optimizer shards,
+laid out by DCP's save plan, which also gives their place in the global tensors) and the
+optimizer's other values. The files and the views into them are made once per attempt: a snapshot is
+then one copy of each tensor into host memory, the only time the loop waits. A background thread
+then checksums the copy, writes its marker, sends it to this rank's buddy on another node in bounded
+chunks (and keeps its sender's copy in the same slot of its own), and ends with a barrier over every
+rank: past it, every rank's copies of the step are whole on both nodes. Only then are the step's
+reports released to the controller (`deliver`), and only then may the next snapshot overwrite the
+other slot: a step the controller has heard of is always one the peers can serve, and a node lost at
+any moment of an exchange leaves the previous step whole.
+
+Host memory: two slots of this rank's state and two of its sender's, 4x the state (the
+`peer_snapshots` event measures it once both slots are in use).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from checkpointing.peer import Copy, copy_stem, drop_marker, forget_attempts_before, write_marker
+from checkpointing.peer import Copy, copy_stem, drop_marker, forget_attempts_before, words_checksum, write_marker
 from trainer.checkpoint import trainer_state
 from trainer.report import ReportSink
 
@@ -87,6 +94,10 @@ class _Region:
             os.close(fd)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
 
+    def buffer(self) -> memoryview:
+        """The bytes, without a copy."""
+        return memoryview(self._map)[:self.nbytes]
+
     def close(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
         try:
@@ -95,11 +106,19 @@ class _Region:
             pass
 
 
+PHASES = ("before_own", "mid_send", "before_buddy_marker", "after_buddy_marker", "released")
+"""Points of a snapshot's exchange a test may stop a node at (`PeerSnapshots.on_phase`)."""
+
+
 class PeerSnapshots:
     """One per rank and attempt. Collective to construct (it makes the group the copies travel on)."""
 
+    chunk_bytes = 64 << 20
+    """A copy crosses to the buddy in chunks of at most this many bytes."""
+
     def __init__(self, *, folder: Path, run_id: str, attempt: int, buddy: list[int] | None, sink: ReportSink,
-                 identity: str, mesh: dict[str, int]) -> None:
+                 identity: str, mesh: dict[str, int], keep: tuple[int, int] | None = None,
+                 on_phase: Callable[[str, int], None] | None = None) -> None:
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
@@ -112,175 +131,239 @@ class PeerSnapshots:
         self.buddy = list(buddy) if buddy else None
         self.to = buddy[self.rank] if buddy else None
         self.source = buddy.index(self.rank) if buddy else None
-        self._pg = dist.new_group(backend="gloo") if buddy else None
+        self.keep = keep
+        """(attempt, step) this attempt loaded from peers: older attempts' other copies go at the first snapshot."""
+        self.on_phase = on_phase
+        """Called with (phase, step) at each of PHASES (fault injection: a node lost at that point)."""
+        self._pg = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self._layout: SnapshotLayout | None = None
-        self._own: _Region | None = None
-        self._views: list[torch.Tensor] = []
-        self._kept: _Region | None = None
-        self._meta_to_send: bytes | None = None
+        self._blobs: list[bytes] = []
+        self._meta = b""
+        """This layout's item index, pickled (the .meta beside each slot)."""
+        self._meta_unsent = True
+        self._own: list[_Region | None] = [None, None]
+        self._own_for: list[SnapshotLayout | None] = [None, None]
+        """The layout each own slot's views, values and index were made for."""
+        self._views: list[list[torch.Tensor]] = [[], []]
+        self._kept: list[_Region | None] = [None, None]
+        self._kept_meta: list[bytes | None] = [None, None]
+        self._source_meta: bytes | None = None
+        """The newest item index the sender sent."""
+        self._count = 0
+        """Snapshots taken this attempt."""
+        self._released = 0
+        """Snapshots whose exchange passed its closing barrier."""
+        self._whole_slot = 1
+        """The slot of the newest snapshot whose exchange passed its closing barrier (whole on both nodes
+        for every rank): the next snapshot goes to the other one, even after an exchange that failed."""
         self._thread: threading.Thread | None = None
         self._error: str | None = None
-        self._first = True
         self._lock = threading.Lock()
         self._sending = False
+        self._broken = False
+        """The newest snapshot's exchange failed: its step and the steps after it are not reported."""
         self._held: list[Callable[[], None]] = []
-        """Reports waiting for the copy in flight (`deliver`)."""
+        """Reports waiting for the snapshot in flight (`deliver`)."""
         self._made: tuple[SnapshotLayout, list[bytes]] | None = None
         self.taken: list[int] = []
 
-    @property
-    def own_stem(self) -> str:
-        return copy_stem(self.attempt, self.rank, "own")
-
     def take(self, trainer: Any) -> float:
         """Snapshot the trainer's state at its step; the seconds the loop was held (waiting for the last
-        copy's transfer, if still going, and copying)."""
+        snapshot's exchange, if still going, and copying)."""
         t0 = time.perf_counter()
         self.wait()
+        if self._count == 0:  # what this attempt did not load from an earlier one is of no use now
+            forget_attempts_before(self.folder, self.attempt, keep=self.keep)
         if self._layout is None or self._layout.values != _hyperparameters(trainer):
             self._prepare(trainer)
-        assert self._layout is not None and self._own is not None
-        drop_marker(self.folder, self.own_stem)
-        for view, source in zip(self._views, self._layout.sources):
+        assert self._layout is not None
+        slot = 1 - self._whole_slot
+        self._phase("before_own", trainer.step)
+        for view, source in zip(self._own_slot(slot), self._layout.sources):
             view.copy_(source)
         if trainer.choice.device.type == "cuda":
             torch.cuda.synchronize(trainer.choice.device)
-        copy = self._copy(trainer, "own", self.rank, self._layout.nbytes)
-        write_marker(self.folder, copy)
+        self._count += 1
         self.taken.append(trainer.step)
-        if self._pg is None and self._first:  # own copies only (one node): older ones go now
-            forget_attempts_before(self.folder, self.attempt)
-            self._first = False
-        if self._pg is not None:
-            with self._lock:
-                self._sending = True
-            self._thread = threading.Thread(target=self._send_to_buddy, args=(copy,), daemon=True,
-                                            name=f"peer-snapshot-{trainer.step}")
-            self._thread.start()
+        copy = Copy(attempt=self.attempt, rank=self.rank, world_size=self.world_size, step=trainer.step,
+                    cursor=trainer.cursor, mesh=self.mesh, identity=self.identity, role="own",
+                    nbytes=self._layout.nbytes, slot=slot)
+        with self._lock:
+            self._sending = True
+        self._thread = threading.Thread(target=self._complete, args=(copy,), daemon=True,
+                                        name=f"peer-snapshot-{trainer.step}")
+        self._thread.start()
         return time.perf_counter() - t0
 
     def deliver(self, fn: Callable[[], None]) -> None:
-        """Call `fn` (a step's report) once every snapshot taken so far is on the buddies: now, or
-        from the copying thread when it is done. A step the controller hears of can then be healed
-        from peers, and a drill injected on hearing of it cannot land while its copies are being
-        rewritten (that window falls back to the store)."""
+        """Call `fn` (a step's report) once the newest snapshot taken is whole on both nodes, for every
+        rank: now, or from the snapshot's thread when its closing barrier passes. While the newest
+        snapshot is one whose exchange failed (a peer gone), reports are dropped: the controller
+        never hears of a step the peers cannot serve."""
         with self._lock:
             if self._sending:
                 self._held.append(fn)
                 return
+            if self._broken:
+                return
         fn()
 
-    def _delivered(self) -> None:
+    def _delivered(self, whole: bool) -> None:
         with self._lock:
-            self._sending = False
+            self._sending, self._broken = False, not whole
             held, self._held = self._held, []
-        for fn in held:
-            fn()
+        if whole:
+            for fn in held:
+                fn()
 
-    def _copy(self, trainer: Any, role: str, rank: int, nbytes: int) -> Copy:
-        return Copy(attempt=self.attempt, rank=rank, world_size=self.world_size, step=trainer.step,
-                    cursor=trainer.cursor, mesh=self.mesh, identity=self.identity, role=role, nbytes=nbytes)
+    def _phase(self, name: str, step: int) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name, step)
 
     def adopt_layout(self, made: tuple[SnapshotLayout, list[bytes]] | None) -> None:
         """A layout of this state made already (by a load from peers): the first snapshot uses it."""
         self._made = made
 
     def _prepare(self, trainer: Any) -> None:
-        """Lay the state out and map its file (again, only if the optimizer's hyperparameters changed)."""
+        """Lay the state out (again, only if the optimizer's hyperparameters changed): both slots are
+        made anew at their next snapshot."""
         made, self._made = self._made, None
-        layout, blobs = made if made is not None and made[0].values == _hyperparameters(trainer) else lay_out(trainer)
-        drop_marker(self.folder, self.own_stem)
-        self._views = []
-        if self._own is not None:
-            self._own.close()
-        self._own = _Region(self.folder / self.own_stem, layout.nbytes)
-        blob_iter = iter(blobs)
+        self._layout, self._blobs = (made if made is not None and made[0].values == _hyperparameters(trainer)
+                                     else lay_out(trainer))
+        self._meta = pickle.dumps(self._layout.entries)
+        self._meta_unsent = True
+
+    def _own_slot(self, slot: int) -> list[torch.Tensor]:
+        """The views to copy the state into: the slot's marker goes first (from now on it holds no
+        step), its file is mapped and its values and index written if its layout is new."""
+        layout = self._layout
+        assert layout is not None
+        stem = copy_stem(self.attempt, self.rank, "own", slot)
+        drop_marker(self.folder, stem)
+        if self._own_for[slot] is layout:
+            return self._views[slot]
+        region = self._own[slot]
+        if region is None or region.nbytes != layout.nbytes:
+            if region is not None:
+                region.close()
+            region = self._own[slot] = _Region(self.folder / stem, layout.nbytes)
+        views, blobs = [], iter(self._blobs)
         for item, offset, length in layout.entries:
-            window = self._own.tensor[offset:offset + length]
+            window = region.tensor[offset:offset + length]
             if item.type == WriteItemType.BYTE_IO:
-                window.copy_(torch.frombuffer(bytearray(next(blob_iter)), dtype=torch.uint8))
+                window.copy_(torch.frombuffer(bytearray(next(blobs)), dtype=torch.uint8))
             else:
                 props = item.tensor_data.properties
-                self._views.append(window.view(props.dtype).view(item.tensor_data.chunk.sizes))
-        meta = pickle.dumps(layout.entries)
-        (self.folder / f"{self.own_stem}.meta").write_bytes(meta)
-        self._meta_to_send = meta
-        self._layout = layout
+                views.append(window.view(props.dtype).view(item.tensor_data.chunk.sizes))
+        (self.folder / f"{stem}.meta").write_bytes(self._meta)
+        self._views[slot], self._own_for[slot] = views, layout
+        return views
 
-    def _send_to_buddy(self, copy: Copy) -> None:
-        """Background: once every rank's own copy of the step is complete, send ours to our buddy and
-        keep our sender's. A failure is reported once; training goes on (the copies of a step
-        with a failed transfer are simply incomplete)."""
-        assert self._pg is not None and self._own is not None and self.to is not None and self.source is not None
+    def _complete(self, copy: Copy) -> None:
+        """Background: checksum and mark our copy, exchange copies with the buddies, then the barrier
+        that makes the step whole everywhere. A failure is reported once; training goes on (a step
+        whose exchange failed is simply not whole, and the other slot still holds the one before)."""
+        region = self._own[copy.slot]
+        assert region is not None
+        released = False
         try:
-            # The barrier: every rank's own copy is complete. It also says whether any rank's layout is
-            # new (its first snapshot, or new hyperparameters): only then do sizes and indexes travel.
-            meta_out = self._meta_to_send or b""
-            changed = torch.tensor([1 if meta_out else 0], dtype=torch.int64)
-            dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self._pg)
-            kept = copy_stem(self.attempt, self.source, "buddy")
-            if int(changed.item()):
-                header_out = torch.tensor([copy.nbytes, len(meta_out)], dtype=torch.int64)
-                header_in = torch.empty(2, dtype=torch.int64)
-                _pairwise(header_out, self.to, header_in, self.source, self._pg)
-                nbytes, meta_len = (int(v) for v in header_in)
-            else:
-                assert self._kept is not None
-                nbytes, meta_len = self._kept.nbytes, 0
-            drop_marker(self.folder, kept)
-            meta_in = torch.empty(meta_len, dtype=torch.uint8)
-            if meta_out or meta_len:
-                _pairwise(torch.frombuffer(bytearray(meta_out), dtype=torch.uint8) if meta_out else None, self.to,
-                          meta_in if meta_len else None, self.source, self._pg)
-            self._meta_to_send = None
-            if meta_len:
-                (self.folder / f"{kept}.meta").write_bytes(meta_in.numpy().tobytes())
-            if self._kept is None or self._kept.nbytes != nbytes:
-                if self._kept is not None:
-                    self._kept.close()
-                self._kept = _Region(self.folder / kept, nbytes)
-            _pairwise(self._own.tensor, self.to, self._kept.tensor, self.source, self._pg)
-            write_marker(self.folder, dataclasses.replace(copy, role="buddy", rank=self.source, nbytes=nbytes))
-            if self._first:  # this attempt's copies are complete on every rank: older ones may go
-                self._first_complete(copy, nbytes)
+            copy = dataclasses.replace(copy, checksum=words_checksum(region.buffer()))
+            write_marker(self.folder, copy)
+            if self._pg is not None:
+                if self.to is not None:
+                    self._exchange(copy)
+                dist.barrier(group=self._pg)  # every rank's copies of the step are whole on both nodes
+            self._whole_slot = copy.slot
+            self._phase("released", copy.step)
+            released = True
+            self._released += 1
+            if self._released == 1:  # this attempt's first step is whole everywhere: older attempts' copies go
+                forget_attempts_before(self.folder, self.attempt)
+            if self._released == 2:  # both slots in use: what the snapshots cost in host memory
+                self._report_memory(copy.step)
         except Exception as e:  # noqa: BLE001 - a peer gone mid-copy: the attempt is ending anyway
             if self._error is None:
-                self._error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                self._error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 self.sink.event("peer_snapshot_failed", {"step": copy.step, "error": self._error})
         finally:
-            self._delivered()
+            self._delivered(released)
 
-    def _first_complete(self, copy: Copy, kept: int) -> None:
-        """Once per attempt, when every rank has its first snapshot and its buddy's: older attempts'
-        copies leave this node's memory, and rank 0 reports what the snapshots hold."""
-        sizes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(sizes, (copy.nbytes, kept), group=self._pg)
-        forget_attempts_before(self.folder, self.attempt)
-        self._first = False
+    def _exchange(self, copy: Copy) -> None:
+        """Send our copy to our buddy and keep our sender's in the same slot: sizes and checksum first
+        (and the item index when it is new), then the bytes in chunks, then the kept copy's marker."""
+        assert self._pg is not None and self.to is not None and self.source is not None
+        own = self._own[copy.slot]
+        assert own is not None
+        kept = copy_stem(self.attempt, self.source, "buddy", copy.slot)
+        drop_marker(self.folder, kept)
+        meta_out = self._meta if self._meta_unsent else b""
+        header_in = torch.empty(3, dtype=torch.int64)
+        _pairwise(torch.tensor([copy.nbytes, len(meta_out), copy.checksum], dtype=torch.int64), self.to,
+                  header_in, self.source, self._pg)
+        nbytes, meta_len, checksum = (int(v) for v in header_in)
+        if meta_out or meta_len:
+            meta_in = torch.empty(meta_len, dtype=torch.uint8)
+            _pairwise(torch.frombuffer(bytearray(meta_out), dtype=torch.uint8) if meta_out else None, self.to,
+                      meta_in if meta_len else None, self.source, self._pg)
+            self._meta_unsent = False
+            if meta_len:
+                self._source_meta = meta_in.numpy().tobytes()
+        region = self._kept[copy.slot]
+        if region is None or region.nbytes != nbytes:
+            if region is not None:
+                region.close()
+            region = self._kept[copy.slot] = _Region(self.folder / kept, nbytes)
+        self._send_chunks(own.tensor, region.tensor, copy.step)
+        self._phase("before_buddy_marker", copy.step)
+        if self._kept_meta[copy.slot] != self._source_meta:
+            assert self._source_meta is not None
+            (self.folder / f"{kept}.meta").write_bytes(self._source_meta)
+            self._kept_meta[copy.slot] = self._source_meta
+        write_marker(self.folder, dataclasses.replace(copy, role="buddy", rank=self.source, nbytes=nbytes,
+                                                      checksum=checksum))
+        self._phase("after_buddy_marker", copy.step)
+
+    def _send_chunks(self, out: torch.Tensor, into: torch.Tensor, step: int) -> None:
+        """Our copy to the buddy and our sender's into `into`, `chunk_bytes` at a time (host memory:
+        nothing of the state is staged whole a second time on the way)."""
+        assert self._pg is not None and self.to is not None and self.source is not None
+        size = self.chunk_bytes
+        for i, offset in enumerate(range(0, max(out.numel(), into.numel()), size)):
+            _pairwise(out[offset:offset + size] if offset < out.numel() else None, self.to,
+                      into[offset:offset + size] if offset < into.numel() else None, self.source, self._pg)
+            if i == 0:
+                self._phase("mid_send", step)
+
+    def _report_memory(self, step: int) -> None:
+        """Rank 0 says what every rank's snapshots hold in host memory, against its state."""
+        mine = (self.state_bytes(), self.host_bytes())
+        sizes: list[Any] = [mine]
+        if self._pg is not None:
+            sizes = [None] * self.world_size
+            dist.all_gather_object(sizes, mine, group=self._pg)
         if self.rank == 0:
-            ratios = [(own + kept_) / own for own, kept_ in sizes if own]
+            ratios = [host / state for state, host in sizes if state]
             self.sink.event("peer_snapshots", {
-                "step": copy.step, "state_bytes": sum(own for own, _ in sizes),
-                "host_bytes": sum(own + kept_ for own, kept_ in sizes),
+                "step": step, "state_bytes": sum(state for state, _ in sizes),
+                "host_bytes": sum(host for _, host in sizes),
                 "max_host_per_state": max(ratios, default=0.0), "buddy": self.buddy})
 
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._delivered()
 
     def host_bytes(self) -> int:
-        """Bytes of host memory this rank's snapshots hold (its own copy and the one it keeps)."""
-        return (self._own.nbytes if self._own else 0) + (self._kept.nbytes if self._kept else 0)
+        """Bytes of host memory this rank's snapshots hold (its own slots and the ones it keeps)."""
+        return sum(region.nbytes for region in (*self._own, *self._kept) if region is not None)
 
     def state_bytes(self) -> int:
         return self._layout.nbytes if self._layout else 0
 
     def close(self) -> None:
         self.wait()
-        self._views = []
-        for region in (self._own, self._kept):
+        self._views = [[], []]
+        for region in (*self._own, *self._kept):
             if region is not None:
                 region.close()
         if self._pg is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import mmap
 import os
 import pickle
 from pathlib import Path
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.checkpoint.storage import StorageReader
 
 from checkpointing.manifest import CheckpointError
-from checkpointing.peer import PeerPoint, copy_stem, forget_attempts_before, held_copies
+from checkpointing.peer import PeerPoint, drop_marker, forget_attempts_before, held_copies, words_checksum
 from trainer.checkpoint import FLAT, materialize_optimizer_state, trainer_state
 from trainer.config import state_fingerprint
 from trainer.exchange import exchange
@@ -53,28 +54,30 @@ class PeerLoad:
 
 def load_from_peers(trainer: Any, folder: Path, point: PeerPoint) -> PeerLoad:
     """Collective: fill the trainer's model and optimizer from the peer snapshots of `point`, on any
-    mesh. CheckpointError on every rank when a copy the step needs is on no node of this attempt.
+    mesh. CheckpointError on every rank when a copy the step needs is on no node of this attempt, or
+    only in copies whose bytes fail their checksum (such a copy loses its marker: it is never offered
+    again; another node's copy of the same rank is used when it is intact).
 
     On the mesh that took the snapshots (a spare in a lost node's place, a killed rank restarted),
     rank r's state is old rank r's snapshot byte for byte: each rank takes its own copy from its
     node's memory, or whole from a rank whose node holds it, and copies it into its tensors along
     its own layout (checked to be the snapshot's). On another mesh DCP's load plan reshards."""
-    held = {(c.rank, c.role): c for c in held_copies(folder)
-            if (c.attempt, c.step) == (point.attempt, point.step) and c.identity == state_fingerprint(trainer.config.model)}
-    files = {old: folder / copy_stem(point.attempt, old, "own" if (old, "own") in held else "buddy") for old, _ in held}
+    files, damaged = _intact_copies(folder, point, state_fingerprint(trainer.config.model))
     listing: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(listing, {old: (path.stat().st_size, (path.parent / f"{path.name}.meta").stat().st_size)
-                                     for old, path in files.items()})
+    dist.all_gather_object(listing, ({old: (path.stat().st_size, (path.parent / f"{path.name}.meta").stat().st_size)
+                                      for old, path in files.items()}, damaged))
     holders: dict[int, list[int]] = {}
     sizes: dict[int, tuple[int, int]] = {}
-    for rank, offered in enumerate(listing):
+    for rank, (offered, _) in enumerate(listing):
         for old_rank, size in offered.items():
             holders.setdefault(old_rank, []).append(rank)
             sizes[old_rank] = size
     missing = sorted(set(range(point.world_size)) - set(holders))
     if missing:
+        bad = [name for _, names in listing for name in names]
         raise CheckpointError(f"peer snapshot of step {point.step} (attempt {point.attempt}): no node of this "
-                              f"attempt holds a copy of old rank(s) {missing[:8]}")
+                              f"attempt holds an intact copy of old rank(s) {missing[:8]}"
+                              + (f"; failed their checksum: {', '.join(bad[:8])}" if bad else ""))
     materialize_optimizer_state(trainer)
     if point.mesh == trainer.config.mesh.axes() and point.world_size == dist.get_world_size():
         loaded = _load_same_mesh(trainer, files, holders, sizes)
@@ -82,6 +85,26 @@ def load_from_peers(trainer: Any, folder: Path, point: PeerPoint) -> PeerLoad:
             dist.barrier()  # every rank has its copy: the holders' copies are no longer being read
             return loaded
     return _load_resharded(trainer, files, holders)
+
+
+def _intact_copies(folder: Path, point: PeerPoint, identity: str) -> tuple[dict[int, Path], list[str]]:
+    """old rank -> this node's copy of its snapshot at `point` whose bytes give its marker's checksum
+    (its own copy first, else the one kept for it), and the copies that failed (their markers gone)."""
+    files: dict[int, Path] = {}
+    damaged: list[str] = []
+    copies = [c for c in held_copies(folder) if (c.attempt, c.step) == (point.attempt, point.step) and c.identity == identity]
+    for copy in sorted(copies, key=lambda c: (c.rank, c.role != "own")):
+        if copy.rank in files:
+            continue
+        path = folder / copy.stem
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            intact = words_checksum(memoryview(data)) == copy.checksum
+        if intact:
+            files[copy.rank] = path
+        else:
+            drop_marker(folder, copy.stem)
+            damaged.append(f"{path.parent.parent.name}/{path.name}")
+    return files, damaged
 
 
 def _load_same_mesh(trainer: Any, files: dict[int, Path], holders: dict[int, list[int]],

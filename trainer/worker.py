@@ -78,6 +78,8 @@ class WorkerArgs:
     """rank -> the rank on another node that keeps its snapshot's copy (None: own copies only)."""
     peer_dir: str | None = None
     """This rank's node's snapshot folder (checkpointing.peer); None: no peer snapshots here."""
+    peer_key: str | None = None
+    """The run's folder in it (checkpointing.peer.run_key); None: `run_id`."""
     peer_restore: PeerPoint | None = None
     """Load this peer snapshot step before training (instead of `resume_step` from the store)."""
     in_place: bool = False
@@ -101,11 +103,13 @@ StepHook = Callable[["object", StepReport], None]
 
 
 def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = None,
-               switches: DrillSwitches | None = None, on_leave: Callable[[], None] | None = None) -> WorkerSummary:
+               switches: DrillSwitches | None = None, on_leave: Callable[[], None] | None = None,
+               on_snapshot_phase: Callable[[str, int], None] | None = None) -> WorkerSummary:
     """Train one rank to `config.train.steps`; `on_step(trainer, report)` runs after every step.
     `switches`: what drills ask of this GPU slot (slow it, flip a bit, refuse checkpoint writes).
     `on_leave()` runs when the attempt fails here, before its teardown (process group, snapshots,
-    saves in flight)."""
+    saves in flight). `on_snapshot_phase(phase, step)`: fault injection inside a peer snapshot's
+    exchange (trainer.peer.PHASES)."""
     from trainer.checkpoint import Checkpointer
     from trainer.peer import PeerSnapshots
     from trainer.train import Trainer  # torch-heavy; keep `import trainer.worker` cheap for launchers
@@ -125,7 +129,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         ckpt_store = open_store(args.checkpoint_uri) if args.checkpoint_uri else None
         if ckpt_store is not None and switches is not None:
             ckpt_store = OutageGate(ckpt_store, lambda: switches.outage_until)
-        folder = Path(args.peer_dir) / args.run_id if args.peer_dir else None
+        folder = Path(args.peer_dir) / (args.peer_key or args.run_id) if args.peer_dir else None
         layout: Any = None
         if args.peer_restore is not None:
             if folder is None:
@@ -136,7 +140,9 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         if args.peer_every > 0 and folder is not None:
             peers = PeerSnapshots(folder=folder, run_id=args.run_id, attempt=args.attempt,
                                   buddy=list(args.peer_buddy) if args.peer_buddy else None, sink=sink,
-                                  identity=state_fingerprint(args.config.model), mesh=args.config.mesh.axes())
+                                  identity=state_fingerprint(args.config.model), mesh=args.config.mesh.axes(),
+                                  keep=(args.peer_restore.attempt, args.peer_restore.step) if args.peer_restore else None,
+                                  on_phase=on_snapshot_phase)
             peers.adopt_layout(layout)
         if trainer.probes is not None:
             trainer.probes.last_clean_step = trainer.step
@@ -190,7 +196,7 @@ def _restore_from_store(trainer: "object", ckpt_store: "object", args: WorkerArg
         read = load(trainer, ckpt_store, manifest)  # type: ignore[arg-type]
     except CheckpointError as e:  # every rank gets it; rank 0 tells the controller, which rejects the step
         if args.rank == 0:
-            sink.event("restore_failed", {"step": manifest.step, "error": str(e)})
+            sink.event("restore_failed", {"source": "store", "step": manifest.step, "error": str(e)})
         raise
     trainer.step, trainer.cursor = manifest.step, manifest.cursor  # type: ignore[attr-defined]
     total = torch.tensor([read], dtype=torch.int64, device=device)
@@ -208,7 +214,13 @@ def _restore_from_peers(trainer: "object", folder: Path, point: PeerPoint, sink:
     from trainer.peer_load import load_from_peers
 
     t0 = time.perf_counter()
-    loaded = load_from_peers(trainer, folder, point)
+    try:
+        loaded = load_from_peers(trainer, folder, point)
+    except CheckpointError as e:  # every rank gets it; rank 0 tells the controller, which never picks it again
+        if dist.get_rank() == 0:
+            sink.event("restore_failed", {"source": "peer", "saved_by_attempt": point.attempt, "step": point.step,
+                                          "error": str(e)})
+        raise
     trainer.step, trainer.cursor = point.step, point.cursor  # type: ignore[attr-defined]
     totals = torch.tensor([loaded.bytes_received, loaded.bytes_local], dtype=torch.int64, device=device)
     dist.all_reduce(totals)

@@ -120,13 +120,14 @@ class RankActor:
 
         return peer_base() / ray.get_runtime_context().get_node_id()
 
-    def peer_copies(self, run_id: str) -> list[Held]:
-        """What this node holds of the run's peer snapshots: its complete copies, a record per step."""
-        return holdings(held_copies(self._peer_folder() / run_id))
+    def peer_copies(self, peer_key: str) -> list[Held]:
+        """What this node holds of the run's peer snapshots (in its folder `peer_key`,
+        checkpointing.peer.run_key): its complete copies, a record per step."""
+        return holdings(held_copies(self._peer_folder() / peer_key))
 
-    def drop_peer_copies(self, run_id: str) -> None:
+    def drop_peer_copies(self, peer_key: str) -> None:
         """The run has ended: its snapshots leave this node's memory."""
-        forget_run(self._peer_folder() / run_id)
+        forget_run(self._peer_folder() / peer_key)
 
     def wait_done(self) -> WorkerSummary:
         """Block until the current attempt's training process ends; its summary, or its error raised."""

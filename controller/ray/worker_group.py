@@ -71,7 +71,8 @@ class RayWorkerGroup:
         self._reservations = 0
         self._growth: list[tuple[str, Any]] = []
         """(node, actor) of the last growth of the pool (undone together when it does not start)."""
-        self._run_id: str | None = None
+        self._peer_key: str | None = None
+        """The folder of the run's peer snapshots on the nodes (checkpointing.peer.run_key), once known."""
 
     def abort(self) -> None:
         """From any thread: a `start` waiting for its workers gives up within half a second, and so does
@@ -118,7 +119,7 @@ class RayWorkerGroup:
                 raise TimeoutError(f"workers on nodes {late} did not start in {self.launch_timeout_s:.0f} s: "
                                    "those nodes lack free GPU slots or are gone")
             ray.get(ready)  # an actor that died while importing raises here
-        self._run_id = attempt.run_id
+        self._peer_key = attempt.peer_key
         taken: dict[str, int] = {}
         self.actors = []
         for node in placement.node_of_rank:
@@ -137,7 +138,7 @@ class RayWorkerGroup:
                 checkpoint_every=attempt.checkpoint_every, checkpoint_auto=attempt.checkpoint_auto,
                 checkpoint_keep=attempt.checkpoint_keep, mtbf_s=attempt.mtbf_s,
                 store_retry_budget_s=attempt.store_retry_budget_s, peer_every=attempt.peer_every,
-                peer_buddy=attempt.peer_buddy, peer_restore=attempt.peer_restore,
+                peer_buddy=attempt.peer_buddy, peer_restore=attempt.peer_restore, peer_key=attempt.peer_key,
             ))
             for rank, actor in enumerate(self.actors)
         ]
@@ -332,14 +333,15 @@ class RayWorkerGroup:
             if actor in pool:
                 pool.remove(actor)
 
-    def peer_copies(self, run_id: str, nodes: set[str]) -> dict[str, list[Any]]:
+    def peer_copies(self, peer_key: str, nodes: set[str]) -> dict[str, list[Any]]:
         """What each of `nodes` holds of the run's peer snapshots (`checkpointing.peer.Held` records),
         asked of one warm actor per node (a node with none, or one that does not answer within 10 s,
         holds nothing usable)."""
         import ray
 
+        self._peer_key = peer_key
         self._forget_dead_nodes()
-        asked = {node: self._pool[node][0].peer_copies.remote(run_id) for node in nodes if self._pool.get(node)}
+        asked = {node: self._pool[node][0].peer_copies.remote(peer_key) for node in nodes if self._pool.get(node)}
         if not asked:
             return {}
         ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=10)
@@ -360,9 +362,8 @@ class RayWorkerGroup:
 
         actors = [actor for pool in self._pool.values() for actor in pool]
         actors += [handle for _, handle in self._named()]
-        if not keep_snapshots and (self._run_id is not None or self.name is not None):
-            run_id = self._run_id or self.name
-            drops = [pool[0].drop_peer_copies.remote(run_id) for pool in self._pool.values() if pool]
+        if not keep_snapshots and self._peer_key is not None:
+            drops = [pool[0].drop_peer_copies.remote(self._peer_key) for pool in self._pool.values() if pool]
             if drops:
                 ray.wait(drops, num_returns=len(drops), timeout=10)
         for actor in actors:
@@ -416,6 +417,7 @@ class RayWorkerGroup:
         named = self._named()
         if not named:
             return False
+        self._peer_key = attempt.peer_key
         prefix = f"{self.name}/reservation-"
         for group in self._named_reservations():  # the earlier controller's, by node (to forget a lost one's)
             node = _reservation_node(group, prefix)

@@ -70,7 +70,8 @@ def reattach(c: RunController, events: list[dict[str, Any]], now: float) -> bool
         placement = Placement.recorded(d["placement"], mesh, d.get("spares") or [])
         attempt = AttemptSpec(run_id=c.run_id, attempt=c.attempt, config=c.spec.trainer_config(placement.mesh),
                               placement=placement, start_step=int(d.get("start_step") or 0),
-                              cursor=int(d.get("cursor") or 0), resume_step=d.get("resume_step"))
+                              cursor=int(d.get("cursor") or 0), resume_step=d.get("resume_step"),
+                              peer_key=c.checkpoints.peer_key)
         if not attach(attempt):
             return False
     except Exception as e:  # noqa: BLE001 - not attachable: the caller resumes from a checkpoint

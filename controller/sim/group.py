@@ -201,7 +201,7 @@ class SimWorkerGroup:
     def shutdown(self) -> None:
         self.running = False
 
-    def peer_copies(self, run_id: str, nodes: set[str]) -> dict[str, list[Held]]:
+    def peer_copies(self, peer_key: str, nodes: set[str]) -> dict[str, list[Held]]:
         """What `nodes` hold now of the newest peer snapshot, as each would report it (`Held`)."""
         if self.snapshot is None:
             return {}

@@ -14,6 +14,7 @@ import torch
 
 from checkpointing.peer import buddies, held_copies, holdings, peer_point
 from tests.dist.harness import run_ranks
+from trainer.peer import PHASES
 from trainer.config import (
     DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig, config_to_dict, state_fingerprint,
 )
@@ -31,8 +32,9 @@ def _config(dp: int, steps: int) -> TrainerConfig:
 
 def train(*, rank: int, world_size: int, store_port: int, config: dict, prefix: str, attempt: int,
           nodes: list[str], root: str, every: int = 1, restore: dict | None = None, uri: str | None = None,
-          resume_step: int | None = None) -> dict:
-    """One attempt of run 'p'; rank r's node is nodes[r] (its snapshots in root/nodes[r])."""
+          resume_step: int | None = None, may_fail: bool = False) -> dict:
+    """One attempt of run 'p'; rank r's node is nodes[r] (its snapshots in root/nodes[r]). `may_fail`:
+    an attempt that fails returns its events and error instead of raising."""
     from checkpointing.peer import PeerPoint
     from tests.dist.reshard import full_state
     from trainer.config import config_from_dict
@@ -48,15 +50,58 @@ def train(*, rank: int, world_size: int, store_port: int, config: dict, prefix: 
 
     buddy = buddies(nodes, {n: n for n in nodes})
     sink = ListSink()
-    run_worker(WorkerArgs(
-        rank=rank, world_size=world_size, store_host="127.0.0.1", store_port=store_port, store_prefix=prefix,
-        config=cfg, attempt=attempt, run_id="p", peer_every=every, peer_buddy=tuple(buddy) if buddy else None,
-        peer_dir=f"{root}/{nodes[rank]}", peer_restore=PeerPoint(**restore) if restore else None,
-        checkpoint_uri=uri, checkpoint_every=2 if uri else 0, resume_step=resume_step,
-        staging_dir=f"{root}/staging"), sink, at_end)
+    try:
+        run_worker(WorkerArgs(
+            rank=rank, world_size=world_size, store_host="127.0.0.1", store_port=store_port, store_prefix=prefix,
+            config=cfg, attempt=attempt, run_id="p", peer_every=every, peer_buddy=tuple(buddy) if buddy else None,
+            peer_dir=f"{root}/{nodes[rank]}", peer_restore=PeerPoint(**restore) if restore else None,
+            checkpoint_uri=uri, checkpoint_every=2 if uri else 0, resume_step=resume_step,
+            staging_dir=f"{root}/staging"), sink, at_end)
+    except Exception as e:
+        if not may_fail:
+            raise
+        out["error"] = f"{type(e).__name__}: {e}"
     out["events"] = sink.events
     out["reports"] = sink.reports
     return out
+
+
+def lose_node_at(*, rank: int, world_size: int, store_port: int, config: dict, root: str, nodes: list[str],
+                 dying: str, phase: str, step: int) -> dict:
+    """Attempt 0 of run 'p' in which node `dying` is lost at `phase` of step `step`'s snapshot exchange:
+    the first of its ranks to get there SIGKILLs every process of the node (their PIDs are in
+    root/pids), itself last, as a machine that dies ends them all at once. A survivor returns the
+    steps it reported (what the controller heard of) once its attempt fails."""
+    import os
+    import signal
+
+    from trainer.config import config_from_dict
+    from trainer.peer import PeerSnapshots
+    from trainer.report import ListSink
+    from trainer.worker import WorkerArgs, run_worker
+
+    pids = Path(root) / "pids"
+    pids.mkdir(parents=True, exist_ok=True)
+    (pids / str(rank)).write_text(str(os.getpid()))
+    PeerSnapshots.chunk_bytes = 4096  # many chunks: "mid-send" is between two of them
+
+    def lose_the_node(at: str, at_step: int) -> None:
+        if nodes[rank] != dying or (at, at_step) != (phase, step):
+            return
+        for other in (r for r, node in enumerate(nodes) if node == dying and r != rank):
+            os.kill(int((pids / str(other)).read_text()), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    buddy = buddies(nodes, {n: n for n in nodes})
+    sink = ListSink()
+    try:
+        run_worker(WorkerArgs(rank=rank, world_size=world_size, store_host="127.0.0.1", store_port=store_port,
+                              store_prefix="lost", config=config_from_dict(config), run_id="p", peer_every=1,
+                              peer_buddy=tuple(buddy) if buddy else None, peer_dir=f"{root}/{nodes[rank]}",
+                              collective_timeout_s=30), sink, on_snapshot_phase=lose_the_node)
+    except Exception as e:  # noqa: BLE001 - a survivor: its peers are gone
+        return {"reported": [r.step for r in sink.reports], "error": f"{type(e).__name__}: {e}"}
+    return {"reported": [r.step for r in sink.reports], "error": None}
 
 
 def _point(root: Path, nodes: list[str]) -> dict:
@@ -88,11 +133,12 @@ def test_a_lost_node_heals_from_peers_bit_identical(tmp_path: Path) -> None:
         assert restored["bytes_from_peers"] > 0  # the lost node's shards came from their buddies
         assert not [d for kind, d in b["events"] if kind == "peer_snapshot_failed"]
         assert [r.step for r in b["reports"]] == [3, 4]
-    # The new attempt's snapshots replaced the old ones: every node holds attempt 1's step 4 only.
+    # The new attempt's snapshots replaced the old ones: every node holds attempt 1's steps 3 and 4,
+    # one in each slot.
     for node in ("n0", "n2"):
         copies = held_copies(root / node / "p")
-        assert {(c.attempt, c.step) for c in copies} == {(1, 4)}, copies
-        assert sorted((c.rank, c.role) for c in copies) == (
+        assert {(c.attempt, c.step, c.slot) for c in copies} == {(1, 3, 0), (1, 4, 1)}, copies
+        assert sorted((c.rank, c.role) for c in copies if c.step == 4) == (
             [(0, "own"), (1, "own"), (2, "buddy"), (3, "buddy")] if node == "n0"
             else [(0, "buddy"), (1, "buddy"), (2, "own"), (3, "own")])
 
@@ -117,3 +163,87 @@ def test_a_shrunk_mesh_loads_the_peers_state(tmp_path: Path) -> None:
         (restored,) = [d for kind, d in p["events"] if kind == "restored"]
         assert restored["source"] == "peer" and restored["saved_on_mesh"] == {"dp": 2, "pp": 2, "tp": 1}
         assert restored["how"] == "resharded"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Five steps of run 'p' with no failure: what every healed run must end with."""
+    root = tmp_path_factory.mktemp("straight")
+    return run_ranks(train, 4, config=config_to_dict(_config(2, 5)), prefix="s", attempt=0,
+                     nodes=["n0", "n0", "n1", "n1"], root=str(root))
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_node_lost_at_any_phase_of_the_exchange_heals_from_peers(tmp_path: Path, phase: str,
+                                                                    uninterrupted: list[dict]) -> None:
+    """Node n1 dies at `phase` of step 3's snapshot exchange. Whatever the phase, the surviving node
+    and a spare hold a whole step the new attempt loads from peers (step 3 once its exchange was
+    through, else step 2, still whole in the other slot), never older than any step a survivor
+    reported, and the healed run ends bit-identical to the uninterrupted one."""
+    nodes = ["n0", "n0", "n1", "n1"]
+    lost = run_ranks(lose_node_at, 4, may_die=frozenset({2, 3}), config=config_to_dict(_config(2, 5)),
+                     root=str(tmp_path), nodes=nodes, dying="n1", phase=phase, step=3)
+    assert lost[2] is None and lost[3] is None, "the node's ranks were to die with it"
+    survivors = [r for r in lost if r is not None]
+    assert all(r["error"] for r in survivors), survivors  # the attempt failed on the surviving node too
+    heard = max(step for r in survivors for step in r["reported"])
+    shutil.rmtree(tmp_path / "n1")  # the node's host memory is gone with it
+    after = ["n0", "n0", "n2", "n2"]
+    point = _point(tmp_path, after)
+    assert point["step"] in (2, 3) and point["step"] >= heard, (point, heard, survivors)
+    if phase == "released":
+        assert point["step"] == 3  # the survivors may have heard of it: it must be whole
+    healed = run_ranks(train, 4, config=config_to_dict(_config(2, 5)), prefix="b", attempt=1, nodes=after,
+                       root=str(tmp_path), restore=point)
+    for a, b in zip(uninterrupted, healed):
+        (restored,) = [d for kind, d in b["events"] if kind == "restored"]
+        assert restored["source"] == "peer" and restored["step"] == point["step"], restored
+        for name, value in a["state"].items():
+            assert torch.equal(value, b["state"][name]), f"{name} differs after healing from peers at {phase}"
+
+
+def _flip_a_byte(root: Path, node: str, rank: int, role: str, step: int) -> str:
+    (copy,) = [c for c in held_copies(root / node / "p") if (c.rank, c.role, c.step) == (rank, role, step)]
+    path = root / node / "p" / copy.stem
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    path.write_bytes(data)
+    return copy.stem
+
+
+def test_a_damaged_copy_is_never_loaded_the_other_copy_is(tmp_path: Path, uninterrupted: list[dict]) -> None:
+    """Rank 0's own copy of step 3 rots in n0's memory (one byte) before every rank restarts on the same
+    nodes: rank 0's state comes from the copy n1 keeps for it, and the run ends bit-identical."""
+    nodes = ["n0", "n0", "n1", "n1"]
+    run_ranks(train, 4, config=config_to_dict(_config(2, 3)), prefix="a", attempt=0, nodes=nodes, root=str(tmp_path))
+    stem = _flip_a_byte(tmp_path, "n0", 0, "own", 3)
+    point = _point(tmp_path, nodes)
+    assert point["step"] == 3  # the marker alone does not tell: the checksum does, at load
+    healed = run_ranks(train, 4, config=config_to_dict(_config(2, 5)), prefix="b", attempt=1, nodes=nodes,
+                       root=str(tmp_path), restore=point)
+    assert not (tmp_path / "n0" / "p" / f"{stem}.json").exists(), "the damaged copy is still offered"
+    for a, b in zip(uninterrupted, healed):
+        (restored,) = [d for kind, d in b["events"] if kind == "restored"]
+        assert restored["source"] == "peer" and restored["step"] == 3
+        for name, value in a["state"].items():
+            assert torch.equal(value, b["state"][name]), f"{name} differs: the damaged copy was loaded"
+    assert healed[0]["events"] and [d for kind, d in healed[0]["events"] if kind == "restored"][0]["bytes_from_peers"] > 0
+
+
+def test_a_step_whose_only_copy_is_damaged_fails_its_load_and_says_so(tmp_path: Path) -> None:
+    """n1 is lost and the copy n0 keeps of rank 2 rots: no intact copy of rank 2's state is left, so
+    every rank fails the load and rank 0 reports restore_failed (the controller then never picks
+    that step again: tests/unit/test_state_machine.py)."""
+    nodes = ["n0", "n0", "n1", "n1"]
+    run_ranks(train, 4, config=config_to_dict(_config(2, 3)), prefix="a", attempt=0, nodes=nodes, root=str(tmp_path))
+    shutil.rmtree(tmp_path / "n1")
+    stem = _flip_a_byte(tmp_path, "n0", 2, "buddy", 3)
+    after = ["n0", "n0", "n2", "n2"]
+    point = _point(tmp_path, after)
+    failed = run_ranks(train, 4, config=config_to_dict(_config(2, 5)), prefix="b", attempt=1, nodes=after,
+                       root=str(tmp_path), restore=point, may_fail=True)
+    assert all("CheckpointError" in r["error"] for r in failed), [r.get("error") for r in failed]
+    (report,) = [d for kind, d in failed[0]["events"] if kind == "restore_failed"]
+    assert report["source"] == "peer" and (report["saved_by_attempt"], report["step"]) == (0, 3), report
+    assert "[2]" in report["error"] and stem in report["error"], report
+    assert not [d for r in failed[1:] for kind, d in r["events"] if kind == "restore_failed"]  # said once

@@ -184,6 +184,72 @@ def test_a_step_a_rank_found_corrupt_is_discarded_and_the_run_resumes_before_it(
     assert "fail their sha256 check" in discarded.detail["reason"]
 
 
+class PeerHoldingGroup(FakeWorkerGroup):
+    """A fake group whose nodes say they hold `held` (checkpointing.peer.Held records) of the run's
+    peer snapshots; it notes the folder key each question named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[str, list] = {}
+        self.asked: list[str] = []
+
+    def peer_copies(self, peer_key: str, nodes: set[str]) -> dict[str, list]:
+        self.asked.append(peer_key)
+        return {node: held for node, held in self.held.items() if node in nodes}
+
+
+def test_a_peer_load_that_fails_is_never_tried_again_the_store_is(tmp_path: Path) -> None:
+    """Every node says it holds attempt 0's snapshot of step 26, so attempt 1 loads it from peers;
+    its ranks fail the load (a copy failed its checksum) and rank 0 says so (`restore_failed`, source
+    peer). The next attempt does not pick the same step again (until max_failures, as before): it
+    loads the store's step 20, and the timeline says why."""
+    from checkpointing.peer import Held
+    from trainer.config import state_fingerprint
+
+    store = LocalStore(tmp_path)
+    write_step(store, 20)
+    spec = parse_spec({**yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()), "name": "run"})
+    group = PeerHoldingGroup()
+    c = RunController(spec, spec.topology(), group, now=0.0, checkpoint_store=store)
+    t = 0.0
+    while c.state is not RunState.RUNNING:
+        t += 1
+        c.step(t)
+    assert group.started[0].resume_step == 20 and group.started[0].peer_restore is None
+    group.finish_steps(21, 26)
+    held = Held(attempt=0, step=26, cursor=26 * 16, world_size=8, mesh={"dp": 2, "pp": 2, "tp": 2},
+                identity=state_fingerprint(spec.to_model_config()), ranks=tuple(range(8)))
+    group.held = {node.name: [held] for node in spec.topology().nodes}
+    group.error_worker(3, "RuntimeError: the rank failed")
+
+    def relaunch() -> None:
+        nonlocal t
+        c.step(t + 1)
+        c.step(t + 5)  # past the attribution grace
+        t += 5
+        while c.state is not RunState.RUNNING:
+            t += 1
+            c.step(t)
+
+    relaunch()
+    peer = group.started[-1].peer_restore
+    assert peer is not None and (peer.attempt, peer.step) == (0, 26)
+    error = "peer snapshot of step 26 (attempt 0): no node of this attempt holds an intact copy of old rank(s) [2]"
+    group.emit(0, "restore_failed", source="peer", saved_by_attempt=0, step=26, error=error)
+    for rank in range(8):
+        group.error_worker(rank, f"CheckpointError: {error}")
+    relaunch()
+    last = group.started[-1]
+    assert last.peer_restore is None and last.resume_step == 20 and last.start_step == 20, last
+    (unusable,) = [e.detail for e in c.events.of_kind("checkpoint_unusable") if e.detail.get("source") == "peer"]
+    assert unusable["step"] == 26 and "intact copy" in unusable["reason"]
+    assert committed_steps(store, "run") == [20], "a peer snapshot's failure is not the store's"
+    # Every question about snapshots named this run's own folder, which another run of the same name has not.
+    assert set(group.asked) == {c.checkpoints.peer_key} and {a.peer_key for a in group.started} == set(group.asked)
+    other = RunController(spec, spec.topology(), PeerHoldingGroup(), now=1.0, checkpoint_store=store)
+    assert other.checkpoints.peer_key != c.checkpoints.peer_key and c.checkpoints.peer_key.startswith("run-")
+
+
 def test_a_run_whose_final_save_failed_is_not_done_until_it_is_saved(tmp_path: Path) -> None:
     """Every rank finished, but the store refused the last step's save past the retry budget (a chaos
     soak's storage outage over the end of a run): the run does not end `succeeded` with its final

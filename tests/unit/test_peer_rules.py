@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from checkpointing.peer import (
-    Copy, Held, PeerPoint, buddies, drop_marker, forget_attempts_before, held_copies, holdings, peer_point, sender_of,
-    write_marker,
+    Copy, Held, PeerPoint, buddies, drop_marker, forget_attempts_before, held_copies, holdings, peer_point, run_key,
+    sender_of, words_checksum, write_marker,
 )
 from controller.placement import place
 from controller.topology import Topology
@@ -189,3 +189,37 @@ def test_buddies_match_the_plain_rule_on_random_placements(seed: int) -> None:
     node_of_rank = [rng.choice(nodes) for _ in range(rng.randrange(1, 60))]
     tries = rng.choice([1, 4, 64])
     assert buddies(node_of_rank, racks, tries=tries) == reference_buddies(node_of_rank, racks, tries=tries)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 4096 + 5])
+def test_the_checksum_is_the_sum_of_the_words_and_catches_any_flipped_bit(size: int) -> None:
+    rng = random.Random(size)
+    data = bytearray(rng.getrandbits(8) for _ in range(size))
+    padded = bytes(data[:size - size % 8])
+    reference = sum(int.from_bytes(padded[i:i + 8], "little", signed=True) for i in range(0, len(padded), 8))
+    reference += sum(data[len(padded):])
+    assert words_checksum(data) % 2**64 == reference % 2**64 and -2**63 <= words_checksum(data) < 2**63
+    for _ in range(min(size * 8, 40)):
+        flipped = bytearray(data)
+        bit = rng.randrange(size * 8)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        assert words_checksum(flipped) != words_checksum(data), f"bit {bit} flipped unseen"
+
+
+def test_a_run_key_tells_runs_of_the_same_name_apart() -> None:
+    assert run_key("tiny-gpt", 1.5) == run_key("tiny-gpt", 1.5)
+    assert run_key("tiny-gpt", 1.5) != run_key("tiny-gpt", 1.5000001)
+    assert run_key("tiny-gpt", 1.5).startswith("tiny-gpt-") and run_key("a", 1.5) != run_key("b", 1.5)
+
+
+def test_a_new_attempt_keeps_only_the_step_it_loaded_of_older_attempts(tmp_path: Path) -> None:
+    loaded, other, older = _copy(0, step=6), _copy(1, step=5), _copy(0, step=5, attempt=1)
+    loaded = Copy(**{**loaded.__dict__, "slot": 1})
+    for copy in (loaded, other, older):
+        for name in (copy.stem, f"{copy.stem}.meta"):
+            (tmp_path / name).write_bytes(b"x" * 10)
+        write_marker(tmp_path, copy)
+    forget_attempts_before(tmp_path, 2, keep=(0, 6))
+    assert held_copies(tmp_path) == [loaded]
+    forget_attempts_before(tmp_path, 2)
+    assert list(tmp_path.iterdir()) == []
