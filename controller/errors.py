@@ -31,5 +31,12 @@ class RegistryBusy(GoodputError):
         super().__init__("registry_busy", message)
 
 
+class NotLeading(GoodputError):
+    """This service lost the registry's lock: another may lead now, so it writes nothing more."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("not_leading", message)
+
+
 class ApiBindError(OSError):
     """The API's address cannot be bound (busy port, foreign address)."""

@@ -225,7 +225,7 @@ HTTP_STATUS = {
     "no_such_checkpoint": 422, "spec_too_large": 413, "unauthorized": 401,
     "run_not_found": 404, "drill_not_found": 404, "node_not_quarantined": 404,
     "run_ended": 409, "run_not_ended": 409, "submissions_closed": 409, "checkpoint_mismatch": 409,
-    "too_many_drills": 429, "too_many_runs": 429,
+    "too_many_drills": 429, "too_many_runs": 429, "not_leading": 503,
 }
 """The HTTP status of each error code (the only place a status is chosen; the codes are in the errors)."""
 

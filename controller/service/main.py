@@ -86,7 +86,7 @@ def serve_forever(opts: ServeOptions) -> int:
             "'Authorization: Bearer <token>', or set GOODPUT_TOKEN)")
     else:
         log(f"API token from {TOKEN_ENV}")
-    registry = Registry(opts.db or sqlite_url(opts.state_dir))
+    registry = Registry(opts.db or sqlite_url(opts.state_dir), migrate=False)  # migrated once this one leads
     log(f"registry {safe_url(registry.url)}")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -102,9 +102,10 @@ def serve_forever(opts: ServeOptions) -> int:
             cluster.prepare()  # joins as a node now: taking over then waits for no raylet
         if not _stand_by(registry, opts, stop):
             registry.close()
-            return 0
+            return 0 if stop.is_set() else 4  # told to stop, or the lock was lost again before it drove
     else:
         registry.lead()
+    registry.migrate()
     if isinstance(cluster, LocalRayCluster):
         log(f"the embedded Ray cluster's own logs: {cluster.processes_log}; a killed node "
             + (f"comes back after {opts.repair_after_s:g} s" if opts.repair_after_s is not None else "stays lost"))
@@ -136,9 +137,16 @@ def serve_forever(opts: ServeOptions) -> int:
         server = ApiServer(create_app(service, token=token), opts.host, opts.port).start()
         log(f"API on {server.url} (GOODPUT_URL={server.url})")
         since: float | None = None  # when the cluster stopped answering
-        asked = 0.0
+        asked = checked = 0.0
         while not stop.wait(0.5):
             now = time.monotonic()
+            if now - checked >= LEAD_CHECK_S:
+                checked = now
+                if not registry.still_leads():
+                    service.lead_lost(registry.lost_lead or "lost")
+                    log(f"lost the registry's lock ({registry.lost_lead}): another service may lead now; "
+                        "stopping at once without touching the runs (the leader re-attaches to them)")
+                    return 4
             if service.lost_cluster is None and now - asked >= CLUSTER_CHECK_S:
                 asked = now
                 since = None if service.reaches_cluster() else (since or now)
@@ -170,7 +178,8 @@ def serve_forever(opts: ServeOptions) -> int:
 def _stand_by(registry: "Registry", opts: ServeOptions, stop: threading.Event) -> bool:
     """Wait as the standby of the service that leads `registry`: /healthz answers (the process is
     alive), /readyz and everything else say 503 (a Kubernetes Service sends it nothing), until the
-    leader is gone and this one leads (True), or until told to stop (False)."""
+    leader is gone and this one leads (True; LEAD_FENCE_S after it took the lock), or until told to
+    stop or the lock is lost again meanwhile (False)."""
     from controller.service.app import ApiServer, standby_app
     from controller.service.registry import safe_url
 
@@ -181,6 +190,13 @@ def _stand_by(registry: "Registry", opts: ServeOptions, stop: threading.Event) -
     try:
         while not stop.wait(0.2):
             if registry.lead(wait_s=0):
+                # A leader whose lock's session was ended (not its process) may drive for up to
+                # LEAD_CHECK_S more before it notices: act only once it has surely stopped.
+                if stop.wait(LEAD_FENCE_S):
+                    return False
+                if not registry.still_leads():
+                    log(f"lost the registry's lock again before driving anything ({registry.lost_lead})")
+                    return False
                 log(f"leading now, after {time.monotonic() - since:.1f} s as standby: taking over its runs")
                 return True
         return False
@@ -287,6 +303,11 @@ def _kubernetes_enabled(mode: str) -> bool:
     return mode == "on" or (mode == "auto" and in_cluster())
 
 
+LEAD_CHECK_S = 2.0
+"""How often a leading service asks the registry whether its lock is still its own."""
+LEAD_FENCE_S = 6.0
+"""How long a standby that took the lock waits before it drives: longer than a leader that lost it
+takes to notice (LEAD_CHECK_S, plus the check's own 3 s timeout) and stop."""
 CLUSTER_CHECK_S = 2.0
 """How often the service asks whether it still reaches its Ray cluster."""
 LOST_AFTER_S = 30.0

@@ -125,7 +125,10 @@ class Saved:
 
 
 class Registry:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, migrate: bool = True) -> None:
+        """`migrate=False`: the schema is left as it is until `migrate()` (goodput serve migrates only
+        once it leads: two services starting together on an empty database would both create the
+        tables, and a standby of a newer version would change the schema under a live leader)."""
         self.url = url
         sqlite = url.startswith("sqlite")
         memory = url in ("sqlite://", "sqlite:///:memory:")
@@ -142,7 +145,14 @@ class Registry:
                 cursor.close()
         self._lock = threading.RLock() if memory else contextlib.nullcontext()
         """An in-memory database is one connection: its users take turns (a file has SQLite's own locking)."""
-        with self._begin() as conn:  # the schema is the migrations' (controller/service/migrations)
+        self.lost_lead: str | None = None
+        """Why this process no longer leads (its lock's session ended): from then on it writes nothing."""
+        if migrate:
+            self.migrate()
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest revision (controller/service/migrations)."""
+        with self._begin() as conn:
             upgrade(conn, metadata)
 
     LEAD_KEY = 0x676F6F64  # "good": the PostgreSQL advisory lock a leading service holds
@@ -170,6 +180,38 @@ class Registry:
                     "its own --state-dir / --db (or start it with --standby to take over when that one is gone)")
             time.sleep(0.2)
         return True
+
+    def still_leads(self, *, timeout_s: float = 3.0) -> bool:
+        """Whether this process still holds the lock it took with `lead()`, asked of the server on the
+        lock's own session (PostgreSQL: a restart, a failover or a proxy's idle kill ends the session
+        and the lock with it, and a standby may take it). No answer within `timeout_s` counts as lost.
+        Once lost, `lost_lead` says why and every later write raises NotLeading."""
+        leadership = getattr(self, "_leadership", None)
+        if self.lost_lead is not None:
+            return False
+        if leadership is None or self.engine.dialect.name == "sqlite":
+            return True  # a file lock lives as long as this process: it cannot be taken from it
+        answer: list[object] = []
+
+        def ask() -> None:
+            try:
+                held = leadership.execute(text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    "AND pid = pg_backend_pid() AND objsubid = 1 "
+                    "AND ((classid::bigint << 32) | objid::bigint) = :key"), {"key": self.LEAD_KEY}).scalar()
+                leadership.rollback()
+                answer.append(bool(held) or "the server no longer shows this session holding the lock")
+            except Exception as e:  # noqa: BLE001 - a dropped session: the lock went with it
+                answer.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+        asking = threading.Thread(target=ask, daemon=True, name="goodput-lead-check")
+        asking.start()
+        asking.join(timeout_s)
+        why = answer[0] if answer else f"the lock's session did not answer in {timeout_s:g} s"
+        if why is True:
+            return True
+        self.lost_lead = str(why)
+        return False
 
     def _try_lead(self) -> bool:
         if self.engine.dialect.name == "sqlite":
@@ -200,6 +242,10 @@ class Registry:
 
     @contextlib.contextmanager
     def _begin(self) -> Iterator[Connection]:
+        if self.lost_lead is not None:
+            from controller.errors import NotLeading
+
+            raise NotLeading(f"this service lost the registry's lock ({self.lost_lead}): it writes nothing more")
         with self._lock, self.engine.begin() as conn:
             yield conn
 

@@ -74,6 +74,8 @@ class Service:
         self._runs: dict[str, LiveRun] = {}
         self._stop = threading.Event()
         self.lost_cluster: str | None = None
+        self.lost_lead: str | None = None
+        """Why this service stopped leading (its registry lock was taken from it), if it did."""
         """Why this process no longer reaches its Ray cluster (None: it does). Then nothing is driven
         and no run is touched: the process ends, and one started again re-attaches to the runs."""
         self._scheduler: threading.Thread | None = None
@@ -100,11 +102,18 @@ class Service:
             self.lost_cluster = why
         self._stop.set()
 
+    def lead_lost(self, why: str) -> None:
+        """This process lost the registry's lock: another service may lead now. Stop driving at once,
+        touching no run and writing nothing more (the new leader re-attaches to the runs)."""
+        if self.lost_lead is None:
+            self.lost_lead = why
+        self._stop.set()
+
     def stop(self) -> None:
         """Stop driving: every run's workers are shut down; unfinished runs stay unfinished in the
         registry and go on when a service starts again on it. After `cluster_lost`, nothing is shut
         down (nothing can be): the runs are left for the next service to re-attach to."""
-        if self.lost_cluster is not None:
+        if self.lost_cluster is not None or self.lost_lead is not None:
             self._stop.set()
             return
         self._stop.set()

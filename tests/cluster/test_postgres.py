@@ -6,8 +6,9 @@ Ray, a drill and a SIGKILL runs in tests/cluster/test_service.py on the same kin
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -19,6 +20,9 @@ from controller.service.registry import Registry, metadata
 from controller.spec import parse_spec
 from tests.support.postgres import PostgresServer, module_server
 from tests.unit.test_service import Harness, _commit, raw_spec
+
+if TYPE_CHECKING:
+    from tests.support.serve import Serve
 
 pytestmark = pytest.mark.cluster
 _DATABASES = itertools.count()
@@ -106,3 +110,106 @@ def test_one_service_leads_a_postgresql_registry(database: str) -> None:
     first.close()
     second.lead(wait_s=2)
     second.close()
+
+
+def _lock_sessions(url: str) -> list[int]:
+    """The backend pids holding the leading service's advisory lock."""
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        pids = [row[0] for row in conn.execute(text(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
+            "AND ((classid::bigint << 32) | objid::bigint) = :key"), {"key": Registry.LEAD_KEY})]
+    engine.dispose()
+    return pids
+
+
+def _terminate(url: str, pid: int) -> None:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
+    engine.dispose()
+
+
+def test_a_leader_whose_lock_session_ends_knows_it_and_writes_nothing_more(database: str) -> None:
+    """The lock's session is ended from the server's side (what a restart, a failover or a proxy's idle
+    kill does): the leader's next check says so, and its writes are refused from then on, while a
+    second registry takes the lock."""
+    from controller.errors import NotLeading
+
+    first, second = Registry(database), Registry(database)
+    first.lead()
+    assert first.still_leads() and _lock_sessions(database) != []
+    (pid,) = _lock_sessions(database)
+    _terminate(database, pid)
+    assert second.lead(wait_s=5)
+    assert not first.still_leads() and first.lost_lead
+    with pytest.raises(NotLeading, match="lost the registry's lock"):
+        first.set_node("node-1", state="lost", reason="x", run_id=None, time=1.0)
+    assert second.still_leads()
+    first.close()
+    second.close()
+
+
+def _serve(tmp_path: Path, name: str, database: str, *args: str) -> "Serve":
+    from tests.support.serve import Serve
+
+    return Serve(tmp_path / name, tmp_path / f"{name}.log", "--db", database, "--local-nodes", "1",
+                 "--gpus-per-node", "1", "--spares", "0", "--repair-after-s", "off", *args)
+
+
+def test_two_services_starting_together_on_an_empty_database_one_leads_one_stands_by(
+        database: str, tmp_path: Path) -> None:
+    """Both start at once with --standby on an empty PostgreSQL database: the schema is made once,
+    by the one that leads (migrations run only under the lock), and the other waits as its standby.
+    Neither crashes."""
+    services = [_serve(tmp_path, f"s{i}", database, "--standby") for i in range(2)]
+    try:
+        for s in services:
+            s.launch()
+        deadline = time.monotonic() + 120
+        while not (sum("API on" in s.text() for s in services) == 1
+                   and sum("standby: another goodput serve leads" in s.text() for s in services) == 1):
+            for s in services:
+                assert s.proc is not None and s.proc.poll() is None, s.text()[-3000:]
+            assert time.monotonic() < deadline, [s.text()[-1500:] for s in services]
+            time.sleep(0.3)
+        time.sleep(2)
+        assert all(s.proc is not None and s.proc.poll() is None for s in services)
+        engine = create_engine(database)
+        with engine.connect() as conn:
+            assert revision(conn) == HEAD
+        engine.dispose()
+    finally:
+        for s in services:
+            s.stop()
+
+
+def test_a_leader_that_loses_its_lock_stops_before_the_standby_drives(database: str, tmp_path: Path) -> None:
+    """The leader's lock session is ended with pg_terminate_backend while a standby waits. The leader
+    notices within its check interval and exits non-zero within 10 s, touching no run; the standby
+    takes the lock but drives nothing until the leader has stopped, then leads."""
+    leader, standby = _serve(tmp_path, "leader", database), _serve(tmp_path, "standby", database, "--standby")
+    try:
+        leader.start()
+        offset = standby.launch()
+        deadline = time.monotonic() + 120
+        while "standby: another goodput serve leads" not in standby.text()[offset:]:
+            assert time.monotonic() < deadline and standby.proc is not None and standby.proc.poll() is None, \
+                standby.text()[-3000:]
+            time.sleep(0.3)
+        (pid,) = _lock_sessions(database)
+        _terminate(database, pid)
+        ended = time.monotonic()
+        assert leader.proc is not None and standby.proc is not None
+        while leader.proc.poll() is None:
+            assert "leading now" not in standby.text()[offset:], "the standby drove while the old leader did"
+            assert time.monotonic() - ended < 10, leader.text()[-3000:]
+            time.sleep(0.1)
+        print(f"leader exited {time.monotonic() - ended:.1f} s after its lock's session ended")
+        assert leader.proc.returncode == 4, leader.text()[-3000:]
+        assert "lost the registry's lock" in leader.text()
+        standby.wait_api(offset, timeout_s=120)
+        assert "leading now, after" in standby.text()[offset:]
+    finally:
+        leader.stop()
+        standby.stop()
