@@ -172,7 +172,7 @@ class FailureModelSpec(_Strict):
     """`goodput simulate`'s failure model. Default: the Llama 3 405B report (controller.sim.model)."""
     rates: ComponentRates | None = None
     """Per 1,000 node-days; None: the Llama-3-like default."""
-    sdc_share: float = Field(default=6 / 252, ge=0, le=1)
+    sdc_share: float = Field(default=6 / 268, ge=0, le=1)
     """Of GPU interruptions, the share that is silent data corruption (caught by the probes)."""
     straggler_share: float = Field(default=0.0, ge=0, le=1)
     """Of GPU interruptions, the share that slows the node down instead of stopping it."""

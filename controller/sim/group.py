@@ -361,12 +361,18 @@ class SimWorkerGroup:
                 break
             self.step += 1
             snapshot = bool(a.peer_every) and self.step % a.peer_every == 0
+            # A snapshot first waits for the last one's transfer to the buddies (trainer/peer.py): a
+            # transfer longer than the steps between snapshots stalls the loop for the rest of it.
+            stall = 0.0
+            if snapshot:
+                last = self.snapshot if self.snapshot is not None and self.snapshot[0] is a else None
+                stall = self.cost.peer_snapshot_stall_s + (max(0.0, last[3] - end) if last is not None else 0.0)
             report = StepReport(rank=self.loss_rank, attempt=a.attempt, step=self.step,
                                 cursor=self.step * a.config.train.global_batch,
                                 loss=2.0 + 8.0 / math.sqrt(self.step), step_time_s=step_s, data_s=0.0,
                                 compute_s=step_s * COMPUTE_SHARE, wait_s=step_s * (1 - COMPUTE_SHARE),
                                 tokens_per_s=tokens / step_s,
-                                end_time=end, snapshot_s=self.cost.peer_snapshot_stall_s if snapshot else 0.0)
+                                end_time=end, snapshot_s=stall)
             sampled = [(self.step, self._compute(self.step))] if self.judging is not None else []
             if result is not None:
                 result.reports.append(report)
@@ -376,8 +382,8 @@ class SimWorkerGroup:
                 self._held_compute += sampled
             self.next_start = end
             if snapshot:
-                self.next_start += self.cost.peer_snapshot_stall_s
-                self.snapshot = (a, self.step, end, end + self.cost.peer_snapshot_stall_s + self.cost.peer_transfer_s)
+                self.next_start += stall
+                self.snapshot = (a, self.step, end, end + stall + self.cost.peer_transfer_s)
             if a.checkpoint_uri is not None and self.interval.due(self.step, self.total_steps):
                 self.next_start += self.cost.checkpoint_stall_s
                 self.commits.append((end + self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, self.step))

@@ -1,16 +1,19 @@
 """What `goodput simulate` assumes: when things break (the failure model) and what each thing costs
 (the cost model). Pure: no ray, torch or boto3.
 
-Failure model default: the Llama 3 405B report (Dubey et al. 2024, section 3.3.4): 419 unexpected
-interruptions in 54 days of pre-training on 16,384 H100 GPUs (2,048 nodes of 8), about 78 % of them
-attributed to hardware. Grouped by the component goodput's attribution sees:
+Failure model default: the Llama 3 405B report (Dubey et al. 2024, section 3.3.4, table 5): 419
+unexpected interruptions in 54 days of pre-training on 16,384 H100 GPUs (2,048 nodes of 8), about 78 %
+of them attributed to hardware. Its rows (counts; the table's percentages do not all match its counts,
+e.g. 148 faulty GPUs printed as 30.1 % of 419, so the counts are used), grouped by the component
+goodput's attribution sees:
 
-    gpu       252  faulty GPU, HBM3, SRAM, GPU system processor, thermal, and 6 silent data
-                   corruptions (60.1 %; `sdc_share` 6/252 of them are SDC)
-    network    42  switch/cable, NIC (10.0 %)
-    host       32  unplanned host maintenance (7.6 %)
-    storage    32  SSD, power supply, chassis, IO board, CPU, system memory, dependencies (7.6 %)
-    software   61  software bugs, NCCL watchdog timeouts (14.6 %)
+    gpu       268  faulty GPU 148, GPU HBM3 memory 72, GPU SRAM memory 19, GPU system processor 17,
+                   silent data corruption 6, GPU thermal interface + sensor 6 (`sdc_share` 6/268)
+    network    42  network switch/cable 35, NIC 7
+    host       32  host maintenance 32
+    storage    16  SSD 3, power supply 3, server chassis 2, IO expansion board 2, dependency 2, CPU 2,
+                   system memory 2 (the node's other parts: a node loss like a host's)
+    software   61  software bug 54, NCCL watchdog timeouts 7
 
 hardware (gpu, network, storage) = 326 of 419 = 77.8 %.
 
@@ -35,8 +38,10 @@ Cost model defaults grow with the world where the real costs do, and each says w
                    share its 100 Gb/s link (12.5 GB/s) and every node shares the store's aggregate
                    sustained bandwidth (2 TB/s: Llama 3's Tectonic, 7 TB/s at peak; Dubey et al. 2024,
                    section 3.3.1)
-    peer snapshots the same host copy as the checkpoint's stall; to the buddy and back in a peer recovery
-                   at 12.5 GB/s per GPU (a 100 Gb/s share of the node's network)
+    peer snapshots the same host copy as the checkpoint's stall; to the buddy, and back in a peer
+                   recovery, over the node's 100 Gb/s link shared by its ranks (12.5 GB/s per node, as
+                   the store's restore); a transfer longer than the steps between snapshots stalls
+                   the next snapshot for the rest of it (controller/sim/group.py)
 
 A spec's `cost:` overrides each (`restart_s` the whole restart).
 """
@@ -49,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 LLAMA3_NODE_DAYS = 2048 * 54
-LLAMA3_COUNTS = {"gpu": 252, "network": 42, "host": 32, "storage": 32, "software": 61}
+LLAMA3_COUNTS = {"gpu": 268, "network": 42, "host": 32, "storage": 16, "software": 61}
 LLAMA3_SDC = 6
 DEFAULT_RATES = {k: v / LLAMA3_NODE_DAYS * 1000 for k, v in LLAMA3_COUNTS.items()}
 """Interruptions per 1,000 node-days by component."""
@@ -61,7 +66,6 @@ NODE_LINK_GBPS = 12.5
 """A node's 100 Gb/s front-end link, shared by its ranks' restore reads."""
 STORE_AGGREGATE_GBPS = 2000.0
 """The object store's sustained aggregate bandwidth (Llama 3's Tectonic: 2 TB/s, 7 TB/s at peak)."""
-PEER_LINK_GBPS_PER_GPU = 12.5
 MEASURED_CUDA_INIT_S = 0.15
 MEASURED_COMM_INIT_WORLD_1_S = 0.36
 """benchmarks/gpu_path.py on one H100 (torch 2.11.0+cu130): CUDA init, NCCL init at world size 1."""
@@ -138,8 +142,8 @@ def cost_model(spec: Any, *, params: int, gpus: int, gpus_per_node: int) -> Cost
         node_loss_detection_s=_given(c.node_loss_detection_s, RAY_HEALTH_CHECK_FAILURES * RAY_HEALTH_CHECK_TIMEOUT_S),
         collective_timeout_s=spec.health.collective_timeout_s,
         peer_snapshot_stall_s=_given(c.peer_snapshot_stall_s, per_gpu / (STAGING_GBPS_PER_GPU * 1e9)),
-        peer_transfer_s=_given(c.peer_transfer_s, per_gpu / (PEER_LINK_GBPS_PER_GPU * 1e9)),
-        peer_restore_s=_given(c.peer_restore_s, per_gpu / (PEER_LINK_GBPS_PER_GPU * 1e9)),
+        peer_transfer_s=_given(c.peer_transfer_s, per_gpu * gpus_per_node / (NODE_LINK_GBPS * 1e9)),
+        peer_restore_s=_given(c.peer_restore_s, per_gpu * gpus_per_node / (NODE_LINK_GBPS * 1e9)),
     )
 
 

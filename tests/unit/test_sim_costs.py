@@ -30,10 +30,16 @@ def test_defaults_fill_what_the_spec_leaves_out_and_the_spec_overrides_each() ->
     spec = parse_spec(raw)
     params = spec.to_model_config().num_params()
     c = cost_model(spec, params=params, gpus=8, gpus_per_node=4)
-    assert c.restart_s == pytest.approx(restart_s(8)) and c.node_loss_detection_s == 50.0  # Ray's defaults: 5 x 10 s
-    assert c.restore_s == pytest.approx(restore_s(16 * params, gpus=8, gpus_per_node=4))
+    # CUDA init 0.15 s + communicator init 0.36 s at world 1, growing by (150 - 0.36) s over 16,383 ranks
+    assert c.restart_s == pytest.approx(0.15 + 0.36 + 7 * (150.0 - 0.36) / 16383)
+    assert c.node_loss_detection_s == 50.0  # Ray's defaults: 5 x 10 s
+    per_node = 16 * params / 8 * 4  # 16 bytes per parameter, 8 GPUs, 4 per node
+    assert c.restore_s == pytest.approx(per_node / 12.5e9)  # a node's 100 Gb/s link binds (not the store's 2 TB/s)
     assert c.step_s == pytest.approx(6 * params * 8 * 64 / (8 * 400e12))
-    assert c.checkpoint_save_s == pytest.approx(16 * params / 8 * 4 / 2e9)  # a node's 2 GB/s binds here
+    assert c.checkpoint_save_s == pytest.approx(per_node / 2e9)  # a node's 2 GB/s binds here
+    assert c.peer_snapshot_stall_s == pytest.approx(16 * params / 8 / 10e9)  # a GPU's share staged at 10 GB/s
+    # To the buddy and back over the same 100 Gb/s node link as the store's restore, not per GPU.
+    assert c.peer_transfer_s == pytest.approx(per_node / 12.5e9) and c.peer_restore_s == pytest.approx(per_node / 12.5e9)
     raw["cost"] = {"restart_s": 600.0, "node_loss_detection_s": 1.0, "restore_s": 7.0}
     c = cost_model(parse_spec(raw), params=params, gpus=8, gpus_per_node=4)
     assert (c.restart_s, c.node_loss_detection_s, c.restore_s) == (600.0, 1.0, 7.0)

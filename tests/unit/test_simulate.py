@@ -113,11 +113,29 @@ def test_young_daly_is_about_as_good_as_the_best_fixed_interval() -> None:
     assert ettr["auto"] > ettr["50"] + 0.01 and ettr["auto"] > ettr["3000"] + 0.01, ettr
 
 
-def test_the_default_model_is_the_llama3_report() -> None:
-    assert sum(LLAMA3_COUNTS.values()) == 419
-    hardware = LLAMA3_COUNTS["gpu"] + LLAMA3_COUNTS["network"] + LLAMA3_COUNTS["storage"]
-    assert hardware / 419 == pytest.approx(0.78, abs=0.01)
-    assert sum(DEFAULT_RATES.values()) * LLAMA3_NODE_DAYS / 1000 == pytest.approx(419)
+LLAMA3_TABLE_5 = {
+    "Faulty GPU": ("gpu", 148), "GPU HBM3 Memory": ("gpu", 72), "Software Bug": ("software", 54),
+    "Network Switch/Cable": ("network", 35), "Host Maintenance": ("host", 32), "GPU SRAM Memory": ("gpu", 19),
+    "GPU System Processor": ("gpu", 17), "NIC": ("network", 7), "NCCL Watchdog Timeouts": ("software", 7),
+    "Silent Data Corruption": ("gpu", 6), "GPU Thermal Interface + Sensor": ("gpu", 6), "SSD": ("storage", 3),
+    "Power Supply": ("storage", 3), "Server Chassis": ("storage", 2), "IO Expansion Board": ("storage", 2),
+    "Dependency": ("storage", 2), "CPU": ("storage", 2), "System Memory": ("storage", 2),
+}
+"""The Llama 3 report's table 5 (Dubey et al. 2024): root cause -> (goodput's component, interruptions)."""
+
+
+def test_the_default_model_is_the_llama3_report_bucket_by_bucket() -> None:
+    buckets: dict[str, int] = {}
+    for component, count in LLAMA3_TABLE_5.values():
+        buckets[component] = buckets.get(component, 0) + count
+    assert sum(buckets.values()) == 419  # the report's unexpected interruptions
+    for component, count in buckets.items():
+        assert LLAMA3_COUNTS[component] == count, component
+        assert DEFAULT_RATES[component] * LLAMA3_NODE_DAYS / 1000 == pytest.approx(count), component
+    assert set(LLAMA3_COUNTS) == set(buckets)
+    hardware = buckets["gpu"] + buckets["network"] + buckets["storage"]
+    assert hardware / 419 == pytest.approx(0.778, abs=0.001)  # "about 78 % ... hardware issues"
+    assert parse_spec(TINY).failures.sdc_share == pytest.approx(6 / buckets["gpu"])
 
 
 def test_bad_sweeps_and_specs_say_what_to_fix() -> None:
@@ -193,8 +211,10 @@ def test_a_sweep_reports_an_infeasible_setting_as_its_row_and_draws(tmp_path: An
 def test_the_llama3_preset_lands_where_the_report_does() -> None:
     """The Llama 3 405B run as its report describes it (16,384 GPUs, 54 days, its failure counts, a
     plain restart of the whole job at the published cost) keeps "higher than 90 %" effective training
-    time (Dubey et al. 2024, section 3.3.4). A model that loses under 1 % to ~420 interruptions would
-    flatter (the flat 5 s restart measured on 8 CPU ranks gave 0.994)."""
+    time (Dubey et al. 2024, section 3.3.4): a lower bound, the only one the report gives. The upper
+    bound is not a figure chosen after the fact: every interruption costs at least the published
+    restart (155 s), so ETTR stays below 1 - interruptions x 155 s / wall time (~0.986 for 419 in
+    54 days); a model under it would flatter."""
     from pathlib import Path
 
     import yaml
@@ -203,7 +223,8 @@ def test_the_llama3_preset_lands_where_the_report_does() -> None:
     result = simulate(parse_spec(raw), days=54, seed=0)
     assert result["gpus"] == 16384 and result["cost_model"]["restart_s"] == 155
     assert 380 <= sum(result["failures_by_cause"].values()) <= 470, result["failures_by_cause"]  # 419 reported
-    assert 0.90 < result["ettr"] < 0.99, result["ettr"]
+    interruptions = sum(result["failures_by_cause"].values())
+    assert 0.90 < result["ettr"] < 1 - interruptions * 155 / result["simulated_seconds"], result["ettr"]
     g = result["goodput"]["badput_seconds"]
     assert g["restart_restore"] > g["recomputation"] and g["degraded_capacity"] < 0.001 * result["simulated_seconds"]
 
@@ -373,3 +394,19 @@ def test_skipping_the_commits_the_controller_cannot_act_on_changes_no_result(cas
         # each shrink's price is charged to the failure that forced it: the failures' sum is the run's
         degraded = every["goodput"]["badput_seconds"]["degraded_capacity"]
         assert degraded > 0 and every["lost_per_failure"]["total"]["degraded_seconds"] == pytest.approx(degraded)
+
+
+def test_a_snapshot_transfer_longer_than_a_step_stalls_the_next_snapshot() -> None:
+    """A snapshot every step, each 0.1 s of host copy and 3 s to the buddies, steps of 1 s: the next
+    snapshot waits for the last one's transfer (trainer/peer.py), so from the second step on, a step
+    starts 3.1 s after the one before (1 s of step, 0.1 s of copy, 2 s of waiting). No failure; the
+    run ends when its final save (0.5 s of stall, 2 s to commit) commits."""
+    s = spec(checkpoint={"uri": "sim://", "every_steps": 1000, "peer_every_steps": 1},
+             cost={"peer_snapshot_stall_s": 0.1, "peer_transfer_s": 3.0}, train={"steps": 20})
+    result = simulate(s, days=1)
+    g = result["goodput"]
+    assert result["state"] == "succeeded" and result["steps"] == 20
+    assert g["productive_seconds"] == pytest.approx(20.0)
+    # step 1 ends at 1 s and its copy at 1.1 s; steps 2-19 take 3.1 s each; step 20 ends 1 s after it starts
+    last_step_end = 1.1 + 18 * 3.1 + 1.0
+    assert g["wall_seconds"] == pytest.approx(last_step_end + 0.5 + 2.0, abs=1e-6)
