@@ -10,3 +10,10 @@ _STATE = tempfile.mkdtemp(prefix="goodput-test-state-")
 os.environ["GOODPUT_STATE_DIR"] = _STATE
 os.environ.pop("GOODPUT_TOKEN", None)
 os.environ.pop("GOODPUT_URL", None)
+
+
+def pytest_runtest_setup(item) -> None:  # type: ignore[no-untyped-def]
+    from tests.support.tools import require
+
+    for mark in item.iter_markers("needs"):
+        require(mark.args[0])

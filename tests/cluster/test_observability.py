@@ -18,9 +18,10 @@ import pytest
 
 from tests.support.prometheus import PrometheusServer, missing
 from tests.support.serve import Serve, wait_for, write_spec
+from tests.support.tools import needs
 
 pytestmark = [pytest.mark.cluster,
-              pytest.mark.skipif(missing() is not None, reason=f"no real Prometheus: {missing()}")]
+              needs(f"no real Prometheus: {missing()}" if missing() is not None else None)]
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "dashboards" / "prometheus" / "goodput-alerts.yaml"

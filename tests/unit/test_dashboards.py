@@ -20,6 +20,7 @@ import pytest
 
 from controller.cli.dashboards import PushError, push
 from controller.service.metrics import exported_series
+from tests.support.tools import needs
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "dashboards" / "prometheus" / "goodput-alerts.yaml"
@@ -79,8 +80,8 @@ def test_dashboards_and_rules_name_only_exported_metrics() -> None:
     assert [r["alert"] for r in build.alert_rules()["groups"][0]["rules"]] == [a.name for a in build.ALERTS]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None,
-                    reason="promtool not installed (Debian package `prometheus`; `make test` installs it)")
+@needs(None if shutil.which("promtool") else
+       "promtool is not installed (Debian package `prometheus`; `make test` installs it)")
 def test_promtool_checks_the_rules_and_runs_their_unit_tests() -> None:
     check = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.tools import needs, require
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD_CANDIDATES = [Path(p) for p in [os.environ.get("GOODPUT_KUBERAY_CRD", "")] if p] + [
     base / "shared" / "vendor" / "kuberay" / "ray.io_rayclusters.yaml" for base in (ROOT.parent, ROOT)]
@@ -26,8 +28,9 @@ K8S_VERSION = "1.31.0"
 EXTERNAL_SECRETS = {"goodput-api-token", "goodput-s3", "goodput-db"}
 """Made by the operator (README), referenced only."""
 
-needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                   reason="kubectl not installed (Debian package `kubectl`; `make test` installs it)")
+KUBECTL_MISSING = (None if shutil.which("kubectl") else
+                   "kubectl is not installed (Debian package `kubectl`; `make test` installs it)")
+needs_kubectl = needs(KUBECTL_MISSING)
 """Only the tests that render deploy/ need kubectl (the Dockerfile's does not)."""
 PROMETHEUS_CRDS = {kind: next((p for p in candidates if p.exists()), candidates[0]) for kind, candidates in {
     kind: [base / "shared" / "vendor" / "prometheus-operator" / f"monitoring.coreos.com_{plural}.yaml"
@@ -55,8 +58,7 @@ def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
 
 @pytest.fixture(scope="module", params=OVERLAYS)
 def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl not installed (Debian package `kubectl`; `make test` installs it)")
+    require(KUBECTL_MISSING)
     return request.param, render(request.param)
 
 
@@ -210,7 +212,7 @@ def test_the_pieces_refer_to_each_other(rendered: tuple[str, list[dict[str, Any]
 
 
 @needs_kubectl
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian package `prometheus`)")
+@needs(None if shutil.which("promtool") else "promtool is not installed (Debian package `prometheus`)")
 def test_the_prometheus_rule_and_dashboards_are_the_generated_ones(tmp_path: Path) -> None:
     docs = render("prod")
     rule = one(docs, "PrometheusRule", "goodput")
