@@ -1,8 +1,13 @@
-"""Every request answers within a second in every state, and cancel works in every state, with the
-service's driver threads running: a store whose calls take 20 s and a launch that takes as long as
-the test says are slow on purpose. Before, the checkpoint search and the launch ran under the run's
-lock (cancel, drill requests and /metrics waited behind them), a submission probed the store under
-the service's lock, and a run waiting for capacity spun on its cluster."""
+"""Every request answers without waiting for anything slow in every state, and cancel works in every
+state, with the service's driver threads running: a store whose calls take 20 s and a launch that
+takes as long as the test says are slow on purpose. Before, the checkpoint search and the launch ran
+under the run's lock (cancel, drill requests and /metrics waited behind them), a submission probed
+the store under the service's lock, and a run waiting for capacity spun on its cluster.
+
+What is asserted is the cause, not a time on a shared 2-core machine: a request made while a store
+call or a launch is held must come back while it is still held (it waited for neither). Where
+nothing is held, a request may take at most WAIT_S, far beyond this machine's noise (a few hundred
+ms) and far below the 20 s a held call takes."""
 
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, FlakySt
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
-LIMIT_S = 1.0
+WAIT_S = 10.0
+"""Longer than any answer takes on a busy machine, shorter than a held store call (20 s)."""
 
 
 class GatedStore(FlakyStore):
@@ -39,11 +45,14 @@ class GatedStore(FlakyStore):
         self.open.set()
         self.held: list[str] = []
         """The calls the shut gate has held (what each asked)."""
+        self.passed = 0
+        """Held calls that have gone on since (the gate opened, or their 20 s were up)."""
 
     def _call(self, what: str) -> None:
         if not self.open.is_set():
             self.held.append(what)
             self.open.wait(20)
+            self.passed += 1
         super()._call(what)
 
 
@@ -102,11 +111,18 @@ class Setup:
         return group
 
     def request(self, label: str, method: str, path: str, **kw: Any) -> Any:
+        store_held = len(self.store.held) > self.store.passed
+        passed = self.store.passed
+        launching = [g for g in self.groups.values() if g.starting.is_set() and not g.go.is_set() and not g.started]
         t0 = time.perf_counter()
         response = self.api.request(method, path, **kw)
         took = time.perf_counter() - t0
         self.slowest[label] = max(self.slowest.get(label, 0.0), took)
-        assert took < LIMIT_S, f"{method} {path} took {took:.2f} s ({label})"
+        if store_held:
+            assert self.store.passed == passed, f"{method} {path} ({label}) waited for a held store call"
+        if launching:
+            assert not any(g.started for g in launching), f"{method} {path} ({label}) waited for the launch"
+        assert took < WAIT_S, f"{method} {path} took {took:.2f} s ({label})"
         assert response.status_code < 500, response.text
         return response
 
@@ -180,10 +196,10 @@ def test_requests_answer_within_a_second_and_cancel_works_in_every_state(setup: 
     s.until("b", "launching")
     assert s.groups["b"].starting.wait(5)
     s.every_request("b", "launching, launch slow")
-    t0 = time.monotonic()
     s.request("cancel", "POST", "/v1/runs/b/cancel")
     s.until("b", "cancelled")
-    assert time.monotonic() - t0 < 2, "the launch in progress gave up"
+    assert s.groups["b"]._aborted.is_set() and not s.groups["b"].started, "the launch in progress gave up"
+    assert not s.groups["b"].go.is_set()  # by the cancel, not because it was let go
 
     # running, then recovering (a node lost, no spare, min_dp 2: waiting for capacity)
     s.request("submit", "POST", "/v1/runs", json=spec("c"))
