@@ -93,12 +93,23 @@ class _Region:
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        self.pinned = False
+
+    def pin(self) -> None:
+        """Page-lock the mapping for the GPU (cudaHostRegister): copies into it then run asynchronously
+        on a side stream. Where that is refused, copies still work, synchronously."""
+        if not self.pinned and self.nbytes:
+            error = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            self.pinned = int(getattr(error, "value", error)) == 0
 
     def buffer(self) -> memoryview:
         """The bytes, without a copy."""
         return memoryview(self._map)[:self.nbytes]
 
     def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
         try:
             self._map.close()
@@ -165,6 +176,8 @@ class PeerSnapshots:
         self._held: list[Callable[[], None]] = []
         """Reports waiting for the snapshot in flight (`deliver`)."""
         self._made: tuple[SnapshotLayout, list[bytes]] | None = None
+        self._stream: Any = None
+        """The CUDA stream snapshots are copied on (GPU only)."""
         self.taken: list[int] = []
 
     def take(self, trainer: Any) -> float:
@@ -179,10 +192,13 @@ class PeerSnapshots:
         assert self._layout is not None
         slot = 1 - self._whole_slot
         self._phase("before_own", trainer.step)
-        for view, source in zip(self._own_slot(slot), self._layout.sources):
-            view.copy_(source)
+        views = self._own_slot(slot)
+        copied = None
         if trainer.choice.device.type == "cuda":
-            torch.cuda.synchronize(trainer.choice.device)
+            copied = self._copy_from_gpu(trainer, slot, views)
+        else:
+            for view, source in zip(views, self._layout.sources):
+                view.copy_(source)
         self._count += 1
         self.taken.append(trainer.step)
         copy = Copy(attempt=self.attempt, rank=self.rank, world_size=self.world_size, step=trainer.step,
@@ -190,7 +206,7 @@ class PeerSnapshots:
                     nbytes=self._layout.nbytes, slot=slot)
         with self._lock:
             self._sending = True
-        self._thread = threading.Thread(target=self._complete, args=(copy,), daemon=True,
+        self._thread = threading.Thread(target=self._complete, args=(copy, copied), daemon=True,
                                         name=f"peer-snapshot-{trainer.step}")
         self._thread.start()
         return time.perf_counter() - t0
@@ -259,14 +275,37 @@ class PeerSnapshots:
         self._views[slot], self._own_for[slot] = views, layout
         return views
 
-    def _complete(self, copy: Copy) -> None:
-        """Background: checksum and mark our copy, exchange copies with the buddies, then the barrier
-        that makes the step whole everywhere. A failure is reported once; training goes on (a step
-        whose exchange failed is simply not whole, and the other slot still holds the one before)."""
+    def _copy_from_gpu(self, trainer: Any, slot: int, views: list[torch.Tensor]) -> Any:
+        """On a GPU: the copy into the slot's page-locked file runs on a side stream, after the step's
+        work; the loop does not wait for it, the next optimizer step does (`Trainer.update_waits`),
+        and so does the background thread before it reads the bytes. The event that says it is done."""
+        assert self._layout is not None
+        region = self._own[slot]
+        assert region is not None
+        device = trainer.choice.device
+        region.pin()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            for view, source in zip(views, self._layout.sources):
+                view.copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        trainer.update_waits.append(done)
+        return done
+
+    def _complete(self, copy: Copy, copied: Any = None) -> None:
+        """Background: checksum and mark our copy (once the GPU's copy, if any, is done), exchange
+        copies with the buddies, then the barrier that makes the step whole everywhere. A failure is
+        reported once; training goes on (a step whose exchange failed is simply not whole, and the
+        other slot still holds the one before)."""
         region = self._own[copy.slot]
         assert region is not None
         released = False
         try:
+            if copied is not None:
+                copied.synchronize()
             copy = dataclasses.replace(copy, checksum=words_checksum(region.buffer()))
             write_marker(self.folder, copy)
             if self._pg is not None:

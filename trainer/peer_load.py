@@ -79,12 +79,19 @@ def load_from_peers(trainer: Any, folder: Path, point: PeerPoint) -> PeerLoad:
                               f"attempt holds an intact copy of old rank(s) {missing[:8]}"
                               + (f"; failed their checksum: {', '.join(bad[:8])}" if bad else ""))
     materialize_optimizer_state(trainer)
-    if point.mesh == trainer.config.mesh.axes() and point.world_size == dist.get_world_size():
-        loaded = _load_same_mesh(trainer, files, holders, sizes)
-        if loaded is not None:
-            dist.barrier()  # every rank has its copy: the holders' copies are no longer being read
-            return loaded
-    return _load_resharded(trainer, files, holders)
+    # The snapshots are in host memory and cross in host memory: on a GPU over a gloo group of the
+    # load's own, never staged whole in GPU memory on sender and receiver.
+    host = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+    try:
+        if point.mesh == trainer.config.mesh.axes() and point.world_size == dist.get_world_size():
+            loaded = _load_same_mesh(trainer, files, holders, sizes, host)
+            if loaded is not None:
+                dist.barrier()  # every rank has its copy: the holders' copies are no longer being read
+                return loaded
+        return _load_resharded(trainer, files, holders, host)
+    finally:
+        if host is not None:
+            dist.destroy_process_group(host)
 
 
 def _intact_copies(folder: Path, point: PeerPoint, identity: str) -> tuple[dict[int, Path], list[str]]:
@@ -108,7 +115,7 @@ def _intact_copies(folder: Path, point: PeerPoint, identity: str) -> tuple[dict[
 
 
 def _load_same_mesh(trainer: Any, files: dict[int, Path], holders: dict[int, list[int]],
-                    sizes: dict[int, tuple[int, int]]) -> PeerLoad | None:
+                    sizes: dict[int, tuple[int, int]], group: Any) -> PeerLoad | None:
     """Each rank's own old copy into its tensors, in place; None (on every rank) when any rank's
     layout differs from its snapshot's (then DCP reshards)."""
     me, world = dist.get_rank(), dist.get_world_size()
@@ -125,7 +132,7 @@ def _load_same_mesh(trainer: Any, files: dict[int, Path], holders: dict[int, lis
             path = files[key[0]]
             meta = (path.parent / f"{path.name}.meta").read_bytes()
             mine[key] = len(meta).to_bytes(8, "little") + meta + path.read_bytes()
-    got = exchange(routes, mine, me)
+    got = exchange(routes, mine, me, group)
     key = next(k for k in routes if k[0] == me)
     blob = got[key]
     meta_len = int.from_bytes(blob[:8], "little")
@@ -166,7 +173,7 @@ def _same_layout(entries: list[tuple[Any, int, int]], layout: SnapshotLayout, bl
     return True
 
 
-def _load_resharded(trainer: Any, files: dict[int, Path], holders: dict[int, list[int]]) -> PeerLoad:
+def _load_resharded(trainer: Any, files: dict[int, Path], holders: dict[int, list[int]], group: Any) -> PeerLoad:
     """DCP's load over every old rank's item index: any mesh."""
     me = dist.get_rank()
     metas: dict[int, bytes] = {}
@@ -177,7 +184,7 @@ def _load_resharded(trainer: Any, files: dict[int, Path], holders: dict[int, lis
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, metas)
     entries = {old: pickle.loads(blob) for part in gathered for old, blob in part.items()}
-    reader = PeerReader(_merged_metadata(entries), holders, files)
+    reader = PeerReader(_merged_metadata(entries), holders, files, group)
     state = trainer_state(trainer)
     try:
         dcp.load(state, storage_reader=reader)
@@ -219,8 +226,11 @@ def _merged_metadata(entries: dict[int, list[tuple[Any, int, int]]]) -> Metadata
 class PeerReader(StorageReader):
     """A DCP storage reader over the snapshots the new attempt's nodes hold (see load_from_peers)."""
 
-    def __init__(self, metadata: Metadata, holders: dict[int, list[int]], files: dict[int, Path]) -> None:
+    def __init__(self, metadata: Metadata, holders: dict[int, list[int]], files: dict[int, Path],
+                 group: Any = None) -> None:
         self.metadata = metadata
+        self.group = group
+        """The group the items cross on (gloo on a GPU: host memory to host memory; None: the default)."""
         self.holders = holders
         """old rank -> the new ranks on nodes that hold a copy of its snapshot."""
         self.files = files
@@ -285,7 +295,7 @@ class PeerReader(StorageReader):
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
-        got = exchange(routes, held, me)
+        got = exchange(routes, held, me, self.group)
         self.bytes_received += sum(k[2] for k in got if k not in held)
         for req in plan.items:
             key = chosen[req.storage_index]

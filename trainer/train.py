@@ -8,6 +8,7 @@ accumulation (pp = 1). Everything about launching, rendezvous and reporting live
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,9 @@ class Trainer:
         self.clock = ComputeClock(choice.device)
         self.switches = switches
         self.probes = Probes(self, sink=sink, switches=switches) if config.probes.enabled else None
+        self.update_waits: list[Any] = []
+        """CUDA events the next optimizer step waits for (a peer snapshot's copy still reading the
+        state on a side stream: trainer/peer.py); the forward and backward do not wait."""
 
     def _build_schedule(self, num_stages: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
         pp_group = self.mesh["pp"].get_group()
@@ -125,6 +129,11 @@ class Trainer:
             loss_value, apply_update = self.probes.check(loss, lambda: self.forward_backward(inputs, targets))
             probe_s += time.perf_counter() - p0
         self.clock.start()
+        if self.update_waits:
+            stream = torch.cuda.current_stream(self.choice.device)
+            for event in self.update_waits:
+                stream.wait_event(event)
+            self.update_waits = []
         for opt in self.optimizers:
             if apply_update:
                 opt.step()
