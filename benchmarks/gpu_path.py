@@ -6,6 +6,9 @@ Prints:
 - MFU of the bare loop and of goodput's step (model FLOPs / H100 SXM bf16 dense peak, 989 TFLOP/s);
 - goodput step time with probes and an async checkpoint every `--every` steps / the bare loop (goal <= 1.03);
 - async save stall / synchronous save of the same state to local disk (goal <= 0.02);
+- goodput step time with a peer snapshot every step / without (goal <= 1.02): blocks of `--block`
+  steps alternating ABBA, `--blocks` of each, every step timed from its start to the next one's
+  (the snapshot's stall and its side-stream copy are both in it), a block's first step left out;
 - what a kill-rank recovery costs, term by term: process start (interpreter + `import torch`), CUDA
   init, NCCL process-group init (fresh processes each, `--repeat` times), checkpoint load from local
   disk and, with `--s3`, from an S3-protocol server (moto) on the same host, and the first step after.
@@ -78,6 +81,36 @@ def bare_step_fn(cfg: TrainerConfig, device: torch.device):
     return step
 
 
+def snapshot_cost(trainer: "object", folder: Path, blocks: int, block: int) -> tuple[list[float], list[float]]:
+    """Step times with a peer snapshot after every step and without, in alternating blocks (ABBA ...):
+    each step from its start to the next one's start, a block's first step left out (it still pays
+    for the other regime). One rank: its own copies only (the buddy's exchange is host-side)."""
+    from trainer.peer import PeerSnapshots
+    from trainer.report import ListSink
+
+    t: "object" = trainer
+    peers = PeerSnapshots(folder=folder, run_id="gpu", attempt=0, buddy=None, sink=ListSink(), identity="gpu",
+                          mesh=t.config.mesh.axes())  # type: ignore[attr-defined]
+    peers.take(t)  # lay out and page-lock both slots before timing
+    peers.take(t)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    starts: list[tuple[bool, bool, float]] = []
+    for b in range(2 * blocks):
+        on = (b % 2 == 0) == (b // 2 % 2 == 0)
+        for i in range(block):
+            starts.append((on, i == 0, time.perf_counter()))
+            t.train_step()  # type: ignore[attr-defined]
+            if on:
+                peers.take(t)
+    torch.cuda.synchronize()
+    starts.append((False, True, time.perf_counter()))
+    for (on, first, start), (_, _, nxt) in zip(starts, starts[1:]):
+        if not first:
+            times[on].append(nxt - start)
+    peers.close()
+    return times[True], times[False]
+
+
 def fresh_process_costs(repeat: int) -> dict[str, list[float]]:
     """Process start, CUDA init and NCCL init, each measured in a fresh interpreter (as a restarted rank pays them)."""
     code = r"""
@@ -135,6 +168,8 @@ def main() -> None:
     parser.add_argument("--s3", action="store_true", help="also load from moto on 127.0.0.1")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block, in both loops")
     parser.add_argument("--s3-repeat", type=int, default=1)
+    parser.add_argument("--blocks", type=int, default=6, help="peer snapshot cost: blocks of each regime")
+    parser.add_argument("--block", type=int, default=4, help="peer snapshot cost: steps per block")
     parser.add_argument("--tokens", type=int, default=50_000_000, help="tokens in the data file")
     parser.add_argument("--dir", default=os.environ.get("GOODPUT_BENCH_DIR"))
     opts = parser.parse_args()
@@ -207,6 +242,11 @@ def main() -> None:
               f"{statistics.median(async_s) / statistics.median(sync_s):.4f} (goal <= 0.02)", flush=True)
         failed = [d for k, d in sink.events if k == "checkpoint_failed"]
         assert not failed, failed
+        with_s, without_s = snapshot_cost(goodput, tmp / "peer", opts.blocks, opts.block)
+        print(f"peer snapshot every step: median {statistics.median(with_s) * 1e3:.1f} ms/step, without "
+              f"{statistics.median(without_s) * 1e3:.1f}; ratio {statistics.median(with_s) / statistics.median(without_s):.3f} "
+              f"(median; mean {statistics.mean(with_s) / statistics.mean(without_s):.3f}; n = {len(with_s)} each; "
+              "goal <= 1.02)", flush=True)
 
         step = goodput.step
         manifest = read_manifest(local, "gpu", step)
