@@ -47,16 +47,20 @@ def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_
     """The failure's cause, or None while it is too early to tell (or nothing failed).
     `signal_age_s`: time since the first failure signal of the attempt. `on_live_nodes`: dead ranks
     whose node is known to be alive (their actor said so): no grace is needed to rule out a node loss.
-    `suspect_nodes`: nodes not declared dead whose node daemon is gone (PollResult.suspect_nodes)."""
-    if dead_nodes:
-        dying = _dying_nodes(dead_ranks - set(on_live_nodes), node_of_rank) | set(suspect_nodes)
-        if dying - dead_nodes and signal_age_s is not None and signal_age_s < NODE_SUSPECT_GRACE_S:
+    `suspect_nodes`: nodes not declared dead whose node daemon is gone (PollResult.suspect_nodes).
+    A node every rank of which died and whose daemon is gone is lost now: the data plane and the
+    probe agree, and Ray's own health checks (~30 s by default) need not be waited for."""
+    whole = _dying_nodes(dead_ranks - set(on_live_nodes), node_of_rank)
+    lost = set(dead_nodes) | (whole & set(suspect_nodes))
+    if lost:
+        dying = whole | set(suspect_nodes)
+        if dying - lost and signal_age_s is not None and signal_age_s < NODE_SUSPECT_GRACE_S:
             # Another node's ranks all died with it, or its daemon is gone: Ray declares nodes dead
             # one by one, a moment apart. One decision for all of them.
             return None
-        ranks = tuple(ranks_on(node_of_rank, dead_nodes))
-        return FailureEvent(time=now, cause=FailureCause.NODE_LOST, nodes=tuple(sorted(dead_nodes)), ranks=ranks,
-                            message=f"node(s) {sorted(dead_nodes)} lost with ranks {list(ranks)}")
+        ranks = tuple(ranks_on(node_of_rank, lost))
+        return FailureEvent(time=now, cause=FailureCause.NODE_LOST, nodes=tuple(sorted(lost)), ranks=ranks,
+                            message=f"node(s) {sorted(lost)} lost with ranks {list(ranks)}")
     if dead_ranks and dead_ranks <= on_live_nodes:
         return _rank_died(now, dead_ranks, node_of_rank)
     if not (errors or dead_ranks) or signal_age_s is None or signal_age_s < ATTRIBUTION_GRACE_S:

@@ -261,9 +261,12 @@ class RemoteRayCluster(_RayClusterBase):
     def prepare(self) -> None:
         """Join as a node now, before driving anything (a standby does it while it waits, so that
         taking over does not wait for a raylet to start): a raylet with no resources on this host,
-        unless the cluster already has an alive node at `node_ip` (a head or worker here, or the
-        raylet an earlier service started)."""
-        if not self._as_node() or self.node_ip in _alive_node_ips(self.address):
+        unless a raylet of the cluster answers at `node_ip` (a head or worker here, or the raylet an
+        earlier service started). A node the cluster still lists as alive whose raylet does not
+        answer is the one a restarted container left behind (every process of it ended; Ray's
+        default health checks take ~30 s to notice): a new raylet joins beside it, and the driver
+        connects to the new one (Ray connects a driver only to a raylet running on its host)."""
+        if not self._as_node() or _raylet_answers(self.address, str(self.node_ip)):
             return
         import subprocess
 
@@ -299,8 +302,9 @@ class RemoteRayCluster(_RayClusterBase):
         self._disconnect()
 
 
-def _alive_node_ips(address: str) -> set[str]:
-    """The addresses of the cluster's alive nodes, from its GCS (before this process is a driver)."""
+def _raylet_answers(address: str, ip: str) -> bool:
+    """Whether a node the cluster lists as alive at `ip` has a raylet that accepts connections (its
+    node manager port), from the cluster's GCS (before this process is a driver)."""
     from ray._raylet import GcsClient  # type: ignore[attr-defined]  # what `ray start` itself uses
     from ray.core.generated import gcs_pb2
 
@@ -308,7 +312,15 @@ def _alive_node_ips(address: str) -> set[str]:
         nodes = GcsClient(address=address).get_all_node_info(timeout=10)
     except Exception as e:  # noqa: BLE001 - one line says why
         raise ClusterError(f"cannot read the nodes of the Ray cluster at {address}: {e}") from None
-    return {info.node_manager_address for info in nodes.values() if info.state == gcs_pb2.GcsNodeInfo.ALIVE}  # type: ignore[attr-defined]
+    for info in nodes.values():
+        if info.state != gcs_pb2.GcsNodeInfo.ALIVE or info.node_manager_address != ip:  # type: ignore[attr-defined]
+            continue
+        try:
+            with socket.create_connection((ip, int(info.node_manager_port)), timeout=2):
+                return True
+        except OSError:
+            continue  # listed, but its raylet is gone
+    return False
 
 
 def topology_from_ray() -> Topology:
@@ -333,9 +345,13 @@ def topology_from_ray() -> Topology:
 
 
 def _kill_own_raylet() -> int | str:
+    """A node's death, from a task on it: every process under its raylet (its workers, and the
+    training processes they forked, which would otherwise train on until Ray's health checks declare
+    the node dead) and the raylet itself, SIGKILLed together; this task's process last."""
     import os
     import signal
-    import time
+
+    import psutil
 
     parent = os.getppid()
     try:
@@ -345,8 +361,20 @@ def _kill_own_raylet() -> int | str:
         name = "?"
     if name != "raylet":
         return f"kill-node: the worker's parent is {name!r} (pid {parent}), not a raylet; not killed"
-    os.kill(parent, signal.SIGKILL)
-    time.sleep(5)  # the raylet's death takes this worker with it
+    raylet = psutil.Process(parent)
+    tree = [p for p in raylet.children(recursive=True) if p.pid != os.getpid()]
+    for process in tree:  # stopped first: none can fork or restart another while the rest go
+        try:
+            process.send_signal(signal.SIGSTOP)
+        except psutil.Error:
+            pass
+    raylet.send_signal(signal.SIGKILL)
+    for process in tree:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
     return parent
 
 

@@ -64,6 +64,7 @@ class RayWorkerGroup:
         self._failed: set[int] = set()
         self._drains: dict[int, tuple[Any, float]] = {}
         self._nodes: set[str] = set()
+        self._node_of_rank: tuple[str, ...] = ()
         self._abort = threading.Event()
         self._groups: dict[str, list[Any]] = {}
         """node -> the placement groups that reserve its GPU slots for this group's actors."""
@@ -128,6 +129,7 @@ class RayWorkerGroup:
         self._finished, self._failed = set(), set()
         self._drains = {}
         self._nodes = set(placement.node_of_rank)
+        self._node_of_rank = tuple(placement.node_of_rank)
         self._runs = [
             actor.run.remote(WorkerArgs(
                 rank=rank, world_size=world, store_host=self.store_host, store_port=self._store.port,
@@ -235,7 +237,7 @@ class RayWorkerGroup:
             except Exception as e:  # noqa: BLE001 - the rank's own error, reported as is
                 result.errors[rank] = f"{type(e).__name__}: {e}"
         self._collect(result)
-        result.dead_nodes, result.suspect_nodes = self._node_states()
+        result.dead_nodes, result.suspect_nodes = self._node_states(self._failed | result.dead_ranks)
         self._failed |= set(result.errors) | result.dead_ranks
         if self._failed or result.dead_nodes:  # failed stays failed: later polls must not read "finished"
             result.status = GroupStatus.FAILED
@@ -272,11 +274,12 @@ class RayWorkerGroup:
             result.events.extend((rank, kind, detail) for kind, detail in events)
         result.reports.sort(key=lambda r: (r.step, r.rank))
 
-    def _node_states(self) -> tuple[set[str], set[str]]:
+    def _node_states(self, failed: set[int]) -> tuple[set[str], set[str]]:
         """(dead, suspect) among this attempt's nodes. Dead: no alive Ray node carries its `node` label.
-        Suspect, looked at only once some node is dead: Ray still shows it alive but its raylet refuses
-        connections. Ray declares a node dead after a few missed health checks, so nodes lost together
-        are declared a moment apart; a refused connection tells at once."""
+        Suspect, looked at only once some node is dead or some rank has failed (on the nodes of the
+        failed ranks, then): Ray still shows it alive but its raylet refuses connections. Ray declares
+        a node dead after a few missed health checks (~30 s by default), so nodes lost together are
+        declared a moment apart, and a node whose ranks all died is confirmed at once by the probe."""
         import ray
 
         alive: dict[str, tuple[str, int]] = {}
@@ -290,7 +293,10 @@ class RayWorkerGroup:
         dead = seen - set(alive)
         for node in dead:
             self._forget_node(node)  # its actors died with it
-        return dead, (_refusing(alive) if dead else set())
+        if not dead:
+            asked = {self._node_of_rank[r] for r in failed if r < len(self._node_of_rank)}
+            alive = {name: address for name, address in alive.items() if name in asked}
+        return dead, _refusing(alive)
 
     def rank_actor(self, rank: int) -> Any:
         """This attempt's actor of `rank` (drills act on it: controller/ray/drills.py)."""
@@ -441,6 +447,7 @@ class RayWorkerGroup:
         self._runs = [actor.wait_done.remote() for actor in self.actors]
         self._finished, self._failed, self._drains = set(), set(), {}
         self._nodes = set(attempt.placement.node_of_rank)
+        self._node_of_rank = tuple(attempt.placement.node_of_rank)
         return True
 
 

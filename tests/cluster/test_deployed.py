@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import psutil
 import pytest
 
 from controller.placement import recorded_nodes
@@ -49,7 +50,7 @@ STEPS = 900
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluster]:
-    c = RayStartCluster(tmp_path_factory.mktemp("ray"), head_ip=HEAD, worker_ips=WORKERS)
+    c = RayStartCluster(tmp_path_factory.mktemp("ray"), head_ip=HEAD, worker_ips=WORKERS, default_health_checks=True)
     try:
         yield c.start(nodes=3, spares=1)
     finally:
@@ -129,10 +130,8 @@ def test_a_standby_replica_takes_over_when_the_leader_dies(cluster: RayStartClus
 
         leader.cli("submit", str(write_spec(tmp_path / "ha.yaml", "ha", steps=400, dp=2)))
         wait_for(leader, "ha", lambda s: s["step"] >= 12)
-        assert leader.proc is not None
-        leader.proc.send_signal(signal.SIGKILL)
+        leader.kill_container()  # the leader's pod restarts: serve and its raylet go together
         killed = time.monotonic()
-        leader.proc.wait()
         standby.wait_api(offset)
         takeover_s = time.monotonic() - killed
         print(f"standby takeover: {takeover_s:.1f} s from SIGKILL of the leader to the standby's API up")
@@ -142,8 +141,10 @@ def test_a_standby_replica_takes_over_when_the_leader_dies(cluster: RayStartClus
         restarted = _events(standby, "service_restarted", "ha")
         assert len(restarted) == 1 and "re-attached" in restarted[0]["detail"]["action"], restarted
         assert "leading now, after" in standby.text()
-        assert cluster.raylet_ips() == {HEAD, *WORKERS, POD_IP, "127.0.0.11"}, "each replica is a node of its own"
-        assert _free_gpus_and_reservations(cluster, 6.0) == (6.0, []), "the ended run holds nothing in the cluster"
+        # each replica joined as a node of its own; the killed leader's raylet went with its container
+        assert cluster.raylet_ips() == {HEAD, *WORKERS, "127.0.0.11"}
+        assert _free_gpus_and_reservations(cluster, 6.0, "127.0.0.11") == (6.0, []), \
+            "the ended run holds nothing in the cluster"
     finally:
         for replica in replicas:
             replica.stop()
@@ -170,18 +171,27 @@ def test_the_deployed_controller_drives_a_run_across_hosts(cluster: RayStartClus
         nodes = recorded_nodes(started[0]["detail"]["placement"])
         assert nodes <= {"ext-0", "ext-1"}, nodes
 
-        report = serve.json("drill", "dep", "kill-node")  # over REST
+        target = sorted(nodes)[-1]
+        node_processes = _node_processes(cluster, WORKERS[int(target.removeprefix("ext-"))])
+        assert len(node_processes) > 3, node_processes  # its raylet, its workers, the ranks they forked
+        report = serve.json("drill", "dep", "kill-node", "--target", target)  # over REST
         assert isinstance(report, dict)
         assert report["outcome"] == "recovered" and report["decision"] == "replace", report
+        # A node loss: every process of the node ended with it (the ranks' training processes too),
+        # and the failure was detected as fast as on the embedded cluster, on Ray's default health checks.
+        assert not [p for p in node_processes if _running(p)], "processes of the killed node live on"
+        assert report["cause"] == "node_lost" and report["detection_s"] < 5.0, report
         wait_for(serve, "dep", lambda s: s["attempt"] == 1 and s["step"] >= report["at_step"] + 10)
 
-        assert serve.proc is not None
-        serve.proc.send_signal(signal.SIGKILL)
-        serve.proc.wait()
-        time.sleep(3)  # the workers train on without their controller
-        serve.start()  # the same command
+        serve.kill_container()  # a container restart: serve and the raylet it joined with, together
+        time.sleep(3)  # the workers train on without their controller; the cluster still lists its node
+        restarting = time.monotonic()
+        serve.start()  # the same command, in the restarted container (same pod IP)
         restarted = _events(serve, "service_restarted")
         assert len(restarted) == 1 and "re-attached" in restarted[0]["detail"]["action"], restarted
+        rejoined_s = time.monotonic() - restarting
+        print(f"controller container restart: joined again and re-attached in {rejoined_s:.1f} s")
+        assert rejoined_s < 60, rejoined_s
 
         # The controller's process stops for 40 s (its node's raylet does not): the run trains on
         # without it, and nothing is taken for a failure once it is back.
@@ -199,12 +209,13 @@ def test_the_deployed_controller_drives_a_run_across_hosts(cluster: RayStartClus
         serve.stop()
 
 
-def _free_gpus_and_reservations(cluster: RayStartCluster, want_gpus: float) -> tuple[float, list[str]]:
-    """Asked of Ray by a driver of its own (on the controller's node, 127.0.0.9): the GPU slots free
-    in the cluster, and the placement groups not removed. Waits up to 20 s for removals to land."""
+def _free_gpus_and_reservations(cluster: RayStartCluster, want_gpus: float,
+                                node_ip: str = POD_IP) -> tuple[float, list[str]]:
+    """Asked of Ray by a driver of its own (on a controller's node, `node_ip`): the GPU slots free in
+    the cluster, and the placement groups not removed. Waits up to 20 s for removals to land."""
     code = ("import json, ray; ray.init(address=%r, _node_ip_address=%r, logging_level='ERROR'); "
             "print(json.dumps([ray.available_resources().get('GPU', 0.0), [v['name'] for v in "
-            "ray.util.placement_group_table().values() if v['state'] != 'REMOVED']]))") % (cluster.address, POD_IP)
+            "ray.util.placement_group_table().values() if v['state'] != 'REMOVED']]))") % (cluster.address, node_ip)
     deadline = time.monotonic() + 20
     while True:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -213,6 +224,24 @@ def _free_gpus_and_reservations(cluster: RayStartCluster, want_gpus: float) -> t
         if (gpus, groups) == (want_gpus, []) or time.monotonic() > deadline:
             return gpus, groups
         time.sleep(1)
+
+
+def _node_processes(cluster: RayStartCluster, ip: str) -> list[psutil.Process]:
+    """The raylet at `ip` and every process under it."""
+    for p in cluster.processes():
+        try:
+            if p.name() == "raylet" and f"--node_ip_address={ip}" in p.cmdline():
+                return [p, *p.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no raylet at {ip}")
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _events(serve: Serve, kind: str, run: str = "dep") -> list[dict[str, Any]]:

@@ -31,8 +31,12 @@ def free_port(host: str) -> int:
 
 
 class RayStartCluster:
-    def __init__(self, tmp: Path, *, head_ip: str = "127.0.0.1", worker_ips: list[str] | None = None) -> None:
+    def __init__(self, tmp: Path, *, head_ip: str = "127.0.0.1", worker_ips: list[str] | None = None,
+                 default_health_checks: bool = False) -> None:
         self.tmp = tmp
+        self.default_health_checks = default_health_checks
+        """Ray's own health checks (a dead node declared after ~30 s), as a stock cluster has them;
+        else goodput's fast ones (controller.ray.cluster.FAST_HEALTH_CHECK)."""
         self.head_ip = head_ip
         self.worker_ips = worker_ips
         """One address per worker (None: every raylet on the head's 127.0.0.1)."""
@@ -57,7 +61,8 @@ class RayStartCluster:
         port = "0" if self.one_address else str(free_port(self.head_ip))
         client = ["--ray-client-server-port", str(client_port)] if client_port else []
         self.ray_start("--head", "--port", port, "--num-cpus", "1", "--num-gpus", "0", "--include-dashboard", "false",
-                       "--system-config", json.dumps(FAST_HEALTH_CHECK), *client, head=True, ip=self.head_ip)
+                       *([] if self.default_health_checks else ["--system-config", json.dumps(FAST_HEALTH_CHECK)]),
+                       *client, head=True, ip=self.head_ip)
         self.address = (self.tmp / "ray_current_cluster").read_text().strip()
         assert self.address.startswith(f"{self.head_ip}:"), self.address
         for i in range(nodes):

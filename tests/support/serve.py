@@ -38,8 +38,26 @@ class Serve:
         """Start the process; where its log output begins (for `wait_api`)."""
         offset = len(self.text())
         log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.command, stdout=log, stderr=log, env=self.env)
+        # A session of its own, as a container's processes are: `kill_container` ends all of them.
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=log, env=self.env, start_new_session=True)
         return offset
+
+    def kill_container(self) -> None:
+        """What a container restart or an OOM kill does: every process of it SIGKILLed at once (goodput
+        serve, the raylet it started to join the cluster, anything else it started), not one PID."""
+        assert self.proc is not None
+        others = self.descendants()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in others:  # any that left the session
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+        psutil.wait_procs(others, timeout=30)
 
     def wait_api(self, offset: int, timeout_s: float = 180) -> "Serve":
         """Wait until the log (from `offset`) says where the API is."""
@@ -82,7 +100,7 @@ class Serve:
             try:
                 self.proc.wait(120)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
 

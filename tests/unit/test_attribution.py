@@ -83,6 +83,18 @@ def test_a_second_node_whose_daemon_is_gone_is_waited_for() -> None:
     assert f is not None and f.nodes == ("n1",), "a suspect already declared dead is no reason to wait"
 
 
+def test_a_node_whose_ranks_all_died_and_whose_daemon_is_gone_is_lost_at_once() -> None:
+    """Ray's default health checks declare a dead node only after ~30 s. When every rank of a node
+    died and the probe finds its raylet refusing connections, the node is lost now; a node whose
+    ranks died but whose raylet answers (or is not known to refuse) is waited for, as before."""
+    nodes = ("n0", "n0", "n1", "n1")
+    f = run(errors={0: GLOO}, dead_ranks={2, 3}, suspect_nodes={"n1"}, node_of_rank=nodes, signal_age_s=0.3)
+    assert f is not None and f.cause.value == "node_lost" and f.nodes == ("n1",) and f.ranks == (2, 3)
+    assert run(errors={0: GLOO}, dead_ranks={2, 3}, node_of_rank=nodes, signal_age_s=5.0) is None
+    assert run(errors={0: GLOO}, dead_ranks={2}, suspect_nodes={"n1"}, node_of_rank=nodes, signal_age_s=0.3) is None, \
+        "one rank of it lives: the node is not lost (yet)"
+
+
 def test_a_meshs_stages_are_computed_as_the_dict_would_hold_them() -> None:
     from controller.attribution import MeshStages
     from trainer.config import MeshShape
