@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.checkpoint.storage import StorageReader
 
 from checkpointing.manifest import CheckpointError
-from checkpointing.peer import PeerPoint, drop_marker, forget_attempts_before, held_copies, words_checksum
+from checkpointing.peer import PeerPoint, drop_marker, held_copies, words_checksum
 from trainer.checkpoint import FLAT, materialize_optimizer_state, trainer_state
 from trainer.config import state_fingerprint
 from trainer.exchange import exchange
@@ -327,4 +327,4 @@ class PeerReader(StorageReader):
         return data
 
 
-__all__ = ["PeerSnapshots", "PeerLoad", "PeerReader", "load_from_peers", "forget_attempts_before"]
+__all__ = ["PeerLoad", "PeerReader", "load_from_peers"]

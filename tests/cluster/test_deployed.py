@@ -116,11 +116,7 @@ def test_a_standby_replica_takes_over_when_the_leader_dies(cluster: RayStartClus
         assert cluster.raylet_ips() == {HEAD, *WORKERS}
         leader.start()
         offset = standby.launch()
-        deadline = time.monotonic() + 120
-        while "standby: another goodput serve leads" not in standby.text()[offset:]:
-            assert time.monotonic() < deadline and standby.proc is not None and standby.proc.poll() is None, \
-                standby.text()[-3000:]
-            time.sleep(0.3)
+        standby.wait_text(offset, "standby: another goodput serve leads")
         port = next(a for a in standby.command if a.startswith("--port=")).split("=", 1)[1]
         base = f"http://127.0.0.11:{port}"
         assert httpx.get(f"{base}/healthz", timeout=10).json() == {"status": "standby"}

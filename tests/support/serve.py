@@ -72,6 +72,14 @@ class Serve:
             time.sleep(0.3)
         raise AssertionError(f"goodput serve did not come up in {timeout_s} s:\n{self.text()[-3000:]}")
 
+    def wait_text(self, offset: int, text: str, timeout_s: float = 120) -> None:
+        """Wait until the log (from `offset`) says `text`, the process alive meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.text()[offset:]:
+            assert time.monotonic() < deadline and self.proc is not None and self.proc.poll() is None, \
+                self.text()[-3000:]
+            time.sleep(0.3)
+
     def text(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
