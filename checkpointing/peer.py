@@ -17,8 +17,9 @@ never reads these):
     a{attempt}-r{rank}.{own|buddy}{slot}.meta    where each item lies in them
     a{attempt}-r{rank}.{own|buddy}{slot}.json    the marker: step, cursor, world, mesh, identity, checksum
 
-A rank reports a step to the controller only once every rank's copies of it are whole on both nodes
-(trainer/peer.py), so a step the controller has heard of is a step the peers can serve.
+A rank reports a snapshot's step to the controller only once every rank's copies of it are whole on
+both nodes (trainer/peer.py): with a snapshot every step (the default), a step the controller has
+heard of is a step the peers can serve; with one every k steps, the steps between are redone.
 
 A recovery loads from peers only a step of which every rank's copy is complete on a node the new
 attempt runs on (the same all-or-nothing rule as a checkpoint's manifest); else from the store. A node

@@ -110,7 +110,7 @@ def test_a_standby_replica_takes_over_when_the_leader_dies(cluster: RayStartClus
             {"POD_IP": pod_ip, "API_PORT": str(free_port(pod_ip)), "GOODPUT_TOKEN": TOKEN,
              "GOODPUT_DB": postgres.url, "GOODPUT_STATE_DIR": str(state)})
         assert "--standby" in command
-        replicas.append(Serve(state, tmp_path / f"serve-{i}.log", command=command, env=env))
+        replicas.append(Serve(state, tmp_path / f"serve-{i}.log", command=command, env=env, own_session=True))
     leader, standby = replicas
     try:
         assert cluster.raylet_ips() == {HEAD, *WORKERS}
@@ -156,7 +156,7 @@ def test_the_deployed_controller_drives_a_run_across_hosts(cluster: RayStartClus
          "GOODPUT_DB": postgres.url, "GOODPUT_STATE_DIR": str(state)})
     assert f"--address={cluster.address}" in command and f"--advertise-host={POD_IP}" in command, command
     assert "--db=postgresql+psycopg://" in " ".join(command), command
-    serve = Serve(state, tmp_path / "serve.log", command=command, env=env)
+    serve = Serve(state, tmp_path / "serve.log", command=command, env=env, own_session=True)
     try:
         serve.start()
         assert serve.url.startswith(f"http://{POD_IP}:"), serve.url
