@@ -243,8 +243,9 @@ def main() -> None:
         failed = [d for k, d in sink.events if k == "checkpoint_failed"]
         assert not failed, failed
         with_s, without_s = snapshot_cost(goodput, tmp / "peer", opts.blocks, opts.block)
+        ratio = statistics.median(with_s) / statistics.median(without_s)
         print(f"peer snapshot every step: median {statistics.median(with_s) * 1e3:.1f} ms/step, without "
-              f"{statistics.median(without_s) * 1e3:.1f}; ratio {statistics.median(with_s) / statistics.median(without_s):.3f} "
+              f"{statistics.median(without_s) * 1e3:.1f}; ratio {ratio:.3f} "
               f"(median; mean {statistics.mean(with_s) / statistics.mean(without_s):.3f}; n = {len(with_s)} each; "
               "goal <= 1.02)", flush=True)
 

@@ -105,8 +105,8 @@ def run_key(run_id: str, created_at: float) -> str:
 def words_checksum(data: memoryview | bytes | bytearray | np.ndarray) -> int:
     """Checksum of a snapshot's bytes: the sum of its little-endian 64-bit words (the tail's bytes
     added one by one), wrapped to a signed 64-bit integer (it travels in an int64 tensor): the
-    probes' checksum over raw bytes. Any single flipped bit changes it. A numpy reduction: memory speed, and it releases the GIL (a snapshot's background
-    thread computes it while training goes on)."""
+    probes' checksum over raw bytes. Any single flipped bit changes it. A numpy reduction: memory
+    speed, and it releases the GIL (a snapshot's background thread computes it while training goes on)."""
     raw = np.frombuffer(data, dtype=np.uint8)
     words = raw[:raw.size - raw.size % 8].view("<i8")
     total = (int(words.sum(dtype=np.int64)) + int(raw[words.size * 8:].sum(dtype=np.int64))) % 2**64
@@ -139,7 +139,8 @@ def held_copies(folder: Path) -> list[Copy]:
         except (OSError, ValueError, TypeError):
             continue  # a marker being replaced, or not ours
         data = folder / copy.stem
-        if path.name == f"{copy.stem}.json" and data.is_file() and data.stat().st_size == copy.nbytes and (folder / f"{copy.stem}.meta").is_file():
+        whole = data.is_file() and data.stat().st_size == copy.nbytes and (folder / f"{copy.stem}.meta").is_file()
+        if path.name == f"{copy.stem}.json" and whole:
             found.append(copy)
     return found
 
@@ -150,7 +151,7 @@ def forget_attempts_before(folder: Path, attempt: int, *, keep: tuple[int, int] 
     snapshot of its own (so that a node holds at most four copies' worth of memory per rank)."""
     if not folder.is_dir():
         return
-    kept = {copy.stem for copy in held_copies(folder) if keep is not None and (copy.attempt, copy.step) == keep}
+    kept = {copy.stem for copy in held_copies(folder) if (copy.attempt, copy.step) == keep} if keep else set()
     names = sorted(folder.iterdir(), key=lambda p: not p.name.endswith(".json"))
     for path in names:
         m = re.match(r"^\.?(a(\d+)-r\d+\.(?:own|buddy)[01])", path.name)

@@ -330,10 +330,11 @@ class AttemptWatch:
             if kind == EventKind.SDC_SUSPECT and suspect is None:
                 suspect = detail
             if kind == EventKind.RESTORE_FAILED and "step" in detail:
+                why = str(detail.get("error", ""))
                 if detail.get("source") == "peer":
-                    self.peer_rejected = (int(detail["saved_by_attempt"]), int(detail["step"]), str(detail.get("error", "")))
+                    self.peer_rejected = (int(detail["saved_by_attempt"]), int(detail["step"]), why)
                 else:
-                    self.rejected = (int(detail["step"]), str(detail.get("error", "")))
+                    self.rejected = (int(detail["step"]), why)
         if suspect is not None:
             seen.failure, self.rollback_through = sdc_failure(now, suspect, self.node_of_rank)
         else:

@@ -99,7 +99,8 @@ def _intact_copies(folder: Path, point: PeerPoint, identity: str) -> tuple[dict[
     (its own copy first, else the one kept for it), and the copies that failed (their markers gone)."""
     files: dict[int, Path] = {}
     damaged: list[str] = []
-    copies = [c for c in held_copies(folder) if (c.attempt, c.step) == (point.attempt, point.step) and c.identity == identity]
+    copies = [c for c in held_copies(folder)
+              if (c.attempt, c.step) == (point.attempt, point.step) and c.identity == identity]
     for copy in sorted(copies, key=lambda c: (c.rank, c.role != "own")):
         if copy.rank in files:
             continue

@@ -141,7 +141,8 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
             peers = PeerSnapshots(folder=folder, run_id=args.run_id, attempt=args.attempt,
                                   buddy=list(args.peer_buddy) if args.peer_buddy else None, sink=sink,
                                   identity=state_fingerprint(args.config.model), mesh=args.config.mesh.axes(),
-                                  keep=(args.peer_restore.attempt, args.peer_restore.step) if args.peer_restore else None,
+                                  keep=((args.peer_restore.attempt, args.peer_restore.step)
+                                        if args.peer_restore else None),
                                   on_phase=on_snapshot_phase)
             peers.adopt_layout(layout)
         if trainer.probes is not None:

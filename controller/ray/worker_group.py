@@ -294,7 +294,7 @@ class RayWorkerGroup:
         for node in dead:
             self._forget_node(node)  # its actors died with it
         if not dead:
-            asked = {self._node_of_rank[r] for r in failed if r < len(self._node_of_rank)}
+            asked = {self._node_of_rank[r] for r in failed}
             alive = {name: address for name, address in alive.items() if name in asked}
         return dead, _refusing(alive)
 

@@ -39,7 +39,8 @@ def test_defaults_fill_what_the_spec_leaves_out_and_the_spec_overrides_each() ->
     assert c.checkpoint_save_s == pytest.approx(per_node / 2e9)  # a node's 2 GB/s binds here
     assert c.peer_snapshot_stall_s == pytest.approx(16 * params / 8 / 10e9)  # a GPU's share staged at 10 GB/s
     # To the buddy and back over the same 100 Gb/s node link as the store's restore, not per GPU.
-    assert c.peer_transfer_s == pytest.approx(per_node / 12.5e9) and c.peer_restore_s == pytest.approx(per_node / 12.5e9)
+    assert c.peer_transfer_s == pytest.approx(per_node / 12.5e9)
+    assert c.peer_restore_s == pytest.approx(per_node / 12.5e9)
     raw["cost"] = {"restart_s": 600.0, "node_loss_detection_s": 1.0, "restore_s": 7.0}
     c = cost_model(parse_spec(raw), params=params, gpus=8, gpus_per_node=4)
     assert (c.restart_s, c.node_loss_detection_s, c.restore_s) == (600.0, 1.0, 7.0)
