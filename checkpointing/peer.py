@@ -19,7 +19,11 @@ never reads these):
 
 A rank reports a snapshot's step to the controller only once every rank's copies of it are whole on
 both nodes (trainer/peer.py): with a snapshot every step (the default), a step the controller has
-heard of is a step the peers can serve; with one every k steps, the steps between are redone.
+heard of is a step the peers can serve; with one every k steps, the steps between are redone. The
+converse can fail: a step whole everywhere whose report died with its rank (or in a survivor's queue
+when the attempt was torn down). So the markers of the ranks that know the loss carry the reports of
+the steps their snapshot covers, and a recovery that loads the step gives the controller those it
+never heard (`PeerPoint.reports`): its record of kept steps has no hole.
 
 A recovery loads from peers only a step of which every rank's copy is complete on a node the new
 attempt runs on (the same all-or-nothing rule as a checkpoint's manifest); else from the store. A node
@@ -37,9 +41,9 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -84,6 +88,9 @@ class Copy:
     """Which of the copy's two slots holds it (0 or 1)."""
     checksum: int = 0
     """`words_checksum` of its bytes, taken when they were written."""
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    """The step reports (trainer.report.StepReport fields) with a loss that the rank made since its
+    previous snapshot, through this one's step (empty for ranks that do not know the loss)."""
 
     @property
     def stem(self) -> str:
@@ -215,17 +222,26 @@ class Held(NamedTuple):
     """Fingerprint of the state's shape (trainer.config.state_fingerprint)."""
     ranks: tuple[int, ...]
     """The ranks (of `attempt`) whose copy at `step` the node holds, each once (`holdings` sorts them)."""
+    reports: tuple[dict[str, Any], ...] = ()
+    """The step reports those copies' markers carry, one per step (the first found), by step."""
 
 
 def holdings(copies: Iterable[Copy]) -> list[Held]:
     """A node's complete copies as it reports them: one `Held` per snapshot (attempt, step, cursor,
     world, mesh, identity), in the order each first appears."""
     ranks: dict[tuple, set[int]] = {}
+    reports: dict[tuple, dict[int, dict[str, Any]]] = {}
     for copy in copies:
         key = (copy.attempt, copy.step, copy.cursor, copy.world_size, tuple(sorted(copy.mesh.items())), copy.identity)
         ranks.setdefault(key, set()).add(copy.rank)
-    return [Held(attempt, step, cursor, world, dict(mesh), identity, tuple(sorted(found)))
-            for (attempt, step, cursor, world, mesh, identity), found in ranks.items()]
+        for report in copy.reports:
+            reports.setdefault(key, {}).setdefault(int(report["step"]), report)
+    held = []
+    for key, found in ranks.items():
+        attempt, step, cursor, world, mesh, identity = key
+        held.append(Held(attempt, step, cursor, world, dict(mesh), identity, tuple(sorted(found)),
+                         tuple(report for _, report in sorted(reports.get(key, {}).items()))))
+    return held
 
 
 def sender_of(buddy: list[int]) -> list[int]:
@@ -246,6 +262,9 @@ class PeerPoint:
     cursor: int
     world_size: int
     mesh: dict[str, int]
+    reports: tuple[dict[str, Any], ...] = ()
+    """The step reports the step's markers carry (the steps since the snapshot before it, with a loss,
+    one per step): the controller keeps those it never heard of."""
 
 
 def peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, nodes: set[str],
@@ -256,6 +275,7 @@ def peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, nodes: set[
     cursor, world and mesh are those the first node in name order reports."""
     first: dict[tuple[int, int], Held] = {}
     parts: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+    reports: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
     excluded_steps: set[int] = set()
     for node in sorted(nodes.intersection(held)):
         for h in held[node]:
@@ -268,6 +288,8 @@ def peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, nodes: set[
             if ranks is None:
                 first[key], ranks = h, parts.setdefault(key, [])
             ranks.append(h.ranks)
+            for report in h.reports:
+                reports.setdefault(key, {}).setdefault(int(report["step"]), report)
     if not parts:
         if excluded_steps:
             return None, (f"the peer snapshots held (step {max(excluded_steps)}) were taken after the last state "
@@ -277,7 +299,8 @@ def peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, nodes: set[
         h = first[attempt, step]
         if not _missing(parts[attempt, step], h.world_size).size:
             return PeerPoint(attempt=attempt, step=step, cursor=h.cursor, world_size=h.world_size,
-                             mesh=dict(h.mesh)), ""
+                             mesh=dict(h.mesh),
+                             reports=tuple(r for _, r in sorted(reports.get((attempt, step), {}).items()))), ""
     newest = max(parts, key=lambda key: (key[1], key[0]))
     world = first[newest].world_size
     missing = _missing(parts[newest], world)[:8].tolist()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from controller.accounting import StepSpan
 from trainer.report import StepReport
@@ -75,6 +77,20 @@ class RunProgress:
         self.step_times.append(report.step_time_s)
         self.tokens_per_s.append(report.tokens_per_s)
         return True
+
+    def add_unheard(self, reports: Sequence[dict]) -> list[int]:
+        """Keep the reports a loaded peer snapshot carries (`PeerPoint.reports`) for the steps after the
+        last one heard of: they ran, their state is what training goes on from, but their reports
+        never came (their rank died before sending, or the attempt's teardown dropped them). The
+        steps kept, in order."""
+        kept = []
+        known = {f.name for f in dataclasses.fields(StepReport)}
+        for fields in sorted(reports, key=lambda r: r["step"]):
+            last = self.history[-1]["step"] if self.history else 0
+            report = StepReport(**{k: v for k, v in fields.items() if k in known})
+            if report.step > max(last, self.committed) and self.add(report):
+                kept.append(report.step)
+        return kept
 
     @property
     def step(self) -> int:

@@ -264,6 +264,7 @@ class RunController:
         for reason in point.unusable:
             self.events.add(now, self.attempt, EventKind.CHECKPOINT_UNUSABLE, reason=reason)
         start_step = point.start_step
+        unheard = self.progress.add_unheard(point.peer.reports) if point.peer is not None else []
         attempt = AttemptSpec(
             run_id=self.run_id, attempt=self.attempt, config=self.config, placement=self.placement,
             start_step=start_step, cursor=point.cursor, resume_step=point.resume_step,
@@ -284,7 +285,7 @@ class RunController:
                         mesh=mesh.axes(), dp_replicas=mesh.dp_replicas,
                         placement=self.placement.columns(), spares=list(self.placement.spares),
                         start_step=start_step, resume_step=point.resume_step, cursor=point.cursor,
-                        restore_from=point.source,
+                        restore_from=point.source, **({"reports_from_snapshot": unheard} if unheard else {}),
                         **({"peer_unusable": point.peer_unusable} if point.peer_unusable and self.attempt > 0 else {}))
         self.progress.committed = start_step
         if start_step >= self.spec.train.steps:

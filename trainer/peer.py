@@ -13,6 +13,14 @@ reports released to the controller (`deliver`), and only then may the next snaps
 other slot: a step the controller has heard of is always one the peers can serve, and a node lost at
 any moment of an exchange leaves the previous step whole.
 
+The closing barrier is no agreement: a node lost just after it can leave some ranks past it and
+others failed in it (the lost ranks' last messages never sent). Past a barrier, every rank had
+finished its exchange, so the step is whole on the nodes left; a rank that failed in it must then
+not write that step's slot over. So once an exchange or barrier fails, a rank takes no other
+snapshot: its next `take` raises `PeerSnapshotFailed` and its attempt ends (a peer is gone; the
+training collectives would soon fail too). Seen in the phase test before this rule: rank 0 past the
+barrier of step 3, rank 1 failed in it and wrote step 4 over its step 3, and no step was whole.
+
 Host memory: two slots of this rank's state and two of its sender's, 4x the state (the
 `peer_snapshots` event measures it once both slots are in use).
 """
@@ -20,13 +28,14 @@ Host memory: two slots of this rank's state and two of its sender's, 4x the stat
 from __future__ import annotations
 
 import dataclasses
+import json
 import mmap
 import os
 import pickle
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +44,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from checkpointing.peer import Copy, copy_stem, drop_marker, forget_attempts_before, words_checksum, write_marker
 from trainer.checkpoint import trainer_state
-from trainer.report import ReportSink
+from trainer.report import ReportSink, StepReport
 
 
 @dataclasses.dataclass
@@ -117,6 +126,10 @@ class _Region:
             pass
 
 
+class PeerSnapshotFailed(RuntimeError):
+    """A snapshot's exchange failed (a peer is gone): the rank takes no other snapshot this attempt."""
+
+
 PHASES = ("before_own", "mid_send", "before_buddy_marker", "after_buddy_marker", "released")
 """Points of a snapshot's exchange a test may stop a node at (`PeerSnapshots.on_phase`)."""
 
@@ -169,6 +182,7 @@ class PeerSnapshots:
         for every rank): the next snapshot goes to the other one, even after an exchange that failed."""
         self._thread: threading.Thread | None = None
         self._error: str | None = None
+        self._failed_step = 0
         self._lock = threading.Lock()
         self._sending = False
         self._broken = False
@@ -180,11 +194,16 @@ class PeerSnapshots:
         """The CUDA stream snapshots are copied on (GPU only)."""
         self.taken: list[int] = []
 
-    def take(self, trainer: Any) -> float:
+    def take(self, trainer: Any, reports: Sequence[StepReport] = ()) -> float:
         """Snapshot the trainer's state at its step; the seconds the loop was held (waiting for the last
-        snapshot's exchange, if still going, and copying)."""
+        snapshot's exchange, if still going, and copying). `reports`: this rank's reports with a loss
+        since its previous snapshot; both copies' markers carry them (`Copy.reports`)."""
         t0 = time.perf_counter()
         self.wait()
+        if self._error is not None:
+            raise PeerSnapshotFailed(f"the peer snapshot of step {self._failed_step} could not be made whole "
+                                     f"({self._error}): this attempt ends here, before another snapshot "
+                                     "could overwrite a step its peers may hold as whole")
         if self._count == 0:  # what this attempt did not load from an earlier one is of no use now
             forget_attempts_before(self.folder, self.attempt, keep=self.keep)
         if self._layout is None or self._layout.values != _hyperparameters(trainer):
@@ -203,7 +222,8 @@ class PeerSnapshots:
         self.taken.append(trainer.step)
         copy = Copy(attempt=self.attempt, rank=self.rank, world_size=self.world_size, step=trainer.step,
                     cursor=trainer.cursor, mesh=self.mesh, identity=self.identity, role="own",
-                    nbytes=self._layout.nbytes, slot=slot)
+                    nbytes=self._layout.nbytes, slot=slot,
+                    reports=[dataclasses.asdict(r) for r in reports if r.loss is not None])
         with self._lock:
             self._sending = True
         self._thread = threading.Thread(target=self._complete, args=(copy, copied), daemon=True,
@@ -298,8 +318,8 @@ class PeerSnapshots:
     def _complete(self, copy: Copy, copied: Any = None) -> None:
         """Background: checksum and mark our copy (once the GPU's copy, if any, is done), exchange
         copies with the buddies, then the barrier that makes the step whole everywhere. A failure is
-        reported once; training goes on (a step whose exchange failed is simply not whole, and the
-        other slot still holds the one before)."""
+        reported once, and the next `take` raises (a step whose exchange failed is not whole, and
+        the other slot, which holds the one before, must stay as it is)."""
         region = self._own[copy.slot]
         assert region is not None
         released = False
@@ -323,30 +343,32 @@ class PeerSnapshots:
         except Exception as e:  # noqa: BLE001 - a peer gone mid-copy: the attempt is ending anyway
             if self._error is None:
                 self._error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                self._failed_step = copy.step
                 self.sink.event("peer_snapshot_failed", {"step": copy.step, "error": self._error})
         finally:
             self._delivered(released)
 
     def _exchange(self, copy: Copy) -> None:
         """Send our copy to our buddy and keep our sender's in the same slot: sizes and checksum first
-        (and the item index when it is new), then the bytes in chunks, then the kept copy's marker."""
+        (and the item index when it is new, and the reports the marker carries), then the bytes in
+        chunks, then the kept copy's marker."""
         assert self._pg is not None and self.to is not None and self.source is not None
         own = self._own[copy.slot]
         assert own is not None
         kept = copy_stem(self.attempt, self.source, "buddy", copy.slot)
         drop_marker(self.folder, kept)
         meta_out = self._meta if self._meta_unsent else b""
-        header_in = torch.empty(3, dtype=torch.int64)
-        _pairwise(torch.tensor([copy.nbytes, len(meta_out), copy.checksum], dtype=torch.int64), self.to,
-                  header_in, self.source, self._pg)
-        nbytes, meta_len, checksum = (int(v) for v in header_in)
+        reports_out = json.dumps(copy.reports).encode() if copy.reports else b""
+        header_in = torch.empty(4, dtype=torch.int64)
+        _pairwise(torch.tensor([copy.nbytes, len(meta_out), copy.checksum, len(reports_out)], dtype=torch.int64),
+                  self.to, header_in, self.source, self._pg)
+        nbytes, meta_len, checksum, reports_len = (int(v) for v in header_in)
+        meta_in = _pairwise_bytes(meta_out, self.to, meta_len, self.source, self._pg)
         if meta_out or meta_len:
-            meta_in = torch.empty(meta_len, dtype=torch.uint8)
-            _pairwise(torch.frombuffer(bytearray(meta_out), dtype=torch.uint8) if meta_out else None, self.to,
-                      meta_in if meta_len else None, self.source, self._pg)
             self._meta_unsent = False
-            if meta_len:
-                self._source_meta = meta_in.numpy().tobytes()
+        if meta_in:
+            self._source_meta = meta_in
+        reports_in = _pairwise_bytes(reports_out, self.to, reports_len, self.source, self._pg)
         region = self._kept[copy.slot]
         if region is None or region.nbytes != nbytes:
             if region is not None:
@@ -359,7 +381,8 @@ class PeerSnapshots:
             (self.folder / f"{kept}.meta").write_bytes(self._source_meta)
             self._kept_meta[copy.slot] = self._source_meta
         write_marker(self.folder, dataclasses.replace(copy, role="buddy", rank=self.source, nbytes=nbytes,
-                                                      checksum=checksum))
+                                                      checksum=checksum,
+                                                      reports=json.loads(reports_in) if reports_in else []))
         self._phase("after_buddy_marker", copy.step)
 
     def _send_chunks(self, out: torch.Tensor, into: torch.Tensor, step: int) -> None:
@@ -408,6 +431,15 @@ class PeerSnapshots:
         if self._pg is not None:
             dist.destroy_process_group(self._pg)
             self._pg = None
+
+
+def _pairwise_bytes(out: bytes, to: int, size_in: int, source: int, group: Any) -> bytes:
+    """Send `out` to `to` and receive `size_in` bytes from `source` (each side skipped when empty)."""
+    if not out and not size_in:
+        return b""
+    into = torch.empty(size_in, dtype=torch.uint8) if size_in else None
+    _pairwise(torch.frombuffer(bytearray(out), dtype=torch.uint8) if out else None, to, into, source, group)
+    return into.numpy().tobytes() if into is not None else b""
 
 
 def _pairwise(out: torch.Tensor | None, to: int, into: torch.Tensor | None, source: int, group: Any) -> None:

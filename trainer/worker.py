@@ -154,10 +154,16 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                                         retry_budget_s=args.store_retry_budget_s)
         interval = CheckpointInterval(args.checkpoint_every, auto=args.checkpoint_auto, mtbf_s=args.mtbf_s)
         last: StepReport | None = None
+        since_snapshot: list[StepReport] = []
+        """This rank's reports since its last snapshot: the next one's markers carry them."""
         while trainer.step < args.config.train.steps:
             last = trainer.train_step()
             if peers is not None and trainer.step % args.peer_every == 0:
-                last = dataclasses.replace(last, snapshot_s=peers.take(trainer))
+                since_snapshot.append(last)
+                last = dataclasses.replace(last, snapshot_s=peers.take(trainer, since_snapshot))
+                since_snapshot = []
+            elif peers is not None:
+                since_snapshot.append(last)
             if peers is not None:  # heard of once its snapshot is on the buddies (PeerSnapshots.deliver)
                 peers.deliver(functools.partial(sink.report, last))
             else:

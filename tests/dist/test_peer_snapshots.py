@@ -107,7 +107,8 @@ def lose_node_at(*, rank: int, world_size: int, store_port: int, config: dict, r
 def _point(root: Path, nodes: list[str]) -> dict:
     held = {node: holdings(held_copies(root / node / "p")) for node in set(nodes)}
     point, why = peer_point(held, identity=state_fingerprint(MODEL), nodes=set(nodes))
-    assert point is not None, why
+    held_by = {n: sorted((c.step, c.rank, c.role, c.slot) for c in held_copies(root / n / "p")) for n in set(nodes)}
+    assert point is not None, (why, held_by)
     return point.__dict__
 
 
@@ -121,6 +122,12 @@ def test_a_lost_node_heals_from_peers_bit_identical(tmp_path: Path) -> None:
     after = ["n0", "n0", "n2", "n2"]  # its ranks on a spare
     point = _point(root, after)
     assert (point["step"], point["cursor"], point["attempt"]) == (2, 16, 0)
+    # The reports of the step ride with the copies (the last stage's ranks, 1 and 3, know the loss):
+    # rank 3's come from the copy n0 kept for it, sent with its bytes.
+    copies = {(c.rank, c.role): c for c in held_copies(root / "n0" / "p") if c.step == 2}
+    assert [(r["rank"], r["step"]) for r in copies[3, "buddy"].reports] == [(3, 2)]
+    assert [(r["rank"], r["step"]) for r in copies[1, "own"].reports] == [(1, 2)]
+    assert copies[0, "own"].reports == [] and copies[2, "buddy"].reports == []
     healed = run_ranks(train, 4, config=config_to_dict(_config(2, 4)), prefix="b", attempt=1, nodes=after,
                        root=str(root), restore=point)
     for a, b in zip(straight, healed):
@@ -193,6 +200,9 @@ def test_a_node_lost_at_any_phase_of_the_exchange_heals_from_peers(tmp_path: Pat
     assert point["step"] in (2, 3) and point["step"] >= heard, (point, heard, survivors)
     if phase == "released":
         assert point["step"] == 3  # the survivors may have heard of it: it must be whole
+    # Whether or not a survivor's report of it got out, the step loaded brings its report, as run.
+    losses = {r.step: r.loss for r in uninterrupted[1]["reports"]}
+    assert [(r["step"], r["loss"]) for r in point["reports"]] == [(point["step"], losses[point["step"]])]
     healed = run_ranks(train, 4, config=config_to_dict(_config(2, 5)), prefix="b", attempt=1, nodes=after,
                        root=str(tmp_path), restore=point)
     for a, b in zip(uninterrupted, healed):

@@ -250,6 +250,50 @@ def test_a_peer_load_that_fails_is_never_tried_again_the_store_is(tmp_path: Path
     assert other.checkpoints.peer_key != c.checkpoints.peer_key and c.checkpoints.peer_key.startswith("run-")
 
 
+def test_the_steps_a_loaded_snapshot_ran_but_the_controller_never_heard_of_are_kept(tmp_path: Path) -> None:
+    """Attempt 0 was heard of through step 25; its ranks finished 26 and 27 too, and step 27 is whole on
+    the peers, but those two reports died with the rank that sent them. Attempt 1 loads step 27 from
+    peers, and the record of kept steps has no hole: 26 and 27 as attempt 0 ran them (the markers'
+    reports), then attempt 1's steps; the timeline says which steps came from the snapshot."""
+    from checkpointing.peer import Held
+    from trainer.config import state_fingerprint
+
+    store = LocalStore(tmp_path)
+    write_step(store, 20)
+    spec = parse_spec({**yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()), "name": "run"})
+    group = PeerHoldingGroup()
+    c = RunController(spec, spec.topology(), group, now=0.0, checkpoint_store=store)
+    t = 0.0
+    while c.state is not RunState.RUNNING:
+        t += 1
+        c.step(t)
+    group.finish_steps(21, 25)
+    c.step(t + 0.5)
+    assert [h["step"] for h in c.progress.history] == [21, 22, 23, 24, 25]
+    unheard = [{"rank": 7, "attempt": 0, "step": s, "cursor": s * 16, "loss": 9.0 - s / 10, "step_time_s": 0.5,
+                "data_s": 0.0, "compute_s": 0.4, "wait_s": 0.1, "tokens_per_s": 100.0, "end_time": 100.0 + s,
+                "a_field_of_a_newer_version": 1} for s in (24, 25, 26, 27)]
+    held = Held(attempt=0, step=27, cursor=27 * 16, world_size=8, mesh={"dp": 2, "pp": 2, "tp": 2},
+                identity=state_fingerprint(spec.to_model_config()), ranks=tuple(range(8)), reports=tuple(unheard))
+    group.held = {node.name: [held] for node in spec.topology().nodes}
+    group.error_worker(3, "RuntimeError: the rank failed")
+    c.step(t + 1)
+    c.step(t + 5)  # past the attribution grace
+    t += 5
+    while c.state is not RunState.RUNNING:
+        t += 1
+        c.step(t)
+    assert group.started[-1].peer_restore is not None and group.started[-1].start_step == 27
+    (started,) = [e.detail for e in c.events.of_kind("attempt_started") if e.attempt == 1]
+    assert started["reports_from_snapshot"] == [26, 27]
+    history = c.progress.history
+    assert [(h["step"], h["attempt"]) for h in history] == [(s, 0) for s in range(21, 28)]
+    assert history[-1]["loss"] == 9.0 - 2.7 and history[-1]["end"] == 127.0
+    group.finish_steps(28, 29)
+    c.step(t + 1)
+    assert [(h["step"], h["attempt"]) for h in c.progress.history][-3:] == [(27, 0), (28, 1), (29, 1)]
+
+
 def test_a_run_whose_final_save_failed_is_not_done_until_it_is_saved(tmp_path: Path) -> None:
     """Every rank finished, but the store refused the last step's save past the retry budget (a chaos
     soak's storage outage over the end of a run): the run does not end `succeeded` with its final

@@ -90,6 +90,27 @@ def test_a_node_reports_one_record_per_snapshot_step_naming_each_rank_once() -> 
     assert holdings([]) == []
 
 
+def _report(step: int, rank: int = 3) -> dict:
+    return {"rank": rank, "attempt": 0, "step": step, "cursor": step * 16, "loss": 5.0 - step / 10,
+            "step_time_s": 0.1, "data_s": 0.0, "compute_s": 0.1, "wait_s": 0.0, "tokens_per_s": 1.0}
+
+
+def test_the_reports_a_step_s_markers_carry_reach_the_point_from_any_node_that_holds_it() -> None:
+    """Rank 3 knows the loss; its own copy (on n1, lost) and the copy n0 keeps for it carry its reports
+    of steps 6 and 7 (a snapshot every 2 steps). The point from n0 alone carries them once, by step."""
+    with_reports = dict(reports=[_report(7), _report(6)])
+    n0 = [_copy(0), _copy(1), Copy(**{**_copy(3, role="buddy").__dict__, **with_reports}),
+          _copy(2, role="buddy")]
+    n1 = [Copy(**{**_copy(3).__dict__, **with_reports}), _copy(2)]
+    (held,) = holdings(n0)
+    assert [r["step"] for r in held.reports] == [6, 7]
+    point, why = peer_point(_reported({"n0": n0, "n1": n1}), identity="id", nodes={"n0", "n2"})
+    assert point is not None, why
+    assert [(r["step"], r["loss"]) for r in point.reports] == [(6, 4.4), (7, 4.3)]
+    point, _ = peer_point(_reported({"n0": n0 + [_copy(r, step=9) for r in range(4)]}), identity="id", nodes={"n0"})
+    assert point is not None and point.step == 9 and point.reports == (), "another step's reports are not its"
+
+
 def reference_peer_point(held: dict[str, list[Copy]], *, identity: str, nodes: set[str],
                          excluded: list[tuple[int, int]]) -> PeerPoint | None:
     """The rule over every copy, as it read before nodes reported `Held` records."""
