@@ -48,7 +48,7 @@ test-postgres:
 
 test: $(STAMP) test-deps test-postgres
 	$(PY) -m mypy
-	$(PY) -m pytest -q --durations=12 tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not dist and not cluster" tests
