@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from checkpointing.store import ObjectStore, StoreError, open_store
 from controller.drills import DrillKind, params_problem
 from trainer.config import (
-    DataConfig, MeshShape, ModelConfig, ProbeConfig, Schedule, TrainConfig, TrainerConfig,
+    DataConfig, MeshShape, ModelConfig, ProbeConfig, RopeScaling, Schedule, TrainConfig, TrainerConfig,
 )
 
 if TYPE_CHECKING:
@@ -31,13 +31,48 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RopeScalingSpec(_Strict):
+    """Llama 3.1's rotary frequency scaling (trainer.config.RopeScaling)."""
+    factor: float = Field(default=8.0, gt=0)
+    low_freq_factor: float = Field(default=1.0, gt=0)
+    high_freq_factor: float = Field(default=4.0, gt=0)
+    original_max_position: int = Field(default=8192, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "RopeScalingSpec":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"model.rope_scaling.high_freq_factor = {self.high_freq_factor} must be above "
+                             f"low_freq_factor = {self.low_freq_factor}")
+        return self
+
+
 class ModelSpec(_Strict):
+    """The model's shape: every field, or a `preset` (trainer/presets.py) and the fields that differ."""
+    preset: str | None = None
     n_layers: int = Field(gt=0)
     d_model: int = Field(gt=0)
     n_heads: int = Field(gt=0)
-    vocab_size: int = Field(gt=1, le=65536)
+    vocab_size: int = Field(gt=1, le=262144)
     seq_len: int = Field(gt=0)
     ffn_hidden: int = Field(default=0, ge=0)
+    n_kv_heads: int = Field(default=0, ge=0)
+    """Key/value heads (grouped-query attention); 0: as many as n_heads."""
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+    rope_scaling: RopeScalingSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_preset(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict) or raw.get("preset") is None:
+            return raw
+        from trainer.presets import preset_fields
+
+        try:
+            fields = preset_fields(raw["preset"])
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        return {**fields, **raw}
 
 
 class DataSpec(_Strict):
@@ -225,7 +260,9 @@ class RunSpec(_Strict):
         return self
 
     def to_model_config(self) -> ModelConfig:
-        return ModelConfig(**self.model.model_dump())
+        fields = self.model.model_dump(exclude={"preset"})
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"]) if fields["rope_scaling"] else None
+        return ModelConfig(**fields)
 
     def to_train_config(self) -> TrainConfig:
         return TrainConfig(**self.train.model_dump())

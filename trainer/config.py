@@ -79,13 +79,25 @@ class MeshShape:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling (long context): wavelengths longer than
+    `original_max_position / low_freq_factor` are stretched `factor` times, those shorter than
+    `original_max_position / high_freq_factor` kept, and the ones between blended smoothly."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     n_layers: int
     """Transformer blocks."""
     d_model: int
     """Hidden size."""
     n_heads: int
-    """Attention heads; split across tp ranks."""
+    """Attention (query) heads; split across tp ranks."""
     vocab_size: int
     """Token ids are in [0, vocab_size)."""
     seq_len: int
@@ -96,10 +108,19 @@ class ModelConfig:
     """Rotary embedding base."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention: each serves n_heads / n_kv_heads query heads); 0
+    means n_heads (multi-head attention). Split across tp ranks too."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's rotary frequency scaling; None: plain RoPE."""
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def hidden_dim(self) -> int:
@@ -110,7 +131,8 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count, used by the planner's memory model."""
         d, v = self.d_model, self.vocab_size
-        block = 4 * d * d + 3 * d * self.hidden_dim + 2 * d
+        kv = self.kv_heads * self.head_dim
+        block = 2 * d * d + 2 * d * kv + 3 * d * self.hidden_dim + 2 * d
         return 2 * v * d + self.n_layers * block + d
 
 
@@ -190,6 +212,15 @@ class TrainerConfig:
             raise ValueError(f"head_dim = d_model/n_heads = {m.head_dim} must be even for rotary embeddings")
         if m.n_heads % mesh.tp:
             raise ValueError(f"model.n_heads = {m.n_heads} is not divisible by tp = {mesh.tp}")
+        if m.n_kv_heads < 0 or m.n_heads % m.kv_heads:
+            raise ValueError(f"model.n_heads = {m.n_heads} is not a multiple of n_kv_heads = {m.n_kv_heads} "
+                             "(each key/value head serves the same number of query heads)")
+        if m.kv_heads % mesh.tp:
+            raise ValueError(f"model.n_kv_heads = {m.kv_heads} is not divisible by tp = {mesh.tp}: each tp rank "
+                             f"needs whole key/value heads (use tp <= {m.kv_heads}, a divisor of it)")
+        if self.data.kind == "tokens" and m.vocab_size > 65536:
+            raise ValueError(f"model.vocab_size = {m.vocab_size} does not fit data.kind = 'tokens' (a uint16 file "
+                             "holds ids below 65,536)")
         if m.hidden_dim % mesh.tp:
             raise ValueError(f"model.ffn_hidden = {m.hidden_dim} is not divisible by tp = {mesh.tp}")
         num_stages = mesh.pp * (t.schedule.stages_per_rank if mesh.pp > 1 else 1)
@@ -240,11 +271,18 @@ def config_to_dict(config: TrainerConfig) -> dict:
     return out
 
 
+def model_from_dict(raw: dict) -> ModelConfig:
+    model = dict(raw)
+    if model.get("rope_scaling") is not None:
+        model["rope_scaling"] = RopeScaling(**model["rope_scaling"])
+    return ModelConfig(**model)
+
+
 def config_from_dict(raw: dict) -> TrainerConfig:
     train = dict(raw["train"])
     train["schedule"] = Schedule(train.get("schedule", Schedule.ONE_F_ONE_B.value))
     return TrainerConfig(
-        model=ModelConfig(**raw["model"]),
+        model=model_from_dict(raw["model"]),
         data=DataConfig(**raw["data"]),
         train=TrainConfig(**train),
         mesh=MeshShape(**raw.get("mesh", {})),
@@ -257,10 +295,21 @@ STATE_LAYOUT = 1
 state). Raise it when a change makes older checkpoints unloadable."""
 
 
+_IDENTITY_SINCE_V1 = ("n_kv_heads", "rope_scaling")
+"""Model fields added after runs had saved checkpoints: they enter the state identity only where they
+change the model (so the runs saved before them keep their fingerprint and stay loadable)."""
+
+
 def state_identity(model: ModelConfig) -> dict:
     """What shapes a run's saved state: the model, the optimizer and the layout rules (not the mesh,
     which a load reshards, nor the schedule of steps, batch or learning rate, which a resume may change)."""
-    return {"model": asdict(model), "optimizer": "adamw", "layout": STATE_LAYOUT}
+    fields = asdict(model)
+    if model.kv_heads == model.n_heads:
+        fields["n_kv_heads"] = 0  # the same model, however it is written
+    for name in _IDENTITY_SINCE_V1:
+        if fields[name] == ModelConfig.__dataclass_fields__[name].default:
+            del fields[name]
+    return {"model": fields, "optimizer": "adamw", "layout": STATE_LAYOUT}
 
 
 def state_fingerprint(model: ModelConfig) -> str:

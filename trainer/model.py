@@ -1,7 +1,8 @@
-"""A small Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, causal attention.
+"""A Llama-style decoder: RMSNorm, rotary embeddings (with Llama 3.1's frequency scaling), SwiGLU MLP,
+causal attention with grouped-query heads (Llama 3's shapes: trainer/presets.py).
 
-Written for the parallelism around it: attention derives its head count from the width of its
-projections, so a TP-sharded wq (n_heads/tp heads per rank) just works; blocks live in a ModuleDict
+Written for the parallelism around it: attention derives its head counts from the width of its
+projections, so a TP-sharded wq and wk/wv (n_heads/tp and n_kv_heads/tp heads per rank) just work; blocks live in a ModuleDict
 keyed by their global index so a pipeline stage keeps the same parameter names as the whole model
 (DCP loads across meshes by name); the first and last stage alone own the embedding and the head.
 """
@@ -17,10 +18,29 @@ from torch import nn
 from trainer.config import ModelConfig
 
 
-def rope_tables(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (seq_len, head_dim // 2)."""
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The rotary angular frequencies (head_dim // 2 of them, float64), scaled as Llama 3.1 does when
+    `cfg.rope_scaling` is set: a wavelength longer than original_max_position / low_freq_factor is
+    stretched `factor` times, one shorter than original_max_position / high_freq_factor is kept, and
+    between the two the frequency blends from scaled to kept as the wavelength shortens."""
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    wavelength = 2 * torch.pi / inv_freq
+    long_from = scaling.original_max_position / scaling.low_freq_factor
+    short_below = scaling.original_max_position / scaling.high_freq_factor
+    blend = ((scaling.original_max_position / wavelength - scaling.low_freq_factor)
+             / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
+    scaled = (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+    return torch.where(wavelength < short_below, inv_freq,
+                       torch.where(wavelength > long_from, inv_freq / scaling.factor, scaled))
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim // 2)."""
+    inv_freq = rope_frequencies(cfg)
     angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
 
@@ -37,17 +57,23 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.group = cfg.n_heads // cfg.kv_heads
+        """Query heads per key/value head (1: multi-head attention)."""
+        kv = cfg.kv_heads * cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, kv, bias=False)
+        self.wv = nn.Linear(cfg.d_model, kv, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        # -1 heads: under TP each rank holds n_heads / tp of them.
+        # -1 heads: under TP each rank holds n_heads / tp query and n_kv_heads / tp key/value heads
+        # (query head i uses key/value head i // group, on every rank: tp divides both counts).
         q = apply_rope(self.wq(x).view(batch, seq, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(batch, seq, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.group > 1:
+            k, v = k.repeat_interleave(self.group, dim=2), v.repeat_interleave(self.group, dim=2)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )

@@ -62,3 +62,26 @@ def test_hsdp_matches_float64_single_process() -> None:
     assert set(grads) == set(ref_grads)
     for name, ref in ref_grads.items():
         assert (grads[name] - ref).abs().max().item() < TOL, name
+
+
+def test_a_grouped_query_llama3_shape_matches_float64_single_process_on_a_3d_mesh() -> None:
+    """The llama3-tiny preset's architecture (2 key/value heads for 4 query heads, RoPE base 500,000
+    with Llama 3.1's scaling) on dp2 x pp2 x tp2: each tp rank holds one key/value head."""
+    from trainer.config import model_from_dict
+    from trainer.presets import preset_fields
+
+    model = model_from_dict({**preset_fields("llama3-tiny"), "n_layers": 4, "vocab_size": 64, "seq_len": 16})
+    config = TrainerConfig(model=model, data=DataConfig(seed=1),
+                           train=TrainConfig(steps=1, global_batch=8, micro_batch=1, dtype="float64", seed=3),
+                           mesh=MeshShape(dp=2, pp=2, tp=2))
+    results = [r[0] for r in run_ranks(one_step_grads, 8, configs=[config_to_dict(config)])]
+    ref_loss, ref_grads = reference_grads(config)
+    losses = [r["loss"] for r in results if r["loss"] is not None]
+    assert len(losses) == 4 and all(abs(loss - ref_loss) < TOL for loss in losses), (losses, ref_loss)
+    grads: dict[str, torch.Tensor] = {}
+    for r in results:
+        grads.update(r["grads"])
+    assert set(grads) == set(ref_grads)
+    assert ref_grads["layers.0.attention.wk.weight"].shape == (2 * model.head_dim, model.d_model)
+    for name, ref in ref_grads.items():
+        assert (grads[name] - ref).abs().max().item() < TOL, name
