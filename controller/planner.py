@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from controller.placement import Placement, PlacementError, place
 from controller.spec import RunSpec, SpecError
 from controller.topology import NodeState, Topology
-from trainer.config import DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig
+from trainer.config import DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig, recomputes
 
 _DUMMY_DATA = DataConfig()
 
@@ -48,15 +48,22 @@ def static_state_bytes(num_params: int) -> int:
     return BYTES_PER_PARAM * num_params
 
 
-def activation_bytes(model: ModelConfig, micro_batch: int, tp: int) -> int:
-    per_layer = 34 * model.seq_len * micro_batch * model.d_model
-    return int(per_layer * model.n_layers / tp)
+def activation_bytes(model: ModelConfig, micro_batch: int, tp: int, checkpointing: str = "none") -> int:
+    """A block that keeps its activations holds 34 * seq * micro_batch * d_model bytes of them, split by
+    tp; one that recomputes them (train.activation_checkpointing) keeps only its bf16 input, 2 * seq *
+    micro_batch * d_model bytes on every tp rank, and one block's full activations live again while
+    it recomputes."""
+    full = 34 * model.seq_len * micro_batch * model.d_model / tp
+    kept_input = 2 * model.seq_len * micro_batch * model.d_model
+    recomputing = sum(recomputes(checkpointing, i) for i in range(model.n_layers))
+    keeping = model.n_layers - recomputing
+    return int(keeping * full + recomputing * kept_input + (full if recomputing else 0))
 
 
 def memory_per_gpu(model: ModelConfig, train: TrainConfig, mesh: MeshShape) -> tuple[int, int]:
     # FSDP shards the static state over dp; HSDP only over dp / dp_replicas (replicas hold copies)
     static = static_state_bytes(model.num_params()) // (mesh.dp // mesh.dp_replicas * mesh.tp * mesh.pp)
-    return static, activation_bytes(model, train.micro_batch, mesh.tp)
+    return static, activation_bytes(model, train.micro_batch, mesh.tp, train.activation_checkpointing)
 
 
 def _divisors(n: int) -> list[int]:

@@ -93,6 +93,15 @@ class TrainSpec(_Strict):
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"
     compile: bool = False
     """torch.compile each transformer block (worth it on a GPU; the first steps pay the compilation)."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup of the learning rate over this many steps."""
+    decay: Literal["none", "cosine", "linear"] = "none"
+    """After the warmup, the learning rate decays to lr * min_lr_ratio at the run's last step."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    grad_clip: float = Field(default=0.0, ge=0)
+    """Clip the global gradient norm to this (0: off)."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in the backward: every block (`full`) or every other one (`selective`)."""
 
 
 class ParallelismSpec(_Strict):

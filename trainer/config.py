@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -168,6 +169,33 @@ class TrainConfig:
     """Parameter dtype: `auto` (bf16 compute on CUDA, fp32 on CPU), `float32` or `float64`."""
     compile: bool = False
     """torch.compile each transformer block in place (names and state unchanged)."""
+    warmup_steps: int = 0
+    """Steps over which the learning rate rises linearly from lr / warmup_steps to lr."""
+    decay: str = "none"
+    """After the warmup: `none` (constant lr), `cosine` or `linear`, down to lr * min_lr_ratio at the
+    run's last step (`steps`)."""
+    min_lr_ratio: float = 0.0
+    """Where the decay ends, as a fraction of lr."""
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    activation_checkpointing: str = "none"
+    """`none`, `full` (every block keeps only its input and recomputes the rest in the backward) or
+    `selective` (every other block does: TorchTitan's layer-selective choice, half the saving for half
+    the recompute)."""
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1 for the first): a pure function of the step."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.decay == "none":
+            return self.lr
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, max(0.0, (step - self.warmup_steps) / span))
+        if self.decay == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            shape = 1.0 - progress
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,6 +278,14 @@ class TrainerConfig:
                 )
         if t.steps < 1:
             raise ValueError(f"train.steps = {t.steps} but it must be >= 1")
+        if t.activation_checkpointing not in ("none", "selective", "full"):
+            raise ValueError(f"train.activation_checkpointing = {t.activation_checkpointing!r}; use none, "
+                             "selective or full")
+        if t.decay not in ("none", "cosine", "linear"):
+            raise ValueError(f"train.decay = {t.decay!r}; use none, cosine or linear")
+        if t.warmup_steps < 0 or not 0.0 <= t.min_lr_ratio <= 1.0 or t.grad_clip < 0:
+            raise ValueError(f"train.warmup_steps = {t.warmup_steps} (>= 0), min_lr_ratio = {t.min_lr_ratio} "
+                             f"(in [0, 1]) and grad_clip = {t.grad_clip} (>= 0, 0: off) are out of range")
         if self.data.kind not in ("synthetic", "tokens"):
             raise ValueError(f"data.kind = {self.data.kind!r}; use 'synthetic' or 'tokens'")
         if self.data.kind == "tokens" and not self.data.path:
@@ -260,6 +296,11 @@ class TrainerConfig:
             )
         if t.dtype not in ("auto", "float32", "float64", "bfloat16"):
             raise ValueError(f"train.dtype = {t.dtype!r}; use auto, float32, float64 or bfloat16")
+
+
+def recomputes(activation_checkpointing: str, block: int) -> bool:
+    """Whether block number `block` (global index) recomputes its activations in the backward."""
+    return activation_checkpointing == "full" or (activation_checkpointing == "selective" and block % 2 == 1)
 
 
 def config_to_dict(config: TrainerConfig) -> dict:

@@ -14,6 +14,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trainer.config import ModelConfig
 
@@ -98,8 +99,17 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.recompute = False
+        """Activation checkpointing: keep only the block's input and recompute the rest in the backward
+        (set by trainer/parallel.py from train.activation_checkpointing; names and state unchanged,
+        unlike a wrapper module)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 

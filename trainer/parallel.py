@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from trainer.config import MeshShape, ModelConfig, TrainerConfig
-from trainer.model import Transformer
+from trainer.config import MeshShape, ModelConfig, TrainerConfig, recomputes
+from trainer.model import Block, Transformer
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -177,6 +177,9 @@ def build_model_parts(config: TrainerConfig, mesh: DeviceMesh, choice: DeviceCho
     for stage in stage_ids:
         part = build_stage_model(config.model, stage, num_stages, config.train.seed, choice.device,
                                  choice.param_dtype)
+        for index, block in part.layers.items():
+            assert isinstance(block, Block)
+            block.recompute = recomputes(config.train.activation_checkpointing, int(index))
         if shape.tp > 1:
             apply_tp(part, mesh["tp"])
         if config.train.compile:  # in place, per block (as TorchTitan does): parameter names stay as they are

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from checkpointing.peer import Copy, copy_stem, drop_marker, forget_attempts_before, words_checksum, write_marker
 from trainer.checkpoint import trainer_state
+from trainer.optim import set_learning_rate
 from trainer.report import ReportSink, StepReport
 
 
@@ -61,31 +62,43 @@ class SnapshotLayout:
 
 
 def _hyperparameters(trainer: Any) -> str:
-    return repr([[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    """The optimizers' values a snapshot pickles once per layout. Not the learning rate: the trainer
+    sets it before every update from the step (TrainConfig.lr_at), so the one a snapshot holds is
+    never used, and a schedule would otherwise lay the state out again at every step."""
+    return repr([[{k: v for k, v in g.items() if k not in ("params", "lr")} for g in opt.param_groups]
                  for opt in trainer.optimizers])
 
 
 def lay_out(trainer: Any) -> tuple[SnapshotLayout, list[bytes]]:
     """This rank's state as DCP's save planner itemises it (names and chunks in global coordinates);
-    the tensors are copied at each snapshot, the other values (pickled as DCP does) once."""
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(trainer_state(trainer), is_coordinator=True)
-    plan = planner.create_local_plan()
-    entries, sources, blobs = [], [], []
-    offset = 0
-    for item in plan.items:
-        data: Any = planner.resolve_data(item)
-        if item.type == WriteItemType.BYTE_IO:
-            blob = data.getvalue()
-            blobs.append(blob)
-            entries.append((item, offset, len(blob)))
-            offset += len(blob)
-            continue
-        tensor = data.detach()
-        length = tensor.numel() * tensor.element_size()
-        entries.append((item, offset, length))
-        sources.append(tensor)
-        offset += length
+    the tensors are copied at each snapshot, the other values (pickled as DCP does) once. The learning
+    rate in them is always train.lr (the step's own is set before each update: `_hyperparameters`), so
+    a load on the same mesh finds them byte for byte its own whatever step either was at."""
+    rates = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
+    set_learning_rate(trainer.optimizers, trainer.config.train.lr)
+    try:
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(trainer_state(trainer), is_coordinator=True)
+        plan = planner.create_local_plan()
+        entries, sources, blobs = [], [], []
+        offset = 0
+        for item in plan.items:
+            data: Any = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                blob = data.getvalue()
+                blobs.append(blob)
+                entries.append((item, offset, len(blob)))
+                offset += len(blob)
+                continue
+            tensor = data.detach()
+            length = tensor.numel() * tensor.element_size()
+            entries.append((item, offset, length))
+            sources.append(tensor)
+            offset += length
+    finally:
+        for opt, lrs in zip(trainer.optimizers, rates):
+            for group, lr in zip(opt.param_groups, lrs):
+                group["lr"] = lr
     return SnapshotLayout(entries, sources, _hyperparameters(trainer), offset), blobs
 
 

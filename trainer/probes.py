@@ -127,6 +127,8 @@ class Probes:
         """Checksum of the parameter shard after the last optimizer step (None before the first)."""
         self.intact = True
         self.grad_norms: list[float] = []
+        self.last_grad_norm = float("nan")
+        """The global gradient norm of the last check (the step's, once `check` returned)."""
         self.last_clean_step = 0
         """Newest step whose state passed an SDC check (or the attempt's start step)."""
         self.hardware = hardware_name(trainer.choice.device)
@@ -189,10 +191,10 @@ class Probes:
     def _reduce(self, loss: torch.Tensor | None, *, intact: bool) -> tuple[float | None, str | None]:
         """One all-reduce over every rank: gradient norm^2, the dp ranks' losses, corrupt ranks."""
         t = self.trainer
-        grads = [local_tensor(p.grad) for p in _params(t.parts) if p.grad is not None]
-        grad_sq = torch.zeros((), dtype=torch.float64, device=t.choice.device)
-        if grads:  # fused per-tensor norms (what clip_grad_norm_ uses), squared and summed in float64
-            grad_sq = torch.nn.utils.get_total_norm(grads, 2.0).double().pow(2).reshape(())
+        from trainer.optim import local_grad_sq
+
+        # each element of the gradient once, over every rank (what clipping needs too: trainer/optim.py)
+        grad_sq = local_grad_sq(t.parts, t.config.mesh.dp * t.config.mesh.tp, t.choice.device).reshape(())
         counts_loss = loss is not None and self.coords["tp"] == 0
         buf = torch.stack([
             grad_sq,
@@ -203,6 +205,7 @@ class Probes:
         dist.all_reduce(buf)
         grad_sq_sum, loss_sum, loss_count, corrupt = buf.tolist()  # one read (one sync on a GPU)
         grad_norm = math.sqrt(grad_sq_sum) if grad_sq_sum >= 0 else float("nan")
+        self.last_grad_norm = grad_norm
         global_loss = loss_sum / loss_count if loss_count else None
         reason = None
         if corrupt > 0:

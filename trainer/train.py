@@ -26,6 +26,7 @@ from torch.distributed.pipelining.schedules import (
 from trainer.config import Schedule, TrainerConfig
 from trainer.data import build_source, local_sample_ids
 from trainer.model import cross_entropy
+from trainer.optim import clip_to, global_grad_norm, set_learning_rate
 from trainer.parallel import DeviceChoice, build_model_parts
 from trainer.probes import ComputeClock, Probes, spin
 from trainer.report import ReportSink, StepReport
@@ -129,6 +130,8 @@ class Trainer:
             loss_value, apply_update = self.probes.check(loss, lambda: self.forward_backward(inputs, targets))
             probe_s += time.perf_counter() - p0
         self.clock.start()
+        if apply_update:
+            self._prepare_update()
         if self.update_waits:
             stream = torch.cuda.current_stream(self.choice.device)
             for event in self.update_waits:
@@ -158,6 +161,16 @@ class Trainer:
             step_time_s=t4 - t0, data_s=t1 - t0, compute_s=compute, probe_s=probe_s,
             wait_s=max(0.0, t4 - t1 - compute - probe_s), tokens_per_s=tokens / (t4 - t0), end_time=time.time(),
         )
+
+    def _prepare_update(self) -> None:
+        """The step's learning rate (a pure function of the step) and, when asked, the gradient
+        clipped to train.grad_clip by its global norm (the probes' when they ran, else one all-reduce)."""
+        t = self.config.train
+        set_learning_rate(self.optimizers, t.lr_at(self.step + 1))
+        if t.grad_clip > 0:
+            norm = (self.probes.last_grad_norm if self.probes is not None
+                    else global_grad_norm(self.parts, self.config.mesh.dp * self.config.mesh.tp, self.choice.device))
+            clip_to(self.parts, norm, t.grad_clip)
 
     def _slow_down(self, compute_s: float) -> None:
         """The slow-rank drill: this rank's compute takes `factor` times as long."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.dist.harness import run_ranks
-from tests.dist.parity import one_step_grads, reference_grads
+from tests.dist.parity import one_step_grads, reference_grads, reference_training, train_steps
 from trainer.config import (
     DataConfig, MeshShape, ModelConfig, Schedule, TrainConfig, TrainerConfig, config_to_dict,
 )
@@ -27,6 +27,10 @@ def make_config(dp: int, pp: int, tp: int, schedule: Schedule = Schedule.ONE_F_O
     )
 
 
+def _norm(grads: dict[str, torch.Tensor]) -> float:
+    return float(torch.nn.utils.get_total_norm(list(grads.values()), 2.0))
+
+
 @pytest.mark.parametrize("mesh", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)],
                          ids=lambda m: "dp%d-pp%d-tp%d" % m)
 def test_one_step_matches_float64_single_process(mesh: tuple[int, int, int]) -> None:
@@ -41,6 +45,7 @@ def test_one_step_matches_float64_single_process(mesh: tuple[int, int, int]) -> 
         assert len(losses) == dp * tp, f"{schedule}: expected a loss from each last-stage rank"
         for loss in losses:
             assert abs(loss - ref_loss) < TOL, f"{schedule}: loss {loss} vs reference {ref_loss}"
+        assert all(abs(r["grad_norm"] - _norm(ref_grads)) < TOL for r in results), "the global gradient norm"
         grads: dict[str, torch.Tensor] = {}
         for r in results:
             grads.update(r["grads"])
@@ -56,6 +61,7 @@ def test_hsdp_matches_float64_single_process() -> None:
     results = [r[0] for r in run_ranks(one_step_grads, 8, configs=[config_to_dict(config)])]
     ref_loss, ref_grads = reference_grads(config)
     assert all(abs(r["loss"] - ref_loss) < TOL for r in results)
+    assert all(abs(r["grad_norm"] - _norm(ref_grads)) < TOL for r in results), "the global gradient norm"
     grads: dict[str, torch.Tensor] = {}
     for r in results:
         grads.update(r["grads"])
@@ -78,6 +84,7 @@ def test_a_grouped_query_llama3_shape_matches_float64_single_process_on_a_3d_mes
     ref_loss, ref_grads = reference_grads(config)
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert len(losses) == 4 and all(abs(loss - ref_loss) < TOL for loss in losses), (losses, ref_loss)
+    assert all(abs(r["grad_norm"] - _norm(ref_grads)) < TOL for r in results), "the global gradient norm"
     grads: dict[str, torch.Tensor] = {}
     for r in results:
         grads.update(r["grads"])
@@ -85,3 +92,21 @@ def test_a_grouped_query_llama3_shape_matches_float64_single_process_on_a_3d_mes
     assert ref_grads["layers.0.attention.wk.weight"].shape == (2 * model.head_dim, model.d_model)
     for name, ref in ref_grads.items():
         assert (grads[name] - ref).abs().max().item() < TOL, name
+
+
+def test_warmup_cosine_decay_and_clipping_match_torch_on_one_process() -> None:
+    """Four steps on dp2 x pp2 x tp2 with a 2-step warmup, cosine decay to 10%, the gradient clipped
+    to a norm below every step's, and every block recomputing its activations: the parameters equal a float64 single process with torch's AdamW,
+    its clip_grad_norm_, and the learning rate set by hand from the same schedule."""
+    cfg = make_config(2, 2, 2)
+    cfg = TrainerConfig(model=cfg.model, data=cfg.data, mesh=cfg.mesh, train=TrainConfig(
+        steps=4, global_batch=8, micro_batch=1, dtype="float64", seed=3, lr=1e-2, weight_decay=0.1,
+        warmup_steps=2, decay="cosine", min_lr_ratio=0.1, grad_clip=0.05, activation_checkpointing="full"))
+    ref_params, norms = reference_training(cfg)
+    assert min(norms) > 0.05, f"every step clips: {norms}"
+    per_rank = run_ranks(train_steps, 8, config=config_to_dict(cfg))
+    assert set().union(*per_rank) == set(ref_params)
+    for params in per_rank:
+        for name, value in params.items():
+            err = (value - ref_params[name]).abs().max().item()
+            assert err < TOL, f"{name} differs by {err}"

@@ -26,7 +26,8 @@ MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16
 
 def _config(dp: int, steps: int) -> TrainerConfig:
     return TrainerConfig(model=MODEL, data=DataConfig(seed=4),
-                         train=TrainConfig(steps=steps, global_batch=8, micro_batch=2, lr=1e-2, dtype="float32"),
+                         train=TrainConfig(steps=steps, global_batch=8, micro_batch=2, lr=1e-2, dtype="float32",
+                                           warmup_steps=3, grad_clip=0.5),
                          mesh=MeshShape(dp=dp, pp=2, tp=1))
 
 

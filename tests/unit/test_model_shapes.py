@@ -121,3 +121,52 @@ def test_runs_saved_before_the_new_fields_keep_their_state_identity() -> None:
     grouped = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=16)
     scaled = ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16, rope_scaling=RopeScaling())
     assert len({state_fingerprint(m) for m in (same, grouped, scaled)}) == 3
+
+
+def _saved_bytes_and_grads(model: Transformer, tokens: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes autograd keeps for the backward (counted as they are saved), and the gradients."""
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens[:, :-1]).logsumexp(-1).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return saved, grads
+
+
+def test_activation_checkpointing_keeps_less_and_changes_no_gradient() -> None:
+    """Every block recomputing (full) or every other one (selective): the same gradients bit for bit,
+    and autograd keeps less for the backward (the blocks' inputs instead of their insides)."""
+    from trainer.config import recomputes
+
+    cfg = ModelConfig(n_layers=4, d_model=64, n_heads=8, n_kv_heads=2, vocab_size=50, seq_len=32)
+    model = Transformer(cfg).double()
+    model.init_weights(seed=1)
+    tokens = torch.randint(0, 50, (2, 33), generator=torch.Generator().manual_seed(0))
+    saved = {}
+    for mode in ("none", "selective", "full"):
+        for index, block in model.layers.items():
+            block.recompute = recomputes(mode, int(index))  # type: ignore[union-attr]
+        saved[mode], grads = _saved_bytes_and_grads(model, tokens)
+        if mode == "none":
+            reference = grads
+        for name, grad in grads.items():
+            assert torch.equal(grad, reference[name]), f"{mode}: {name}"
+    assert saved["full"] < saved["selective"] < saved["none"], saved
+    assert saved["full"] < 0.5 * saved["none"], saved
+
+
+def test_the_planner_counts_what_activation_checkpointing_keeps() -> None:
+    from controller.planner import activation_bytes
+
+    model = ModelConfig(n_layers=4, d_model=1024, n_heads=8, vocab_size=100, seq_len=2048)
+    full_layer, kept_input = 34 * 2048 * 1024 / 2, 2 * 2048 * 1024
+    assert activation_bytes(model, 1, 2) == 4 * full_layer
+    assert activation_bytes(model, 1, 2, "full") == 4 * kept_input + full_layer
+    assert activation_bytes(model, 1, 2, "selective") == 2 * full_layer + 2 * kept_input + full_layer
