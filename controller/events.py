@@ -18,6 +18,7 @@ class EventKind(enum.StrEnum):
     ATTEMPT_STARTED = "attempt_started"
     RESTORED = "restored"  # (rank) the attempt loaded a checkpoint
     RESTORE_FAILED = "restore_failed"  # (rank) a loading rank found the checkpoint's bytes corrupt
+    INITIALISED = "initialised"  # (rank) a fresh start took its weights from a Hugging Face folder (model.init.hf)
     FIRST_STEP_AFTER_RECOVERY = "first_step_after_recovery"
     CHECKPOINT_STAGED = "checkpoint_staged"  # (rank)
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # (rank)

@@ -46,9 +46,16 @@ class RopeScalingSpec(_Strict):
         return self
 
 
+class ModelInitSpec(_Strict):
+    hf: str
+    """A Hugging Face Llama folder (config.json + safetensors), at this path on every node."""
+
+
 class ModelSpec(_Strict):
-    """The model's shape: every field, or a `preset` (trainer/presets.py) and the fields that differ."""
+    """The model's shape: every field, or a `preset` (trainer/presets.py) and the fields that differ;
+    `init: {hf: DIR}` starts a new run from a Hugging Face checkpoint of that shape."""
     preset: str | None = None
+    init: ModelInitSpec | None = None
     n_layers: int = Field(gt=0)
     d_model: int = Field(gt=0)
     n_heads: int = Field(gt=0)
@@ -75,11 +82,34 @@ class ModelSpec(_Strict):
         return {**fields, **raw}
 
 
+class DatasetSpec(_Strict):
+    uri: str
+    """Where `goodput tokenize` wrote it (file://PATH or s3://BUCKET/PREFIX)."""
+    weight: float = Field(default=1.0, gt=0)
+
+
 class DataSpec(_Strict):
-    kind: Literal["synthetic", "tokens"] = "synthetic"
+    kind: Literal["synthetic", "tokens", "shards"] = "synthetic"
     seed: int = 0
     path: str | None = None
     branching: int = Field(default=4, gt=0)
+    uri: str | None = None
+    """For `shards`: one tokenized dataset (or `datasets`, several mixed by weight)."""
+    datasets: list[DatasetSpec] | None = None
+
+    @model_validator(mode="after")
+    def _shards(self) -> "DataSpec":
+        if self.kind == "shards" and bool(self.uri) == bool(self.datasets):
+            raise ValueError("data.kind = shards needs data.uri (one dataset) or data.datasets (several, "
+                             "each {uri, weight}), not both")
+        if self.kind != "shards" and (self.uri or self.datasets):
+            raise ValueError(f"data.uri and data.datasets are for kind shards, not {self.kind}")
+        return self
+
+    def to_config(self) -> DataConfig:
+        sets = [(self.uri, 1.0)] if self.uri else [(d.uri, d.weight) for d in self.datasets or []]
+        return DataConfig(kind=self.kind, seed=self.seed, path=self.path, branching=self.branching,
+                          datasets=tuple(sets))
 
 
 class TrainSpec(_Strict):
@@ -269,18 +299,18 @@ class RunSpec(_Strict):
         return self
 
     def to_model_config(self) -> ModelConfig:
-        fields = self.model.model_dump(exclude={"preset"})
+        fields = self.model.model_dump(exclude={"preset", "init"})
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"]) if fields["rope_scaling"] else None
         return ModelConfig(**fields)
 
     def to_train_config(self) -> TrainConfig:
-        return TrainConfig(**self.train.model_dump())
+        return TrainConfig(**self.train.model_dump(), init_hf=self.model.init.hf if self.model.init else None)
 
     def trainer_config(self, mesh: MeshShape) -> TrainerConfig:
         """The trainer's config for an attempt on `mesh`; raises SpecError naming the numbers."""
         config = TrainerConfig(
             model=self.to_model_config(),
-            data=DataConfig(**self.data.model_dump()),
+            data=self.data.to_config(),
             train=self.to_train_config(),
             mesh=mesh,
             probes=ProbeConfig(enabled=self.health.probes, sdc_every_steps=self.health.sdc_every_steps,

@@ -140,13 +140,16 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     kind: str = "synthetic"
-    """`synthetic` (seeded Markov chain of known entropy) or `tokens` (flat uint16 file)."""
+    """`synthetic` (seeded Markov chain of known entropy), `tokens` (flat uint16 file) or `shards`
+    (datasets `goodput tokenize` wrote: trainer/shards.py)."""
     seed: int = 0
     """Seed of the data order (and of the synthetic chain)."""
     path: str | None = None
     """For `tokens`: path of the uint16 token file."""
     branching: int = 4
     """For `synthetic`: successors each token can have (sets the entropy rate)."""
+    datasets: tuple[tuple[str, float], ...] = ()
+    """For `shards`: (uri, weight) of each tokenized dataset; samples mix by weight."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +181,9 @@ class TrainConfig:
     """Where the decay ends, as a fraction of lr."""
     grad_clip: float = 0.0
     """Clip the global gradient norm to this (0: no clipping)."""
+    init_hf: str | None = None
+    """A Hugging Face Llama folder (safetensors + config.json, on every node) the first attempt starts
+    from instead of random weights (continued pre-training); a resume loads its checkpoint instead."""
     activation_checkpointing: str = "none"
     """`none`, `full` (every block keeps only its input and recomputes the rest in the backward) or
     `selective` (every other block does: TorchTitan's layer-selective choice, half the saving for half
@@ -286,8 +292,10 @@ class TrainerConfig:
         if t.warmup_steps < 0 or not 0.0 <= t.min_lr_ratio <= 1.0 or t.grad_clip < 0:
             raise ValueError(f"train.warmup_steps = {t.warmup_steps} (>= 0), min_lr_ratio = {t.min_lr_ratio} "
                              f"(in [0, 1]) and grad_clip = {t.grad_clip} (>= 0, 0: off) are out of range")
-        if self.data.kind not in ("synthetic", "tokens"):
-            raise ValueError(f"data.kind = {self.data.kind!r}; use 'synthetic' or 'tokens'")
+        if self.data.kind not in ("synthetic", "tokens", "shards"):
+            raise ValueError(f"data.kind = {self.data.kind!r}; use 'synthetic', 'tokens' or 'shards'")
+        if self.data.kind == "shards" and (not self.data.datasets or any(w <= 0 for _, w in self.data.datasets)):
+            raise ValueError("data.kind = 'shards' needs data.uri (or data.datasets, each with a weight > 0)")
         if self.data.kind == "tokens" and not self.data.path:
             raise ValueError("data.kind = 'tokens' needs data.path (a flat uint16 token file)")
         if self.data.kind == "synthetic" and not 1 <= self.data.branching <= m.vocab_size:
@@ -322,9 +330,11 @@ def model_from_dict(raw: dict) -> ModelConfig:
 def config_from_dict(raw: dict) -> TrainerConfig:
     train = dict(raw["train"])
     train["schedule"] = Schedule(train.get("schedule", Schedule.ONE_F_ONE_B.value))
+    data = dict(raw["data"])
+    data["datasets"] = tuple((str(uri), float(weight)) for uri, weight in data.get("datasets", ()))
     return TrainerConfig(
         model=model_from_dict(raw["model"]),
-        data=DataConfig(**raw["data"]),
+        data=DataConfig(**data),
         train=TrainConfig(**train),
         mesh=MeshShape(**raw.get("mesh", {})),
         probes=ProbeConfig(**raw.get("probes", {})),

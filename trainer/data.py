@@ -145,7 +145,11 @@ def build_source(data: DataConfig, model: ModelConfig) -> DataSource:
         return TokenFileSource(
             path=data.path, seed=data.seed, seq_len=model.seq_len, vocab_size=model.vocab_size
         )
-    raise ValueError(f"data.kind = {data.kind!r}; use 'synthetic' or 'tokens'")
+    if data.kind == "shards":
+        from trainer.shards import ShardSource
+
+        return ShardSource(data.datasets, seed=data.seed, seq_len=model.seq_len, vocab_size=model.vocab_size)
+    raise ValueError(f"data.kind = {data.kind!r}; use 'synthetic', 'tokens' or 'shards'")
 
 
 def uniform_entropy(vocab_size: int) -> float:

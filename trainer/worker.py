@@ -137,6 +137,14 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
             layout = _restore_from_peers(trainer, folder, args.peer_restore, sink, choice.device, args.in_place)
         elif ckpt_store is not None and args.resume_step is not None:
             _restore_from_store(trainer, ckpt_store, args, sink, choice.device)
+        elif args.config.train.init_hf and trainer.step == 0:  # a fresh start from Hugging Face weights
+            from trainer.hf import load_into
+
+            t0 = time.perf_counter()
+            count = load_into(trainer, Path(args.config.train.init_hf))
+            if args.rank == 0:
+                sink.event("initialised", {"from": args.config.train.init_hf, "tensors": count,
+                                           "seconds": time.perf_counter() - t0})
         if args.peer_every > 0 and folder is not None:
             peers = PeerSnapshots(folder=folder, run_id=args.run_id, attempt=args.attempt,
                                   buddy=list(args.peer_buddy) if args.peer_buddy else None, sink=sink,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from controller.cli.client import DEFAULT_HOST, DEFAULT_PORT
@@ -185,7 +186,100 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--dir", help="folder of dashboard JSON (default: dashboards/grafana of this checkout)")
     push.add_argument("--json", action="store_true")
     push.set_defaults(func=cmd_dashboards_push)
+    tok = sub.add_parser("tokenize", help="tokenize .txt/.jsonl/.parquet files into uint32 shards for "
+                                          "data.kind shards (to file:// or s3://)")
+    tok.add_argument("files", nargs="+", type=Path)
+    tok.add_argument("--tokenizer", required=True, type=Path, help="a local tokenizer.json (Hugging Face tokenizers)")
+    tok.add_argument("--out", required=True, help="where the dataset goes: file://PATH or s3://BUCKET/PREFIX")
+    tok.add_argument("--field", default="text", help="the text field of .jsonl rows and .parquet columns (text)")
+    tok.add_argument("--eos", help="the end-of-sequence token appended to every document (default: the first of "
+                                   "<|end_of_text|>, <|endoftext|>, </s>, <eos>, [SEP] the tokenizer has)")
+    tok.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard, about (268,435,456)")
+    tok.add_argument("--json", action="store_true", help="print the manifest as JSON at the end")
+    tok.set_defaults(func=cmd_tokenize)
+    export = sub.add_parser("export", help="a run's checkpoint as a Hugging Face Llama folder (safetensors + "
+                                           "config.json) that transformers loads")
+    export.add_argument("spec", help="the run's spec file: its name and checkpoint.uri say where the checkpoints are")
+    export.add_argument("--hf", required=True, type=Path, help="the folder to write")
+    export.add_argument("--step", type=int, help="the step to export (default: the newest that verifies)")
+    export.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
+    export.set_defaults(func=cmd_export)
+    ev = sub.add_parser("eval", help="mean next-token loss of a run's checkpoint on a text file")
+    ev.add_argument("spec", help="the run's spec file (its name and checkpoint.uri)")
+    ev.add_argument("--text", required=True, type=Path, help="a UTF-8 text file, tokenized whole")
+    ev.add_argument("--step", type=int, help="the step (default: the newest that verifies)")
+    ev.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one the run's data.uri was "
+                                                   "tokenized with, as its manifest records)")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=cmd_eval)
     return parser
+
+
+def cmd_eval(opts: argparse.Namespace) -> int:
+    import json
+
+    from checkpointing.manifest import CheckpointError
+    from checkpointing.store import StoreError
+    from controller.spec import checkpoint_store, load_spec
+    from trainer.export import load_full_model, mean_loss, text_windows
+
+    spec = load_spec(opts.spec)
+    model = spec.to_model_config()
+    tokenizer = opts.tokenizer
+    if tokenizer is None:
+        sets = spec.data.to_config().datasets
+        if not sets:
+            raise CliError("the run was not trained on tokenized text (data.kind shards): name --tokenizer")
+        from trainer.shards import TokenDataset
+
+        tokenizer = Path(TokenDataset(sets[0][0], seq_len=model.seq_len).manifest.tokenizer["file"])
+    try:
+        windows = text_windows(opts.text.read_text(encoding="utf-8"), tokenizer, model.seq_len)
+        step, state = load_full_model(checkpoint_store(spec, probe=False), spec.name, model, opts.step)
+    except (CheckpointError, StoreError, ValueError, OSError) as e:
+        raise CliError(str(e)) from None
+    loss = mean_loss(model, state, windows)
+    out = {"run": spec.name, "step": step, "loss": loss, "windows": len(windows), "tokens": int(windows.numel()),
+           "predicted": int(windows[:, 1:].numel())}
+    if opts.json:
+        print(json.dumps(out))
+    else:
+        print(f"run {spec.name!r} step {step}: mean loss {loss:.4f} nats over {out['predicted']:,} predicted tokens "
+              f"({len(windows)} windows of {model.seq_len})")
+    return 0
+
+
+def cmd_export(opts: argparse.Namespace) -> int:
+    from checkpointing.manifest import CheckpointError
+    from checkpointing.store import StoreError
+    from controller.spec import checkpoint_store, load_spec
+    from trainer.export import export_hf
+
+    spec = load_spec(opts.spec)
+    try:
+        step = export_hf(checkpoint_store(spec, probe=False), spec.name, spec.to_model_config(), opts.hf,
+                         step=opts.step, dtype=opts.dtype)
+    except (CheckpointError, StoreError) as e:
+        raise CliError(str(e)) from None
+    print(f"{opts.hf}: step {step} of run {spec.name!r} as a Hugging Face Llama model ({opts.dtype})")
+    return 0
+
+
+def cmd_tokenize(opts: argparse.Namespace) -> int:
+    from trainer.tokenize import TokenizeError, progress_printer, tokenize
+
+    try:
+        manifest = tokenize(opts.files, opts.tokenizer, opts.out, field_name=opts.field, eos=opts.eos,
+                            shard_tokens=opts.shard_tokens, progress=None if opts.json else progress_printer())
+    except TokenizeError as e:
+        raise CliError(str(e)) from None
+    if opts.json:
+        print(manifest.to_json())
+    else:
+        print(f"\n{opts.out}: {manifest.documents:,} documents, {manifest.tokens:,} tokens in "
+              f"{len(manifest.shards)} shard(s); vocabulary {manifest.tokenizer['vocab_size']:,}, "
+              f"eos id {manifest.tokenizer['eos_id']}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,7 +25,8 @@ PURE_MODULES = [
     "checkpointing.manifest", "checkpointing.schedule", "checkpointing.store", "health.hang", "controller.cli.client",
     "health.straggler", "health.sdc", "controller.accounting", "controller.k8s.topology", "controller.errors",
     "controller.views", "controller.sim.run", "checkpointing.store.memory", "checkpointing.store.faults",
-    "controller.service.scheduler", "controller.cli.render", "controller.checkpoints",
+    "controller.service.scheduler", "controller.cli.render", "controller.checkpoints", "trainer.shards",
+    "trainer.presets", "trainer.tokenize",
 ]
 
 
