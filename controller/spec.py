@@ -89,13 +89,18 @@ class DatasetSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    kind: Literal["synthetic", "tokens", "shards"] = "synthetic"
+    kind: Literal["synthetic", "tokens", "shards", "python"] = "synthetic"
     seed: int = 0
     path: str | None = None
     branching: int = Field(default=4, gt=0)
     uri: str | None = None
     """For `shards`: one tokenized dataset (or `datasets`, several mixed by weight)."""
     datasets: list[DatasetSpec] | None = None
+    source: str | None = None
+    """For `python`: package.module:Name of your data source, installed in the image (never code sent over
+    the API); called with seed, seq_len, vocab_size and `args`, its batch(sample_ids) must be a pure
+    function of (seed, sample id), which every launch checks."""
+    args: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _shards(self) -> "DataSpec":
@@ -104,12 +109,16 @@ class DataSpec(_Strict):
                              "each {uri, weight}), not both")
         if self.kind != "shards" and (self.uri or self.datasets):
             raise ValueError(f"data.uri and data.datasets are for kind shards, not {self.kind}")
+        if (self.kind == "python") != bool(self.source):
+            raise ValueError("data.source (package.module:Name) goes with kind python, and kind python needs it")
+        if self.args and self.kind != "python":
+            raise ValueError("data.args are for kind python")
         return self
 
     def to_config(self) -> DataConfig:
         sets = [(self.uri, 1.0)] if self.uri else [(d.uri, d.weight) for d in self.datasets or []]
         return DataConfig(kind=self.kind, seed=self.seed, path=self.path, branching=self.branching,
-                          datasets=tuple(sets))
+                          datasets=tuple(sets), source=self.source, args=tuple(sorted((self.args or {}).items())))
 
 
 class TrainSpec(_Strict):

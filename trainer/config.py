@@ -150,6 +150,10 @@ class DataConfig:
     """For `synthetic`: successors each token can have (sets the entropy rate)."""
     datasets: tuple[tuple[str, float], ...] = ()
     """For `shards`: (uri, weight) of each tokenized dataset; samples mix by weight."""
+    source: str | None = None
+    """For `python`: package.module:Name of a data source installed in the image (trainer.data.python_source)."""
+    args: tuple[tuple[str, object], ...] = ()
+    """For `python`: keyword arguments of the source (sorted pairs: the config stays hashable)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,8 +296,10 @@ class TrainerConfig:
         if t.warmup_steps < 0 or not 0.0 <= t.min_lr_ratio <= 1.0 or t.grad_clip < 0:
             raise ValueError(f"train.warmup_steps = {t.warmup_steps} (>= 0), min_lr_ratio = {t.min_lr_ratio} "
                              f"(in [0, 1]) and grad_clip = {t.grad_clip} (>= 0, 0: off) are out of range")
-        if self.data.kind not in ("synthetic", "tokens", "shards"):
-            raise ValueError(f"data.kind = {self.data.kind!r}; use 'synthetic', 'tokens' or 'shards'")
+        if self.data.kind not in ("synthetic", "tokens", "shards", "python"):
+            raise ValueError(f"data.kind = {self.data.kind!r}; use 'synthetic', 'tokens', 'shards' or 'python'")
+        if self.data.kind == "python" and not self.data.source:
+            raise ValueError("data.kind = 'python' needs data.source (package.module:Name)")
         if self.data.kind == "shards" and (not self.data.datasets or any(w <= 0 for _, w in self.data.datasets)):
             raise ValueError("data.kind = 'shards' needs data.uri (or data.datasets, each with a weight > 0)")
         if self.data.kind == "tokens" and not self.data.path:
@@ -332,6 +338,7 @@ def config_from_dict(raw: dict) -> TrainerConfig:
     train["schedule"] = Schedule(train.get("schedule", Schedule.ONE_F_ONE_B.value))
     data = dict(raw["data"])
     data["datasets"] = tuple((str(uri), float(weight)) for uri, weight in data.get("datasets", ()))
+    data["args"] = tuple((str(k), v) for k, v in data.get("args", ()))
     return TrainerConfig(
         model=model_from_dict(raw["model"]),
         data=DataConfig(**data),

@@ -135,8 +135,16 @@ class TokenFileSource:
         return out
 
 
+SYNTHETIC_MAX_VOCAB = 16384
+"""The synthetic chain's dense table is 2 GiB at this vocabulary."""
+
+
 def build_source(data: DataConfig, model: ModelConfig) -> DataSource:
     if data.kind == "synthetic":
+        if model.vocab_size > SYNTHETIC_MAX_VOCAB:
+            raise ValueError(f"data.kind synthetic keeps a vocab_size x vocab_size transition table: at model.vocab_size "
+                             f"= {model.vocab_size:,} that is {8 * model.vocab_size**2 / 2**30:,.0f} GiB. Use it with "
+                             f"a vocabulary of at most {SYNTHETIC_MAX_VOCAB:,}, or train on text (data.kind shards)")
         return SyntheticSource(
             seed=data.seed, vocab_size=model.vocab_size, seq_len=model.seq_len, branching=data.branching
         )
@@ -149,7 +157,50 @@ def build_source(data: DataConfig, model: ModelConfig) -> DataSource:
         from trainer.shards import ShardSource
 
         return ShardSource(data.datasets, seed=data.seed, seq_len=model.seq_len, vocab_size=model.vocab_size)
-    raise ValueError(f"data.kind = {data.kind!r}; use 'synthetic', 'tokens' or 'shards'")
+    if data.kind == "python":
+        assert data.source is not None
+        return python_source(data.source, dict(data.args), seed=data.seed, seq_len=model.seq_len,
+                             vocab_size=model.vocab_size)
+    raise ValueError(f"data.kind = {data.kind!r}; use 'synthetic', 'tokens', 'shards' or 'python'")
+
+
+def python_source(name: str, args: dict, *, seed: int, seq_len: int, vocab_size: int) -> DataSource:
+    """A user's data source (`data: {kind: python, source: "package.module:Class", args: {...}}`): a
+    class (or function) installed in the image, called with seed, seq_len, vocab_size and `args`,
+    whose `batch(sample_ids)` returns (len(sample_ids), seq_len + 1) token ids and is a pure function
+    of (seed, sample id): `check_pure` holds it to that at every launch."""
+    import importlib
+
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"data.source = {name!r}: write it as package.module:Name")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"data.source = {name!r} cannot be imported here ({e}): install it in the image") from None
+    return factory(seed=seed, seq_len=seq_len, vocab_size=vocab_size, **args)
+
+
+def check_pure(source: DataSource, *, seq_len: int, vocab_size: int, probe: Sequence[int] = (0, 1, 7, 1000, 123457),
+               what: str = "the data source") -> None:
+    """Every sample must be a pure function of (seed, global sample id), whatever batch it is asked
+    in and however often (a resume, a shrink or a grow asks for the same ids in other groupings):
+    ValueError saying what differs. Also the shape and the id range."""
+    ids = list(probe)
+    first = np.asarray(source.batch(ids))
+    if first.shape != (len(ids), seq_len + 1):
+        raise ValueError(f"{what}: batch({ids}) has shape {first.shape}; it must be (len(sample_ids), "
+                         f"seq_len + 1) = ({len(ids)}, {seq_len + 1})")
+    if first.min() < 0 or first.max() >= vocab_size:
+        raise ValueError(f"{what}: token ids in [{int(first.min())}, {int(first.max())}] but model.vocab_size = "
+                         f"{vocab_size}")
+    again = np.asarray(source.batch(ids[::-1]))[::-1]
+    single = np.stack([np.asarray(source.batch([i]))[0] for i in ids])
+    for label, other in (("asked again in reverse order", again), ("asked one by one", single)):
+        if not np.array_equal(first, other):
+            bad = [i for i, a, b in zip(ids, first, other) if not np.array_equal(a, b)]
+            raise ValueError(f"{what} is not a pure function of the sample id: samples {bad} differ when "
+                             f"{label} (resume and dp changes would not see the same data)")
 
 
 def uniform_entropy(vocab_size: int) -> float:

@@ -24,7 +24,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from trainer.config import Schedule, TrainerConfig
-from trainer.data import build_source, local_sample_ids
+from trainer.data import build_source, check_pure, local_sample_ids
 from trainer.model import cross_entropy
 from trainer.optim import clip_to, global_grad_norm, set_learning_rate
 from trainer.parallel import DeviceChoice, build_model_parts
@@ -58,6 +58,8 @@ class Trainer:
         if config.mesh.pp > 1:
             self.schedule = self._build_schedule(num_stages)
         self.source = build_source(config.data, config.model)
+        check_pure(self.source, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size,
+                   what=f"data.kind {config.data.kind}" + (f" ({config.data.source})" if config.data.source else ""))
         self.step = 0
         """Optimizer steps done."""
         self.cursor = 0
