@@ -30,6 +30,8 @@ _LAYER = {
 }
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
+_LAYER_BACK = {v: k for k, v in _LAYER.items()}
+_TOP_BACK = {v: k for k, v in _TOP.items()}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -45,14 +47,12 @@ def hf_name(name: str) -> str:
 
 def goodput_name(name: str) -> str:
     """Hugging Face Llama's parameter name -> goodput's."""
-    inverse = {v: k for k, v in _TOP.items()}
-    if name in inverse:
-        return inverse[name]
+    if name in _TOP_BACK:
+        return _TOP_BACK[name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    layer = {v: k for k, v in _LAYER.items()}
-    if m is None or m.group(2) not in layer:
+    if m is None or m.group(2) not in _LAYER_BACK:
         raise ValueError(f"{name}: not a parameter of a Llama model goodput can train")
-    return f"layers.{m.group(1)}.{layer[m.group(2)]}"
+    return f"layers.{m.group(1)}.{_LAYER_BACK[m.group(2)]}"
 
 
 def hf_config(model: ModelConfig, dtype: str) -> dict[str, Any]:

@@ -230,9 +230,10 @@ def cmd_eval(opts: argparse.Namespace) -> int:
         sets = spec.data.to_config().datasets
         if not sets:
             raise CliError("the run was not trained on tokenized text (data.kind shards): name --tokenizer")
-        from trainer.shards import TokenDataset
+        from checkpointing.store import open_store
+        from trainer.shards import DatasetManifest
 
-        tokenizer = Path(TokenDataset(sets[0][0], seq_len=model.seq_len).manifest.tokenizer["file"])
+        tokenizer = Path(DatasetManifest.read(open_store(sets[0][0])).tokenizer["file"])
     try:
         windows = text_windows(opts.text.read_text(encoding="utf-8"), tokenizer, model.seq_len)
         step, state = load_full_model(checkpoint_store(spec, probe=False), spec.name, model, opts.step)

@@ -4,6 +4,7 @@ a step unusable and the previous one is used; a step commits once; retention kee
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -198,14 +199,9 @@ class PeerHoldingGroup(FakeWorkerGroup):
         return {node: held for node, held in self.held.items() if node in nodes}
 
 
-def test_a_peer_load_that_fails_is_never_tried_again_the_store_is(tmp_path: Path) -> None:
-    """Every node says it holds attempt 0's snapshot of step 26, so attempt 1 loads it from peers;
-    its ranks fail the load (a copy failed its checksum) and rank 0 says so (`restore_failed`, source
-    peer). The next attempt does not pick the same step again (until max_failures, as before): it
-    loads the store's step 20, and the timeline says why."""
-    from checkpointing.peer import Held
-    from trainer.config import state_fingerprint
-
+def _running_from_store_step_20(tmp_path: Path) -> tuple[Any, PeerHoldingGroup, RunController, LocalStore, float]:
+    """A tiny-gpt run named 'run' whose store holds step 20, stepped until its first attempt runs:
+    (spec, group, controller, store, the time reached)."""
     store = LocalStore(tmp_path)
     write_step(store, 20)
     spec = parse_spec({**yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()), "name": "run"})
@@ -215,6 +211,18 @@ def test_a_peer_load_that_fails_is_never_tried_again_the_store_is(tmp_path: Path
     while c.state is not RunState.RUNNING:
         t += 1
         c.step(t)
+    return spec, group, c, store, t
+
+
+def test_a_peer_load_that_fails_is_never_tried_again_the_store_is(tmp_path: Path) -> None:
+    """Every node says it holds attempt 0's snapshot of step 26, so attempt 1 loads it from peers;
+    its ranks fail the load (a copy failed its checksum) and rank 0 says so (`restore_failed`, source
+    peer). The next attempt does not pick the same step again (until max_failures, as before): it
+    loads the store's step 20, and the timeline says why."""
+    from checkpointing.peer import Held
+    from trainer.config import state_fingerprint
+
+    spec, group, c, store, t = _running_from_store_step_20(tmp_path)
     assert group.started[0].resume_step == 20 and group.started[0].peer_restore is None
     group.finish_steps(21, 26)
     held = Held(attempt=0, step=26, cursor=26 * 16, world_size=8, mesh={"dp": 2, "pp": 2, "tp": 2},
@@ -258,15 +266,7 @@ def test_the_steps_a_loaded_snapshot_ran_but_the_controller_never_heard_of_are_k
     from checkpointing.peer import Held
     from trainer.config import state_fingerprint
 
-    store = LocalStore(tmp_path)
-    write_step(store, 20)
-    spec = parse_spec({**yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text()), "name": "run"})
-    group = PeerHoldingGroup()
-    c = RunController(spec, spec.topology(), group, now=0.0, checkpoint_store=store)
-    t = 0.0
-    while c.state is not RunState.RUNNING:
-        t += 1
-        c.step(t)
+    spec, group, c, store, t = _running_from_store_step_20(tmp_path)
     group.finish_steps(21, 25)
     c.step(t + 0.5)
     assert [h["step"] for h in c.progress.history] == [21, 22, 23, 24, 25]
