@@ -139,11 +139,11 @@ def main() -> None:
                     regroup.append(max(run_ranks(save_then_regroup, 8, timeout_s=600, uri=uri)))
                 else:
                     spawned = time.time()
-                    fresh.append(max(run_ranks(restart, 8, timeout_s=600, uri=uri, spawned_at=spawned)))
+                    fresh.append(max(run_ranks(restart, 8, timeout_s=600, start="spawn", uri=uri, spawned_at=spawned)))
         if len(fresh) < repeat:
             evict(Path(root), torch_dir)
             spawned = time.time()
-            fresh.append(max(run_ranks(restart, 8, timeout_s=600, uri=uri, spawned_at=spawned)))
+            fresh.append(max(run_ranks(restart, 8, timeout_s=600, start="spawn", uri=uri, spawned_at=spawned)))
 
     def line(values: list[float]) -> str:
         return (f"median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f}, "

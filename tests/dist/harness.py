@@ -1,5 +1,13 @@
 """Start N rank processes that rendezvous through a TCPStore hosted by the test process (as the
-controller hosts it), run a function in each, and collect what each returns."""
+controller hosts it), run a function in each, and collect what each returns.
+
+The ranks are forked from one warm image, as goodput's own ranks are forked from their warm actor
+(controller/ray/rank_actor.py): a fork server, started once per test process, that has imported torch
+and the trainer. A spawned rank pays that import itself (about 2.4 s of CPU each, 20 s for 8 ranks
+on a 2-core machine), which measures nothing the tests are about; the fork server is a fresh
+interpreter (none of the test process's threads, Ray's included), and each rank gets the caller's
+environment and working directory as of the call. `start="spawn"` keeps a truly fresh process for a
+benchmark that measures one."""
 
 from __future__ import annotations
 
@@ -13,8 +21,24 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> None:
+WARM_IMAGE = ["torch", "torch.distributed", "trainer.train", "trainer.checkpoint", "tests.dist.harness"]
+"""What the fork server imports once, before it forks any rank."""
+
+
+def _context(start: str) -> Any:
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(WARM_IMAGE)
+    return ctx
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, kwargs: dict,
+           env: dict[str, str], cwd: str) -> None:
     import torch
+
+    os.environ.clear()  # a fork server's child has the server's environment, not the caller's
+    os.environ.update(env)
+    os.chdir(cwd)
 
     torch.set_num_threads(1)  # as the Ray workers do: one compute thread per rank (torch is imported by now,
     try:                      # so OMP_NUM_THREADS would come too late)
@@ -26,13 +50,15 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: st
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 300.0,
-              may_die: frozenset[int] = frozenset(), **kwargs: Any) -> list[Any]:
-    """Run fn(rank=, world_size=, store_port=, **kwargs) in world_size spawned processes. Ranks in
-    `may_die` may exit without a result (fault-injection tests); their result is None."""
+              may_die: frozenset[int] = frozenset(), start: str = "forkserver", **kwargs: Any) -> list[Any]:
+    """Run fn(rank=, world_size=, store_port=, **kwargs) in world_size processes (forked from the warm
+    image, or spawned: `start`). Ranks in `may_die` may exit without a result (fault-injection
+    tests); their result is None."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = _context(start)
+    env, cwd = dict(os.environ), os.getcwd()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store.port, out_dir, kwargs))
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store.port, out_dir, kwargs, env, cwd))
                  for r in range(world_size)]
         for p in procs:
             p.start()
