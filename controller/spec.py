@@ -67,6 +67,8 @@ class ModelSpec(_Strict):
     rope_theta: float = Field(default=10000.0, gt=0)
     norm_eps: float = Field(default=1e-5, gt=0)
     rope_scaling: RopeScalingSpec | None = None
+    tie_embeddings: bool = False
+    """The output projection is the embedding table (needs pp = 1)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -114,6 +114,9 @@ class ModelConfig:
     means n_heads (multi-head attention). Split across tp ranks too."""
     rope_scaling: RopeScaling | None = None
     """Llama 3.1's rotary frequency scaling; None: plain RoPE."""
+    tie_embeddings: bool = False
+    """The output projection is the token embedding table (one parameter, as Llama 3.2 1B/3B have it);
+    needs pp = 1, where one stage holds both ends of the model."""
 
     @property
     def head_dim(self) -> int:
@@ -134,7 +137,7 @@ class ModelConfig:
         d, v = self.d_model, self.vocab_size
         kv = self.kv_heads * self.head_dim
         block = 2 * d * d + 2 * d * kv + 3 * d * self.hidden_dim + 2 * d
-        return 2 * v * d + self.n_layers * block + d
+        return (1 if self.tie_embeddings else 2) * v * d + self.n_layers * block + d
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,6 +265,10 @@ class TrainerConfig:
         if m.hidden_dim % mesh.tp:
             raise ValueError(f"model.ffn_hidden = {m.hidden_dim} is not divisible by tp = {mesh.tp}")
         num_stages = mesh.pp * (t.schedule.stages_per_rank if mesh.pp > 1 else 1)
+        if m.tie_embeddings and num_stages > 1:
+            raise ValueError(f"model.tie_embeddings shares the embedding table with the output projection, which "
+                             f"live on the first and the last of {num_stages} pipeline stages here: use pp = 1 "
+                             "(tp and dp as you like), or untie them")
         if m.n_layers < num_stages:
             raise ValueError(
                 f"model.n_layers = {m.n_layers} is fewer than the {num_stages} pipeline stages "
@@ -353,7 +360,7 @@ STATE_LAYOUT = 1
 state). Raise it when a change makes older checkpoints unloadable."""
 
 
-_IDENTITY_SINCE_V1 = ("n_kv_heads", "rope_scaling")
+_IDENTITY_SINCE_V1 = ("n_kv_heads", "rope_scaling", "tie_embeddings")
 """Model fields added after runs had saved checkpoints: they enter the state identity only where they
 change the model (so the runs saved before them keep their fingerprint and stay loadable)."""
 

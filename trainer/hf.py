@@ -63,7 +63,7 @@ def hf_config(model: ModelConfig, dtype: str) -> dict[str, Any]:
         "num_hidden_layers": model.n_layers, "num_attention_heads": model.n_heads,
         "num_key_value_heads": model.kv_heads, "head_dim": model.head_dim, "vocab_size": model.vocab_size,
         "rms_norm_eps": model.norm_eps, "rope_theta": model.rope_theta, "hidden_act": "silu",
-        "max_position_embeddings": model.seq_len, "tie_word_embeddings": False, "attention_bias": False,
+        "max_position_embeddings": model.seq_len, "tie_word_embeddings": model.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "torch_dtype": dtype, "rope_scaling": None,
     }
     if model.rope_scaling is not None:
@@ -80,8 +80,7 @@ def model_from_hf_config(config: dict[str, Any], *, seq_len: int) -> ModelConfig
     ValueError naming what goodput's decoder does not have."""
     if config.get("model_type") != "llama":
         raise ValueError(f"model_type {config.get('model_type')!r}: goodput reads Llama checkpoints")
-    for key, plain in (("tie_word_embeddings", False), ("attention_bias", False), ("mlp_bias", False),
-                       ("hidden_act", "silu")):
+    for key, plain in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if config.get(key, plain) != plain:
             raise ValueError(f"{key} = {config[key]!r}: goodput's decoder has {key} = {plain!r}")
     heads = int(config["num_attention_heads"])
@@ -101,6 +100,7 @@ def model_from_hf_config(config: dict[str, Any], *, seq_len: int) -> ModelConfig
         n_kv_heads=int(config.get("num_key_value_heads") or heads), vocab_size=int(config["vocab_size"]),
         seq_len=seq_len, ffn_hidden=int(config["intermediate_size"]), rope_theta=float(rope or 10000.0),
         norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=None if scaling is None else RopeScaling(
             factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
@@ -121,7 +121,7 @@ def check_same_model(theirs: ModelConfig, ours: ModelConfig, folder: Path) -> No
     """ValueError naming every field in which a Hugging Face folder's model differs from the run's."""
     diff = [f"{name} {getattr(theirs, name)} there, {getattr(ours, name)} here"
             for name in ("n_layers", "d_model", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "rope_theta",
-                         "norm_eps", "rope_scaling") if getattr(theirs, name) != getattr(ours, name)]
+                         "norm_eps", "rope_scaling", "tie_embeddings") if getattr(theirs, name) != getattr(ours, name)]
     if diff:
         raise ValueError(f"{folder} holds another model than the run's ({'; '.join(diff)}): set model to its "
                          "shape (a preset and overrides) or point model.init.hf at the right folder")
@@ -144,6 +144,8 @@ def load_into(trainer: Any, folder: Path) -> int:
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
+                if ours.tie_embeddings and name == "lm_head.weight":
+                    continue  # a tied model's head is its embedding table (some exports write it twice)
                 where[goodput_name(name)] = path
     loaded = 0
     for part in trainer.parts:
@@ -179,5 +181,7 @@ def load_hf(folder: Path, *, seq_len: int) -> tuple[ModelConfig, dict[str, torch
     state: dict[str, torch.Tensor] = {}
     for path in files:
         for name, value in load_file(str(path)).items():
+            if model.tie_embeddings and name == "lm_head.weight":
+                continue  # a tied model's head is its embedding table (some exports write it twice)
             state[goodput_name(name)] = value
     return model, state

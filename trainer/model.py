@@ -123,7 +123,9 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # Tied: the last stage projects onto the embedding table (the same stage holds it: pp = 1).
+        self.output: nn.Linear | None = (None if cfg.tie_embeddings else
+                                         nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def keep_only(self, layer_ids: range, *, first: bool, last: bool) -> "Transformer":
@@ -131,6 +133,8 @@ class Transformer(nn.Module):
         for key in list(self.layers.keys()):
             if int(key) not in layer_ids:
                 del self.layers[key]
+        if self.cfg.tie_embeddings and not (first and last):
+            raise ValueError("model.tie_embeddings needs the whole model in one pipeline stage (pp = 1)")
         if not first:
             self.tok_embeddings = None
         if not last:
@@ -166,6 +170,9 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
+        elif self.cfg.tie_embeddings and self.norm is not None:  # the last stage, tied
+            assert self.tok_embeddings is not None
+            h = F.linear(h, self.tok_embeddings.weight)
         return h
 
 

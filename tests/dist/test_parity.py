@@ -94,6 +94,30 @@ def test_a_grouped_query_llama3_shape_matches_float64_single_process_on_a_3d_mes
         assert (grads[name] - ref).abs().max().item() < TOL, name
 
 
+def test_tied_embeddings_match_float64_single_process_on_dp_and_tp() -> None:
+    """One embedding table that is also the output projection (Llama 3.2's 1B/3B), on dp2 x tp2: its
+    gradient sums both uses, as on one process."""
+    from trainer.config import model_from_dict
+    from trainer.presets import preset_fields
+
+    model = model_from_dict({**preset_fields("llama3-tiny"), "vocab_size": 64, "seq_len": 16,
+                             "tie_embeddings": True})
+    config = TrainerConfig(model=model, data=DataConfig(seed=1),
+                           train=TrainConfig(steps=1, global_batch=8, micro_batch=1, dtype="float64", seed=3),
+                           mesh=MeshShape(dp=2, pp=1, tp=2))
+    results = [r[0] for r in run_ranks(one_step_grads, 4, configs=[config_to_dict(config)])]
+    ref_loss, ref_grads = reference_grads(config)
+    assert "output.weight" not in ref_grads
+    assert all(abs(r["loss"] - ref_loss) < TOL for r in results), ([r["loss"] for r in results], ref_loss)
+    assert all(abs(r["grad_norm"] - _norm(ref_grads)) < TOL for r in results), "the global gradient norm"
+    grads: dict[str, torch.Tensor] = {}
+    for r in results:
+        grads.update(r["grads"])
+    assert set(grads) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        assert (grads[name] - ref).abs().max().item() < TOL, name
+
+
 def test_warmup_cosine_decay_and_clipping_match_torch_on_one_process() -> None:
     """Four steps on dp2 x pp2 x tp2 with a 2-step warmup, cosine decay to 10%, the gradient clipped
     to a norm below every step's, and every block recomputing its activations: the parameters equal a float64 single process with torch's AdamW,

@@ -67,12 +67,36 @@ def test_reading_an_export_back_gives_the_same_model_and_tensors(tmp_path: Path)
     assert all(torch.equal(state[n], v) for n, v in ours.state_dict().items())
 
 
+def test_a_tied_model_round_trips_through_transformers(tmp_path: Path) -> None:
+    """Tied embeddings (Llama 3.2's 1B/3B): one table, written once; transformers ties its head to it
+    and computes the same loss; reading the folder back gives the tied model again."""
+    from transformers import LlamaForCausalLM
+
+    tied = ModelConfig(**{**MODEL.__dict__, "tie_embeddings": True})
+    ours = Transformer(tied)
+    ours.init_weights(seed=5)
+    assert "output.weight" not in ours.state_dict()
+    save_hf(tmp_path / "hf", tied, ours.state_dict(), dtype="float32")
+    theirs = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert theirs.config.tie_word_embeddings
+    assert theirs.lm_head.weight.data_ptr() == theirs.model.embed_tokens.weight.data_ptr()
+    tokens = torch.randint(0, tied.vocab_size, (3, tied.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        our_loss = float(cross_entropy(ours(tokens[:, :-1]), tokens[:, 1:]))
+        their_loss = float(F.cross_entropy(theirs(input_ids=tokens[:, :-1]).logits.flatten(0, 1).float(),
+                                           tokens[:, 1:].flatten()))
+    assert abs(our_loss - their_loss) <= 1e-4 * their_loss, (our_loss, their_loss)
+    model, state = load_hf(tmp_path / "hf", seq_len=tied.seq_len)
+    assert model == tied and state.keys() == ours.state_dict().keys()
+
+
 def test_a_config_goodput_cannot_train_is_refused_with_the_reason() -> None:
     base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}
     assert model_from_hf_config(base, seq_len=16).n_kv_heads == 2
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        model_from_hf_config({**base, "tie_word_embeddings": True}, seq_len=16)
+    assert model_from_hf_config({**base, "tie_word_embeddings": True}, seq_len=16).tie_embeddings
+    with pytest.raises(ValueError, match="attention_bias"):
+        model_from_hf_config({**base, "attention_bias": True}, seq_len=16)
     with pytest.raises(ValueError, match="rope_type llama3"):
         model_from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, seq_len=16)
     with pytest.raises(ValueError, match="model_type 'mistral'"):

@@ -36,6 +36,26 @@ def test_presets_have_the_published_parameter_counts(name: str, published: float
                                              original_max_position=8192)
 
 
+@pytest.mark.parametrize("name, published", [("llama3.2-1b", 1_235_814_400), ("llama3.2-3b", 3_212_749_824)])
+def test_tied_presets_have_the_published_parameter_counts(name: str, published: int) -> None:
+    """The counts of meta-llama/Llama-3.2-1B and -3B's safetensors (the embedding table counted once)."""
+    model = _spec({"preset": name}, pp=1).to_model_config()
+    assert model.tie_embeddings and model.num_params() == published
+    assert model.rope_scaling is not None and model.rope_scaling.factor == 32.0
+
+
+def test_tied_embeddings_need_one_pipeline_stage_and_change_the_identity() -> None:
+    piped = _spec({"preset": "llama3-tiny", "n_layers": 2, "tie_embeddings": True}, dp=1, pp=2, tp=1)
+    with pytest.raises(SpecError, match=r"tie_embeddings .* use pp = 1"):
+        piped.trainer_config(piped.fixed_mesh())  # type: ignore[arg-type]
+    tied = _spec({"preset": "llama3-tiny", "tie_embeddings": True}, dp=2, pp=1, tp=1).to_model_config()
+    untied = _spec({"preset": "llama3-tiny"}, dp=2, pp=1, tp=1).to_model_config()
+    assert state_fingerprint(tied) != state_fingerprint(untied)
+    with torch.device("meta"):
+        names = [n for n, _ in Transformer(tied).named_parameters()]
+    assert "output.weight" not in names and "tok_embeddings.weight" in names
+
+
 def test_fields_beside_a_preset_override_it_and_an_unknown_preset_names_the_known_ones() -> None:
     model = _spec({"preset": "llama3-8b", "n_layers": 2, "seq_len": 256}).to_model_config()
     assert (model.n_layers, model.seq_len, model.d_model, model.n_kv_heads) == (2, 256, 4096, 8)
