@@ -52,11 +52,17 @@ def activation_bytes(model: ModelConfig, micro_batch: int, tp: int, checkpointin
     """A block that keeps its activations holds 34 * seq * micro_batch * d_model bytes of them, split by
     tp; one that recomputes them (train.activation_checkpointing) keeps only its bf16 input, 2 * seq *
     micro_batch * d_model bytes on every tp rank, and one block's full activations live again while
-    it recomputes."""
-    full = 34 * model.seq_len * micro_batch * model.d_model / tp
-    kept_input = 2 * model.seq_len * micro_batch * model.d_model
-    recomputing = sum(recomputes(checkpointing, i) for i in range(model.n_layers))
-    keeping = model.n_layers - recomputing
+    it recomputes. A provider's model says its own bytes per token (ModelNumbers)."""
+    tokens = model.seq_len * micro_batch
+    if model.provider is not None:
+        numbers = model.known_numbers()
+        full = numbers.activation_bytes_per_token * tokens / tp
+        kept_input = numbers.input_bytes_per_token * tokens
+    else:
+        full = 34 * tokens * model.d_model / tp
+        kept_input = 2 * tokens * model.d_model
+    recomputing = sum(recomputes(checkpointing, i) for i in range(model.layers))
+    keeping = model.layers - recomputing
     return int(keeping * full + recomputing * kept_input + (full if recomputing else 0))
 
 
@@ -110,7 +116,7 @@ def plan_mesh(model: ModelConfig, train: TrainConfig, topology: Topology, *,
     per_step = train.global_batch // train.micro_batch if train.global_batch % train.micro_batch == 0 else 0
     batch_dps = _divisors(per_step) if per_step else []
     for tp in _divisors(gpus_per_node):
-        for pp in range(1, model.n_layers + 1):
+        for pp in range(1, model.layers + 1):
             if tp * pp > total_gpus:
                 break
             # The largest dp that the batch allows and the GPUs hold.
@@ -119,8 +125,10 @@ def plan_mesh(model: ModelConfig, train: TrainConfig, topology: Topology, *,
             if dp and _fits_shape(model, train, MeshShape(dp=dp, pp=pp, tp=tp)):
                 candidates.append(MeshShape(dp=dp, pp=pp, tp=tp))
     if not candidates:
+        shape = (f"{model.provider}: tp width {model.known_numbers().tp_width}" if model.provider is not None
+                 else f"heads {model.n_heads}")
         raise PlanError(f"no (dp, tp, pp) on {total_gpus} GPUs ({gpus_per_node} per node) divides the "
-                        f"model (heads {model.n_heads}, layers {model.n_layers}) and the batch "
+                        f"model ({shape}, layers {model.layers}) and the batch "
                         f"(global {train.global_batch}, micro {train.micro_batch})")
     # Least model parallelism first; tp before pp; then the most dp.
     candidates.sort(key=lambda m: (m.tp * m.pp, m.pp, -m.dp))

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from checkpointing.store import ObjectStore, StoreError, open_store
 from controller.drills import DrillKind, params_problem
 from trainer.config import (
-    DataConfig, MeshShape, ModelConfig, ProbeConfig, RopeScaling, Schedule, TrainConfig, TrainerConfig,
+    DataConfig, MeshShape, ModelConfig, ModelNumbers, ProbeConfig, RopeScaling, Schedule, TrainConfig, TrainerConfig,
 )
 
 if TYPE_CHECKING:
@@ -51,14 +51,32 @@ class ModelInitSpec(_Strict):
     """A Hugging Face Llama folder (config.json + safetensors), at this path on every node."""
 
 
+class ModelNumbersSpec(_Strict):
+    """ModelNumbers: asked of a provider where its code can be imported (controller/providers.py),
+    never taken from a user."""
+    n_layers: int = Field(gt=0)
+    parameters: int = Field(gt=0)
+    flops_per_token: float = Field(gt=0)
+    activation_bytes_per_token: float = Field(ge=0)
+    input_bytes_per_token: float = Field(ge=0)
+    tp_width: int = Field(default=1, gt=0)
+
+
 class ModelSpec(_Strict):
     """The model's shape: every field, or a `preset` (trainer/presets.py) and the fields that differ;
-    `init: {hf: DIR}` starts a new run from a Hugging Face checkpoint of that shape."""
+    `init: {hf: DIR}` starts a new run from a Hugging Face checkpoint of that shape. Or a model of
+    one's own: `provider: package.module:function` (installed in the image; trainer/provider.py),
+    its `args`, and the `vocab_size` and `seq_len` the data must have."""
     preset: str | None = None
     init: ModelInitSpec | None = None
-    n_layers: int = Field(gt=0)
-    d_model: int = Field(gt=0)
-    n_heads: int = Field(gt=0)
+    provider: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """`package.module:function`: returns the model's provider (trainer/provider.py's contract)."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """The provider function's keyword arguments (JSON values)."""
+    numbers: ModelNumbersSpec | None = None
+    n_layers: int = Field(default=0, ge=0)
+    d_model: int = Field(default=0, ge=0)
+    n_heads: int = Field(default=0, ge=0)
     vocab_size: int = Field(gt=1, le=262144)
     seq_len: int = Field(gt=0)
     ffn_hidden: int = Field(default=0, ge=0)
@@ -82,6 +100,24 @@ class ModelSpec(_Strict):
         except ValueError as e:
             raise ValueError(str(e)) from None
         return {**fields, **raw}
+
+    @model_validator(mode="after")
+    def _decoder_or_provider(self) -> "ModelSpec":
+        if self.provider is None:
+            missing = [name for name in ("n_layers", "d_model", "n_heads") if not getattr(self, name)]
+            if missing:
+                raise ValueError(f"model needs {', '.join(missing)} (> 0), a preset, or a provider of your own")
+            if self.args or self.numbers is not None:
+                raise ValueError("model.args go with model.provider (goodput's own decoder takes its fields)")
+            return self
+        mixed = [name for name in ("preset", "init", "n_layers", "d_model", "n_heads", "ffn_hidden", "n_kv_heads",
+                                   "rope_scaling") if getattr(self, name)] + (["tie_embeddings"] if self.tie_embeddings
+                                                                               else [])
+        if mixed:
+            raise ValueError(f"model.provider {self.provider} builds its own model: {', '.join(mixed)} belong to "
+                             "goodput's decoder (give the provider its shape in model.args; the data needs "
+                             "vocab_size and seq_len)")
+        return self
 
 
 class DatasetSpec(_Strict):
@@ -310,8 +346,10 @@ class RunSpec(_Strict):
         return self
 
     def to_model_config(self) -> ModelConfig:
-        fields = self.model.model_dump(exclude={"preset", "init"})
+        fields = self.model.model_dump(exclude={"preset", "init", "args"})
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"]) if fields["rope_scaling"] else None
+        fields["numbers"] = ModelNumbers(**fields["numbers"]) if fields["numbers"] else None
+        fields["provider_args"] = tuple(sorted(self.model.args.items()))
         return ModelConfig(**fields)
 
     def to_train_config(self) -> TrainConfig:

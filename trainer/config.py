@@ -92,6 +92,25 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ModelNumbers:
+    """What the planner needs of a model it cannot count itself (a provider's: trainer/provider.py).
+    Pure numbers: the controller plans with them without importing the model's code."""
+
+    n_layers: int
+    """Pipeline units: stages take contiguous ranges of them (pp * stages per rank <= n_layers)."""
+    parameters: int
+    """Every parameter of the whole model (the planner's static memory: 16 bytes each)."""
+    flops_per_token: float
+    """Training FLOPs per token, forward and backward (6 x parameters for a dense decoder, plus attention)."""
+    activation_bytes_per_token: float
+    """Bytes one layer keeps for its backward per token at tp = 1 in bf16 (divided by tp)."""
+    input_bytes_per_token: float
+    """Bytes of one layer's input per token: what a layer that recomputes its activations keeps."""
+    tp_width: int = 1
+    """Tensor parallelism must divide this (the attention heads, say); 1: the model has no TP plan."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     n_layers: int
     """Transformer blocks."""
@@ -117,6 +136,14 @@ class ModelConfig:
     tie_embeddings: bool = False
     """The output projection is the token embedding table (one parameter, as Llama 3.2 1B/3B have it);
     needs pp = 1, where one stage holds both ends of the model."""
+    provider: str | None = None
+    """`package.module:function` of a model of the user's own (trainer/provider.py); None: goodput's
+    decoder, shaped by the fields above (a provider's model uses only vocab_size and seq_len of them)."""
+    provider_args: tuple[tuple[str, object], ...] = ()
+    """Keyword arguments of the provider's function."""
+    numbers: ModelNumbers | None = None
+    """A provider model's numbers, asked of it before planning (controller/providers.py); derived, so
+    not part of the state identity."""
 
     @property
     def head_dim(self) -> int:
@@ -132,8 +159,22 @@ class ModelConfig:
             return self.ffn_hidden
         return -(-8 * self.d_model // 3 // 32) * 32
 
+    @property
+    def layers(self) -> int:
+        """Pipeline units: goodput's blocks, or a provider's layers."""
+        return self.known_numbers().n_layers if self.provider is not None else self.n_layers
+
+    def known_numbers(self) -> ModelNumbers:
+        """A provider model's numbers; ValueError if nobody asked it for them yet."""
+        if self.numbers is None:
+            raise ValueError(f"model.provider {self.provider}: its numbers were not asked of it before planning "
+                             "(controller/providers.py does, where the model's code can be imported)")
+        return self.numbers
+
     def num_params(self) -> int:
         """Parameter count, used by the planner's memory model."""
+        if self.provider is not None:
+            return self.known_numbers().parameters
         d, v = self.d_model, self.vocab_size
         kv = self.kv_heads * self.head_dim
         block = 2 * d * d + 2 * d * kv + 3 * d * self.hidden_dim + 2 * d
@@ -247,6 +288,31 @@ class TrainerConfig:
                 f"dp*pp*tp = {mesh.dp}*{mesh.pp}*{mesh.tp} = {mesh.world_size} "
                 f"but there are {world_size} GPU slots to run on"
             )
+        if m.provider is not None:
+            numbers = m.known_numbers()
+            if numbers.tp_width % mesh.tp:
+                raise ValueError(f"model.provider {m.provider}: tp = {mesh.tp} does not divide its tensor-parallel "
+                                 f"width {numbers.tp_width} (use a divisor of it)")
+        else:
+            self._validate_decoder()
+        if self.data.kind == "tokens" and m.vocab_size > 65536:
+            raise ValueError(f"model.vocab_size = {m.vocab_size} does not fit data.kind = 'tokens' (a uint16 file "
+                             "holds ids below 65,536)")
+        num_stages = mesh.pp * (t.schedule.stages_per_rank if mesh.pp > 1 else 1)
+        if m.tie_embeddings and num_stages > 1:
+            raise ValueError(f"model.tie_embeddings shares the embedding table with the output projection, which "
+                             f"live on the first and the last of {num_stages} pipeline stages here: use pp = 1 "
+                             "(tp and dp as you like), or untie them")
+        if m.layers < num_stages:
+            raise ValueError(
+                f"model.n_layers = {m.layers} is fewer than the {num_stages} pipeline stages "
+                f"(pp = {mesh.pp}, schedule {t.schedule.value})"
+            )
+        self._validate_batch_and_train()
+
+    def _validate_decoder(self) -> None:
+        """goodput's own decoder: its shape against the mesh."""
+        m, mesh = self.model, self.mesh
         if m.d_model % m.n_heads:
             raise ValueError(f"model.d_model = {m.d_model} is not divisible by n_heads = {m.n_heads}")
         if m.head_dim % 2:
@@ -259,21 +325,11 @@ class TrainerConfig:
         if m.kv_heads % mesh.tp:
             raise ValueError(f"model.n_kv_heads = {m.kv_heads} is not divisible by tp = {mesh.tp}: each tp rank "
                              f"needs whole key/value heads (use tp <= {m.kv_heads}, a divisor of it)")
-        if self.data.kind == "tokens" and m.vocab_size > 65536:
-            raise ValueError(f"model.vocab_size = {m.vocab_size} does not fit data.kind = 'tokens' (a uint16 file "
-                             "holds ids below 65,536)")
         if m.hidden_dim % mesh.tp:
             raise ValueError(f"model.ffn_hidden = {m.hidden_dim} is not divisible by tp = {mesh.tp}")
-        num_stages = mesh.pp * (t.schedule.stages_per_rank if mesh.pp > 1 else 1)
-        if m.tie_embeddings and num_stages > 1:
-            raise ValueError(f"model.tie_embeddings shares the embedding table with the output projection, which "
-                             f"live on the first and the last of {num_stages} pipeline stages here: use pp = 1 "
-                             "(tp and dp as you like), or untie them")
-        if m.n_layers < num_stages:
-            raise ValueError(
-                f"model.n_layers = {m.n_layers} is fewer than the {num_stages} pipeline stages "
-                f"(pp = {mesh.pp}, schedule {t.schedule.value})"
-            )
+
+    def _validate_batch_and_train(self) -> None:
+        m, t, mesh = self.model, self.train, self.mesh
         per_step = mesh.dp * t.micro_batch
         if t.micro_batch < 1 or t.global_batch % per_step:
             raise ValueError(
@@ -337,6 +393,9 @@ def model_from_dict(raw: dict) -> ModelConfig:
     model = dict(raw)
     if model.get("rope_scaling") is not None:
         model["rope_scaling"] = RopeScaling(**model["rope_scaling"])
+    if model.get("numbers") is not None:
+        model["numbers"] = ModelNumbers(**model["numbers"])
+    model["provider_args"] = tuple((str(k), v) for k, v in model.get("provider_args", ()))
     return ModelConfig(**model)
 
 
@@ -360,7 +419,7 @@ STATE_LAYOUT = 1
 state). Raise it when a change makes older checkpoints unloadable."""
 
 
-_IDENTITY_SINCE_V1 = ("n_kv_heads", "rope_scaling", "tie_embeddings")
+_IDENTITY_SINCE_V1 = ("n_kv_heads", "rope_scaling", "tie_embeddings", "provider", "provider_args")
 """Model fields added after runs had saved checkpoints: they enter the state identity only where they
 change the model (so the runs saved before them keep their fingerprint and stay loadable)."""
 
@@ -369,6 +428,7 @@ def state_identity(model: ModelConfig) -> dict:
     """What shapes a run's saved state: the model, the optimizer and the layout rules (not the mesh,
     which a load reshards, nor the schedule of steps, batch or learning rate, which a resume may change)."""
     fields = asdict(model)
+    del fields["numbers"]  # what the planner was told of a provider's model, not the model
     if model.kv_heads == model.n_heads:
         fields["n_kv_heads"] = 0  # the same model, however it is written
     for name in _IDENTITY_SINCE_V1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,13 +18,19 @@ from checkpointing.store import ObjectStore
 from trainer.config import ModelConfig, state_fingerprint, state_identity
 
 
+def whole_model(model: ModelConfig) -> tuple[Any, torch.nn.Module]:
+    """The model's provider and its whole model as one stage (under the caller's device context)."""
+    from trainer.provider import load_provider
+
+    provider = load_provider(model)
+    return provider, provider.build_stage(range(model.layers), first=True, last=True)
+
+
 def load_full_model(store: ObjectStore, run_id: str, model: ModelConfig, step: int | None = None
                     ) -> tuple[int, dict[str, torch.Tensor]]:
     """(step, full parameters by goodput's names, float32) of a run's committed checkpoint; the
     newest verified one when `step` is None. CheckpointError says what is wrong."""
     import torch.distributed.checkpoint as dcp
-
-    from trainer.model import Transformer
 
     if step is None:
         found = latest_verified(store, run_id)
@@ -35,7 +42,7 @@ def load_full_model(store: ObjectStore, run_id: str, model: ModelConfig, step: i
         verify(store, manifest)
     check_identity(manifest, state_fingerprint(model), state_identity(model), store.uri)
     with torch.device("meta"):
-        shapes = {name: (p.shape, p.dtype) for name, p in Transformer(model).named_parameters()}
+        shapes = {name: (p.shape, p.dtype) for name, p in whole_model(model)[1].named_parameters()}
     prefix = step_prefix(run_id, manifest.step)
     with tempfile.TemporaryDirectory(prefix="goodput-export-") as tmp:
         for rel in manifest.files:
@@ -50,6 +57,10 @@ def export_hf(store: ObjectStore, run_id: str, model: ModelConfig, out: Path, *,
     """Write the run's checkpoint as a Hugging Face folder at `out`; the step exported."""
     from trainer.hf import save_hf
 
+    if model.provider is not None:
+        raise ValueError(f"goodput export writes Hugging Face Llama folders of goodput's own decoder; model.provider "
+                         f"{model.provider} has its own layout: read its checkpoint by parameter name "
+                         "(trainer/export.py load_full_model), or goodput eval it")
     exported, state = load_full_model(store, run_id, model, step)
     save_hf(out, model, state, dtype=dtype)
     return exported
@@ -69,18 +80,15 @@ def text_windows(text: str, tokenizer_path: Path, seq_len: int) -> torch.Tensor:
 
 @torch.no_grad()
 def mean_loss(model: ModelConfig, state: dict[str, torch.Tensor], windows: torch.Tensor, *, batch: int = 8) -> float:
-    """Mean next-token cross-entropy over every predicted token of every window (seq_len - 1 each)."""
-    import torch.nn.functional as F
-
-    from trainer.model import Transformer
-
-    net = Transformer(model)
+    """Mean next-token loss (the model's own: cross-entropy for goodput's decoder) over every predicted
+    token of every window (seq_len - 1 each)."""
+    provider, net = whole_model(model)
     net.load_state_dict(state)
     net.eval()
     total, count = 0.0, 0
     for start in range(0, len(windows), batch):
         rows = windows[start:start + batch]
-        logits = net(rows[:, :-1]).float()
-        total += float(F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum"))
-        count += rows[:, 1:].numel()
+        predicted = rows[:, 1:].numel()
+        total += float(provider.loss(net(rows[:, :-1]).float(), rows[:, 1:])) * predicted  # a mean: weigh it
+        count += predicted
     return total / count

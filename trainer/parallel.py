@@ -3,6 +3,8 @@
 - TP: `torch.distributed.tensor.parallel` (column-wise q/k/v and w1/w3, row-wise wo and w2);
 - PP: the model cut into stages for `torch.distributed.pipelining`;
 - DP: FSDP2 `fully_shard` over `dp` (HSDP over a 2-D dp mesh when replicas are asked for).
+
+The model's stages come from its provider (trainer/provider.py), goodput's decoder included.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from trainer.config import MeshShape, ModelConfig, TrainerConfig, recomputes
-from trainer.model import Block, Transformer
+from trainer.config import MeshShape, TrainerConfig, recomputes
+from trainer.model import Transformer
+from trainer.provider import ModelProvider, Parallelism, is_sharded_root, load_provider
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -118,19 +122,6 @@ def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]
     return [pp_rank + v * pp for v in range(stages_per_rank)]
 
 
-def build_stage_model(cfg: ModelConfig, stage: int, num_stages: int, seed: int, device: torch.device,
-                      dtype: torch.dtype) -> Transformer:
-    """One pipeline stage, built on the meta device, materialised and initialised on `device`."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    layers = stage_layer_ranges(cfg.n_layers, num_stages)[stage]
-    model.keep_only(layers, first=stage == 0, last=stage == num_stages - 1)
-    model.to_empty(device=device)
-    model.to(dtype)
-    model.init_weights(seed)
-    return model
-
-
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Megatron-style TP inside each block; embeddings, norms and the head stay replicated."""
     for block in model.layers.values():
@@ -149,43 +140,41 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         )
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, choice: DeviceChoice, *, pipelined: bool) -> None:
-    """FSDP2 per block and at the stage root; a 2-D dp mesh makes it HSDP."""
-    mp = MixedPrecisionPolicy(param_dtype=choice.compute_dtype, reduce_dtype=choice.param_dtype)
-    # Under a pipeline schedule each block runs forward several times before its backward:
-    # keeping the gathered parameters avoids an all-gather per micro-batch.
-    reshard = not pipelined
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-
-
 def dp_mesh_of(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
     if shape.dp_replicas > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp"]
 
 
-def build_model_parts(config: TrainerConfig, mesh: DeviceMesh, choice: DeviceChoice) -> tuple[list[Transformer], list[int], int]:
-    """The stage modules this rank owns, their stage ids and the total number of stages."""
-    shape = config.mesh
-    per_rank = config.train.schedule.stages_per_rank if shape.pp > 1 else 1
+def build_model_parts(config: TrainerConfig, mesh: DeviceMesh, choice: DeviceChoice,
+                      provider: ModelProvider | None = None) -> tuple[list[nn.Module], list[int], int]:
+    """The stage modules this rank owns, their stage ids and the total number of stages, built by the
+    model's provider (trainer/provider.py): on the meta device, materialised on `choice.device`,
+    initialised by parameter name, then parallelised."""
+    provider = provider or load_provider(config.model)
+    shape, train = config.mesh, config.train
+    per_rank = train.schedule.stages_per_rank if shape.pp > 1 else 1
     num_stages = shape.pp * per_rank
-    pp_rank = mesh["pp"].get_local_rank()
-    stage_ids = stage_ids_for_rank(pp_rank, shape.pp, per_rank)
+    stage_ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), shape.pp, per_rank)
+    plan = Parallelism(
+        tp_mesh=mesh["tp"] if shape.tp > 1 else None, dp_mesh=dp_mesh_of(mesh, shape),
+        mp_policy=MixedPrecisionPolicy(param_dtype=choice.compute_dtype, reduce_dtype=choice.param_dtype),
+        # Under a pipeline schedule each layer runs forward several times before its backward:
+        # keeping the gathered parameters avoids an all-gather per micro-batch.
+        reshard_after_forward=shape.pp == 1,
+        recompute=lambda layer: recomputes(train.activation_checkpointing, layer), compile=train.compile)
     parts = []
+    ranges = stage_layer_ranges(config.model.layers, num_stages)
     for stage in stage_ids:
-        part = build_stage_model(config.model, stage, num_stages, config.train.seed, choice.device,
-                                 choice.param_dtype)
-        for index, block in part.layers.items():
-            assert isinstance(block, Block)
-            block.recompute = recomputes(config.train.activation_checkpointing, int(index))
-        if shape.tp > 1:
-            apply_tp(part, mesh["tp"])
-        if config.train.compile:  # in place, per block (as TorchTitan does): parameter names stay as they are
-            for block in part.layers.values():
-                block.compile()
-        apply_fsdp(part, dp_mesh_of(mesh, shape), choice, pipelined=shape.pp > 1)
+        with torch.device("meta"):
+            part = provider.build_stage(ranges[stage], first=stage == 0, last=stage == num_stages - 1)
+        part.to_empty(device=choice.device)
+        part.to(choice.param_dtype)
+        provider.init_weights(part, train.seed)
+        provider.parallelize(part, plan)
+        if not is_sharded_root(part):
+            raise ValueError(f"model.provider {config.model.provider}: parallelize() left the stage without FSDP at "
+                             "its root (call plan.fully_shard(part, layers))")
         parts.append(part)
     return parts, stage_ids, num_stages
 

@@ -25,9 +25,9 @@ from torch.distributed.pipelining.schedules import (
 
 from trainer.config import Schedule, TrainerConfig
 from trainer.data import build_source, check_pure, local_sample_ids
-from trainer.model import cross_entropy
 from trainer.optim import clip_to, global_grad_norm, set_learning_rate
 from trainer.parallel import DeviceChoice, build_model_parts
+from trainer.provider import load_provider
 from trainer.probes import ComputeClock, Probes, spin
 from trainer.report import ReportSink, StepReport
 from trainer.switches import DrillSwitches
@@ -43,7 +43,8 @@ class Trainer:
         self.attempt = attempt
         self.rank = dist.get_rank()
         self.dp_rank = mesh["dp"].get_local_rank()
-        self.parts, self.stage_ids, num_stages = build_model_parts(config, mesh, choice)
+        self.provider = load_provider(config.model)
+        self.parts, self.stage_ids, num_stages = build_model_parts(config, mesh, choice, self.provider)
         self.is_first = 0 in self.stage_ids
         self.is_last = num_stages - 1 in self.stage_ids
         # One optimizer per stage module: DCP's optimizer state dict is per module. On a GPU the fused
@@ -80,9 +81,9 @@ class Trainer:
         n_micro = self.config.num_microbatches()
         schedule = self.config.train.schedule
         if schedule is Schedule.INTERLEAVED_1F1B:
-            return ScheduleInterleaved1F1B(stages, n_microbatches=n_micro, loss_fn=cross_entropy)
+            return ScheduleInterleaved1F1B(stages, n_microbatches=n_micro, loss_fn=self.provider.loss)
         single = Schedule1F1B if schedule is Schedule.ONE_F_ONE_B else ScheduleGPipe
-        return single(stages[0], n_microbatches=n_micro, loss_fn=cross_entropy)
+        return single(stages[0], n_microbatches=n_micro, loss_fn=self.provider.loss)
 
     def local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of this dp rank for the step starting at `self.cursor`."""
@@ -108,7 +109,7 @@ class Trainer:
         for i, (inp, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
             # FSDP reduces gradients only after the last micro-batch.
             model.set_requires_gradient_sync(i == n_micro - 1)  # type: ignore[operator]
-            loss = cross_entropy(model(inp), tgt) / n_micro
+            loss = self.provider.loss(model(inp), tgt) / n_micro
             loss.backward()
             total += loss.detach().double()
         return total

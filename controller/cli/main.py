@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from controller.cli.client import DEFAULT_HOST, DEFAULT_PORT
 from controller.cli.local import (DEFAULT_API, checkpoints_from_store, cmd_dashboards_push, cmd_k8s_node_labels,
@@ -215,6 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_model_numbers(spec: Any) -> Any:
+    """A provider model's numbers (the checkpoint's reader builds the model): CliError if it cannot be had."""
+    from controller.providers import with_model_numbers
+    from controller.spec import SpecError
+
+    try:
+        return with_model_numbers(spec)
+    except SpecError as e:
+        raise CliError(str(e)) from None
+
+
 def cmd_eval(opts: argparse.Namespace) -> int:
     import json
 
@@ -223,7 +234,7 @@ def cmd_eval(opts: argparse.Namespace) -> int:
     from controller.spec import checkpoint_store, load_spec
     from trainer.export import load_full_model, mean_loss, text_windows
 
-    spec = load_spec(opts.spec)
+    spec = _with_model_numbers(load_spec(opts.spec))
     model = spec.to_model_config()
     tokenizer = opts.tokenizer
     if tokenizer is None:
@@ -256,11 +267,11 @@ def cmd_export(opts: argparse.Namespace) -> int:
     from controller.spec import checkpoint_store, load_spec
     from trainer.export import export_hf
 
-    spec = load_spec(opts.spec)
+    spec = _with_model_numbers(load_spec(opts.spec))
     try:
         step = export_hf(checkpoint_store(spec, probe=False), spec.name, spec.to_model_config(), opts.hf,
                          step=opts.step, dtype=opts.dtype)
-    except (CheckpointError, StoreError) as e:
+    except (CheckpointError, StoreError, ValueError) as e:
         raise CliError(str(e)) from None
     print(f"{opts.hf}: step {step} of run {spec.name!r} as a Hugging Face Llama model ({opts.dtype})")
     return 0

@@ -36,6 +36,9 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
     from controller.ray.drills import RayDrillInjector
     from controller.ray.worker_group import RayWorkerGroup
 
+    from controller.providers import with_model_numbers
+
+    spec = with_model_numbers(spec)
     store = checkpoint_store(spec)
     group = RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s, warm=warm_workers)
 

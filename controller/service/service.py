@@ -32,6 +32,7 @@ from controller.service.nodes import Cluster, NodeActions, ServiceNodes
 from controller.service.registry import Registry
 from controller.service.restore import Carried, carry_on
 from controller.service.scheduler import BEHIND_EARLIER, Verdict
+from controller.providers import with_model_numbers
 from controller.spec import RunSpec, SpecError, parse_spec
 from controller.attempt import WorkerGroup
 from controller.placement import Placement
@@ -467,6 +468,7 @@ class Service:
 
     def _new_controller(self, spec: RunSpec, run_id: str, group: WorkerGroup, store: Any, *,
                         created_at: float) -> RunController:
+        spec = with_model_numbers(spec)  # a registry's spec holds what the user wrote, not the numbers
         return RunController(spec, self.nodes.usable(), group, now=created_at, checkpoint_store=store, run_id=run_id,
                              injector=self._injector(group), topology_source=functools.partial(self._own_view, run_id),
                              own_checkpoints_only=self.accept_submissions)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import psutil
@@ -22,12 +24,21 @@ def _ray_children() -> list[psutil.Process]:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[LocalRayCluster]:
+    # A user's model and data code is installed in the image of every node (README, "Your model, your
+    # data"); here it is this checkout's (examples/, tests/support/), which the nodes' processes find
+    # on PYTHONPATH, inherited from here.
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + ([saved] if saved else []))
     cluster = LocalRayCluster(LocalClusterSpec(nodes=5, gpus_per_node=2, racks=2, spares=0))
     cluster.start()
     try:
         yield cluster
     finally:
         cluster.shutdown()
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     left = [p for p in _ray_children() if p.is_running()]
     for p in left:
         try:

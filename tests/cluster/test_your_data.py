@@ -2,7 +2,10 @@
 become a dataset (`goodput tokenize`), a Llama-3-shaped model trains on it on dp2 x pp2 with a
 learning-rate schedule and clipping, survives a kill-node drill (healed from peers), and its
 checkpoint leaves as a Hugging Face folder (`goodput export`) on which `goodput eval` gives the loss
-transformers' LlamaForCausalLM gives on the same windows (1e-4 relative: the independent reference)."""
+transformers' LlamaForCausalLM gives on the same windows (1e-4 relative: the independent reference).
+And a model of one's own (examples/gpt2_provider.py, through trainer/provider.py's contract) does
+the same on the cluster: trains on dp2 x pp2 x tp2, heals a kill-node from peers, ends where the same
+run without the drill ends."""
 
 from __future__ import annotations
 
@@ -99,3 +102,49 @@ def test_text_to_trained_model_to_hugging_face_and_back(ray_cluster: LocalRayClu
     assert result["step"] == 14 and result["windows"] == len(windows)
     assert abs(result["loss"] - reference) <= 1e-4 * reference, (result, reference)
     assert result["loss"] < history[0]["loss"] - 1.0, "the exported model knows the text"
+
+
+def test_a_model_of_your_own_trains_and_heals_on_the_cluster(ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
+    from controller.providers import with_model_numbers
+    from controller.spec import parse_spec
+    from tests.dist.harness import run_ranks
+    from tests.dist.reshard import load_on_mesh
+    from trainer.config import MeshShape, config_to_dict
+
+    def spec(name: str, drills: list[dict]) -> dict:
+        return {
+            "name": name,
+            "model": {"provider": "examples.gpt2_provider:build", "args": {"n_layers": 4, "d_model": 64, "n_heads": 4},
+                      "vocab_size": 64, "seq_len": 32},
+            "data": {"kind": "synthetic", "seed": 0},
+            "train": {"steps": 12, "global_batch": 8, "micro_batch": 2, "lr": 1e-2},
+            "parallelism": {"dp": 2, "pp": 2, "tp": 2},
+            "cluster": {"local": {"nodes": 5, "gpus_per_node": 2, "racks": 2, "spares": 1}},
+            "checkpoint": {"uri": f"file://{tmp_path}", "every_steps": 6, "keep": 3, "peer_every_steps": 1},
+            "health": {"collective_timeout_s": 6, "hang_floor_s": 10},
+            "drills": drills,
+        }
+
+    try:
+        c = drive(parse_spec(spec("mine", [{"kind": "kill-node", "at_step": 4}])), ray_cluster)
+    finally:
+        for n in range(5):
+            if f"node-{n}" not in ray_cluster._nodes:  # noqa: SLF001 - the test owns the fixture cluster
+                ray_cluster.add_node(n)
+    assert c.state is RunState.SUCCEEDED, c.error
+    (drill,) = c.to_dict(0)["drills"]
+    assert drill["outcome"] == "recovered" and drill["restored_from"] == "peer", drill
+    planned = c.events.of_kind("planned")[0].detail
+    assert planned["memory_per_gpu_bytes"] > 0  # planned with the provider's own numbers
+    straight = drive(parse_spec(spec("straight", [])), ray_cluster)
+    assert straight.state is RunState.SUCCEEDED, straight.error
+    one_process = config_to_dict(with_model_numbers(parse_spec(spec("straight", []))).trainer_config(MeshShape()))
+
+    def final(run_id: str) -> dict[str, torch.Tensor]:  # the step-12 checkpoint reassembled on one process
+        (loaded,) = run_ranks(load_on_mesh, 1, config=one_process, uri=f"file://{tmp_path}", step=12, run_id=run_id)
+        return loaded["state"]
+
+    mine, reference = final("mine"), final("straight")
+    assert set(mine) == set(reference) and any(k.endswith("attn.q.bias") for k in mine)
+    for key, value in reference.items():
+        assert torch.equal(mine[key], value), f"{key} differs from the run without the drill"

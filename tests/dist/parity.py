@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.config import TrainerConfig, config_from_dict
-from trainer.model import Transformer, cross_entropy
 from trainer.data import build_source
+from trainer.provider import load_provider
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -46,12 +46,20 @@ def one_step_grads(*, rank: int, world_size: int, store_port: int, configs: list
     return out
 
 
+def whole_model(cfg: TrainerConfig) -> tuple[Any, torch.nn.Module]:
+    """The model's provider and its whole model in float64 on one process, initialised as training does."""
+    provider = load_provider(cfg.model)
+    model = provider.build_stage(range(cfg.model.layers), first=True, last=True).double()
+    provider.init_weights(model, cfg.train.seed)
+    return provider, model
+
+
 def reference_grads(cfg: TrainerConfig) -> tuple[float, dict[str, torch.Tensor]]:
-    """Single process, float64, the whole global batch at once: the independent reference."""
-    model = Transformer(cfg.model).double()
-    model.init_weights(cfg.train.seed)
+    """Single process, float64, the whole global batch at once, the whole model in plain torch (its
+    provider's one stage of every layer: goodput's decoder or a user's): the independent reference."""
+    provider, model = whole_model(cfg)
     rows = torch.from_numpy(build_source(cfg.data, cfg.model).batch(range(cfg.train.global_batch)))
-    loss = cross_entropy(model(rows[:, :-1]), rows[:, 1:])
+    loss = provider.loss(model(rows[:, :-1]), rows[:, 1:])
     loss.backward()
     return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -78,14 +86,13 @@ def reference_training(cfg: TrainerConfig) -> tuple[dict[str, torch.Tensor], lis
     clip_grad_norm_, the learning rate set by hand from the schedule: the parameters after
     train.steps steps, and the gradient norm of each step (before clipping)."""
     t = cfg.train
-    model = Transformer(cfg.model).double()
-    model.init_weights(t.seed)
+    provider, model = whole_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     source = build_source(cfg.data, cfg.model)
     norms = []
     for step in range(1, t.steps + 1):
         rows = torch.from_numpy(source.batch(range((step - 1) * t.global_batch, step * t.global_batch)))
-        cross_entropy(model(rows[:, :-1]), rows[:, 1:]).backward()
+        provider.loss(model(rows[:, :-1]), rows[:, 1:]).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))))
         for group in opt.param_groups:
             group["lr"] = t.lr_at(step)
