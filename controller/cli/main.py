@@ -199,13 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     tok.set_defaults(func=cmd_tokenize)
     export = sub.add_parser("export", help="a run's checkpoint as a Hugging Face Llama folder (safetensors + "
                                            "config.json) that transformers loads")
-    export.add_argument("spec", help="the run's spec file: its name and checkpoint.uri say where the checkpoints are")
+    export.add_argument("spec", metavar="RUN", help="a run of the service (GOODPUT_URL; its checkpoints are read "
+                        "directly from their store), or a run's spec file (its name and checkpoint.uri)")
     export.add_argument("--hf", required=True, type=Path, help="the folder to write")
     export.add_argument("--step", type=int, help="the step to export (default: the newest that verifies)")
     export.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
     export.set_defaults(func=cmd_export)
     ev = sub.add_parser("eval", help="mean next-token loss of a run's checkpoint on a text file")
-    ev.add_argument("spec", help="the run's spec file (its name and checkpoint.uri)")
+    ev.add_argument("spec", metavar="RUN", help="a run of the service (GOODPUT_URL), or a run's spec file")
     ev.add_argument("--text", required=True, type=Path, help="a UTF-8 text file, tokenized whole")
     ev.add_argument("--step", type=int, help="the step (default: the newest that verifies)")
     ev.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one the run's data.uri was "
@@ -226,15 +227,36 @@ def _with_model_numbers(spec: Any) -> Any:
         raise CliError(str(e)) from None
 
 
+def _checkpointed_run(ref: str) -> tuple[Any, str, Any]:
+    """(spec, run id, checkpoint store) of `ref`: a spec file, or a run of the service, whose spec and
+    checkpoint store the API gives; the checkpoints themselves are read from the store, as `goodput
+    checkpoints --uri` reads them."""
+    from checkpointing.store import StoreError, open_store
+    from controller.cli.remote import api
+    from controller.spec import SpecError, checkpoint_store, load_spec, parse_spec
+
+    path = Path(ref)
+    if path.is_file() or path.suffix in (".yaml", ".yml", ".json") or os.sep in ref:
+        spec = _with_model_numbers(load_spec(path))
+        return spec, spec.name, checkpoint_store(spec, probe=False)
+    with api() as client:
+        run = client.call("GET", f"/v1/runs/{ref}")
+        raw = client.call("GET", f"/v1/runs/{ref}/spec")
+    try:
+        spec = _with_model_numbers(parse_spec(raw))
+        return spec, run["id"], open_store(run["checkpoint_uri"] or spec.checkpoint.uri)
+    except (SpecError, StoreError) as e:
+        raise CliError(f"run {ref}: {e}") from None
+
+
 def cmd_eval(opts: argparse.Namespace) -> int:
     import json
 
     from checkpointing.manifest import CheckpointError
     from checkpointing.store import StoreError
-    from controller.spec import checkpoint_store, load_spec
     from trainer.export import load_full_model, mean_loss, text_windows
 
-    spec = _with_model_numbers(load_spec(opts.spec))
+    spec, run_id, store = _checkpointed_run(opts.spec)
     model = spec.to_model_config()
     tokenizer = opts.tokenizer
     if tokenizer is None:
@@ -247,16 +269,16 @@ def cmd_eval(opts: argparse.Namespace) -> int:
         tokenizer = Path(DatasetManifest.read(open_store(sets[0][0])).tokenizer["file"])
     try:
         windows = text_windows(opts.text.read_text(encoding="utf-8"), tokenizer, model.seq_len)
-        step, state = load_full_model(checkpoint_store(spec, probe=False), spec.name, model, opts.step)
+        step, state = load_full_model(store, run_id, model, opts.step)
     except (CheckpointError, StoreError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
     loss = mean_loss(model, state, windows)
-    out = {"run": spec.name, "step": step, "loss": loss, "windows": len(windows), "tokens": int(windows.numel()),
+    out = {"run": run_id, "step": step, "loss": loss, "windows": len(windows), "tokens": int(windows.numel()),
            "predicted": int(windows[:, 1:].numel())}
     if opts.json:
         print(json.dumps(out))
     else:
-        print(f"run {spec.name!r} step {step}: mean loss {loss:.4f} nats over {out['predicted']:,} predicted tokens "
+        print(f"run {run_id!r} step {step}: mean loss {loss:.4f} nats over {out['predicted']:,} predicted tokens "
               f"({len(windows)} windows of {model.seq_len})")
     return 0
 
@@ -264,16 +286,14 @@ def cmd_eval(opts: argparse.Namespace) -> int:
 def cmd_export(opts: argparse.Namespace) -> int:
     from checkpointing.manifest import CheckpointError
     from checkpointing.store import StoreError
-    from controller.spec import checkpoint_store, load_spec
     from trainer.export import export_hf
 
-    spec = _with_model_numbers(load_spec(opts.spec))
+    spec, run_id, store = _checkpointed_run(opts.spec)
     try:
-        step = export_hf(checkpoint_store(spec, probe=False), spec.name, spec.to_model_config(), opts.hf,
-                         step=opts.step, dtype=opts.dtype)
+        step = export_hf(store, run_id, spec.to_model_config(), opts.hf, step=opts.step, dtype=opts.dtype)
     except (CheckpointError, StoreError, ValueError) as e:
         raise CliError(str(e)) from None
-    print(f"{opts.hf}: step {step} of run {spec.name!r} as a Hugging Face Llama model ({opts.dtype})")
+    print(f"{opts.hf}: step {step} of run {run_id!r} as a Hugging Face Llama model ({opts.dtype})")
     return 0
 
 

@@ -162,6 +162,11 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     def get_run(run_id: str = run_id_param) -> dict[str, Any]:
         return service.run(run_id)
 
+    @app.get("/v1/runs/{run_id}/spec", dependencies=auth, responses=_errors(401, 404, 422))
+    def get_spec(run_id: str = run_id_param) -> dict[str, Any]:
+        """The run's spec as the service holds it (a resume's, if one changed it)."""
+        return service.spec(run_id)
+
     @app.get("/v1/runs/{run_id}/events", dependencies=auth, responses=_errors(401, 404, 422))
     def get_events(run_id: str = run_id_param,
                    after: int = Query(-1, ge=-1, le=2**31, description="events after this seq"),

@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 from checkpointing.store import anchored
 from controller.errors import ServiceError
-from controller.providers import with_model_numbers
 from controller.spec import RunSpec, SpecError, parse_spec
 
 MAX_SPEC_BYTES = 64 * 1024
@@ -55,7 +54,7 @@ def parse_limited(raw: Any) -> RunSpec:
     if size > MAX_SPEC_BYTES:
         raise ServiceError("spec_too_large", f"the run spec is {size} bytes; at most {MAX_SPEC_BYTES}")
     try:
-        spec = with_model_numbers(parse_spec(raw))  # a provider the service cannot import is refused here
+        spec = parse_spec(raw)
     except SpecError as e:
         raise ServiceError("invalid_spec", str(e)) from None
     if len(spec.name) > MAX_RUN_ID - 8:

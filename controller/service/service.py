@@ -140,7 +140,12 @@ class Service:
         return self.add(parse_submission(raw, relative_root=self.relative_root))
 
     def add(self, spec: RunSpec) -> dict[str, Any]:
-        """Queue a validated spec; the Run object (pending)."""
+        """Queue a validated spec; the Run object (pending). A provider model is asked for its numbers
+        first: one this service cannot import is refused (invalid_spec, saying what to install)."""
+        try:
+            spec = with_model_numbers(spec)
+        except SpecError as e:
+            raise ServiceError("invalid_spec", str(e)) from None
         with self.lock:
             candidates = free_ids(spec.name, ID_CANDIDATES, self._id_taken)
         # Asks the store, never under the service lock. goodput serve: a submission is a new run, so its
@@ -190,6 +195,10 @@ class Service:
         """Kept steps after step `after`: {step, loss, attempt, start, end}."""
         self._live(run_id)
         return self.registry.history(run_id, after=after, limit=limit)
+
+    def spec(self, run_id: str) -> dict[str, Any]:
+        """The run's spec as its controller holds it, less what the service asked of a provider."""
+        return self._live(run_id).controller.spec.model_dump(mode="json", exclude={"model": {"numbers"}})
 
     def attempts(self, run_id: str) -> list[dict[str, Any]]:
         self._live(run_id)

@@ -78,6 +78,15 @@ def test_submit_drill_and_watch_a_run_to_the_end(service: Serve, tmp_path: Path)
     assert re.search(r"svc-a\s+succeeded\s+200/200", table), table
     cluster = service.cli("status", "svc-a").stdout
     assert "svc-a: succeeded, step 200" in cluster
+    # goodput export RUN: the spec from the service, the checkpoint straight from its store; the same
+    # weights as exporting through the spec file
+    by_run = service.cli("export", "svc-a", "--hf", str(tmp_path / "by-run"), "--dtype", "float32").stdout
+    assert "step 200 of run 'svc-a'" in by_run, by_run
+    service.cli("export", str(tmp_path / "a.yaml"), "--hf", str(tmp_path / "by-file"), "--dtype", "float32")
+    assert (tmp_path / "by-run" / "model.safetensors").read_bytes() == \
+        (tmp_path / "by-file" / "model.safetensors").read_bytes()
+    missing = service.cli("export", "svc-nope", "--hf", str(tmp_path / "none"), ok=False)
+    assert missing.returncode != 0 and "svc-nope" in missing.stderr, missing.stderr
 
 
 def test_two_runs_that_do_not_fit_together_queue_and_both_succeed(service: Serve, tmp_path: Path) -> None:

@@ -155,6 +155,21 @@ def test_unknown_run_ended_run_and_unknown_drill() -> None:
     assert api.get(f"/v1/drills/{scheduled['id']}").json()["outcome"] == "not_injected"
 
 
+def test_a_runs_spec_is_served_as_the_service_holds_it() -> None:
+    """What `goodput export/eval RUN` read: the spec, without the numbers the service asked of a
+    provider (the service had them before it planned)."""
+    model = {"provider": "examples.gpt2_provider:build", "args": {"n_layers": 4, "d_model": 64, "n_heads": 4},
+             "vocab_size": 128, "seq_len": 32}
+    c, _, _, service, _ = live_run(model=model)
+    assert c.spec.model.numbers is not None and c.plan is not None
+    api = TestClient(create_app(service))
+    served = api.get("/v1/runs/tiny-gpt/spec").json()
+    assert {k: served["model"][k] for k in model} == model and "numbers" not in served["model"]
+    assert parse_spec(served).model_dump(exclude={"model": {"numbers"}}) == \
+        c.spec.model_dump(exclude={"model": {"numbers"}})
+    assert api.get("/v1/runs/nope/spec").status_code == 404
+
+
 def test_token_guards_everything_but_healthz() -> None:
     _, _, _, service, live = live_run()
     api = TestClient(create_app(service, token="s3cret"))

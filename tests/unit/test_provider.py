@@ -102,9 +102,16 @@ def test_a_spec_that_mixes_a_provider_with_the_decoders_fields_is_refused(model:
     ("tests.support.providers:bad_numbers", {}, "not trainer.config.ModelNumbers"),
 ])
 def test_a_provider_that_cannot_be_had_is_refused_at_the_services_door(provider: str, args: dict, error: str) -> None:
+    from controller.service.registry import Registry
+    from controller.service.service import Service
+    from tests.unit.fakes import FakeCluster, FakeWorkerGroup
+
+    spec = parse_limited(raw_spec({"provider": provider, "args": args, "vocab_size": 300, "seq_len": 32}))
+    service = Service(Registry("sqlite://"), FakeCluster(spec.topology()), group_factory=lambda *_: FakeWorkerGroup(),
+                      threads=False)
     with pytest.raises(ServiceError, match=error) as refused:
-        parse_limited(raw_spec({"provider": provider, "args": args, "vocab_size": 300, "seq_len": 32}))
-    assert refused.value.code == "invalid_spec"
+        service.add(spec)
+    assert refused.value.code == "invalid_spec" and not service.runs()
 
 
 def test_a_rank_refuses_a_stage_its_provider_left_without_fsdp() -> None:
