@@ -3,9 +3,10 @@ user's own through trainer/provider.py's contract (examples/gpt2_provider.py, a 
 learned positions, LayerNorm with biases, GELU, biased projections), and goodput's Llama 3 shape with
 grouped-query attention and scaled RoPE on tokenized text (a dataset `goodput tokenize` wrote).
 Against independent references: four steps equal the same model trained by torch's AdamW on one
-float64 process; a run interrupted at a checkpoint and resumed ends bit-identical to an uninterrupted
-one, and the checkpoint loads onto one process bit-identical; a flipped bit is caught before its
-update and the rank named."""
+float64 process, and so do two steps on dp2 then two resumed on dp1 (a shrink keeps the global batch
+and the data position); a run interrupted at a checkpoint and resumed ends bit-identical to an
+uninterrupted one, and the checkpoint loads onto one process bit-identical; a flipped bit is caught
+before its update and the rank named."""
 
 from __future__ import annotations
 
@@ -110,6 +111,46 @@ def test_a_resume_is_bit_identical_and_the_checkpoint_reshards_to_one_process(
     assert set(one["state"]) == set(saved) and any(k.endswith("exp_avg_sq") for k in saved)
     for key, value in saved.items():
         assert torch.equal(one["state"][key], value), f"{key} differs on one process"
+
+
+def run_phase(*, rank: int, world_size: int, store_port: int, config: dict, root: str,
+              resume_step: int | None) -> dict:
+    """Train to config's train.steps through the worker entry point (checkpoints every 2 steps),
+    resuming from `resume_step`'s checkpoint if given; the full parameters at the end."""
+    from tests.dist.parity import full
+    from trainer.config import config_from_dict
+    from trainer.report import ListSink
+    from trainer.worker import WorkerArgs, run_worker
+
+    out: dict = {}
+
+    def grab(trainer, report) -> None:  # type: ignore[no-untyped-def]
+        if trainer.step == trainer.config.train.steps:
+            out.update({n: full(p).detach().clone() for part in trainer.parts for n, p in part.named_parameters()})
+
+    run_worker(WorkerArgs(rank=rank, world_size=world_size, store_host="127.0.0.1", store_port=store_port,
+                          store_prefix=f"phase-{resume_step}", config=config_from_dict(config), run_id="shrunk",
+                          attempt=0 if resume_step is None else 1, resume_step=resume_step, checkpoint_every=2,
+                          checkpoint_uri=f"file://{root}", staging_dir=f"{root}/staging"),
+               ListSink(), grab)
+    return out
+
+
+def test_a_shrink_keeps_the_global_batch_and_the_data_position(case: tuple[ModelConfig, DataConfig],
+                                                               tmp_path: Path) -> None:
+    """Two steps on dp2 x pp2 x tp2, then the checkpoint resumed on dp1 x pp2 x tp2 (a replica lost):
+    the same samples per step, so the four steps equal one float64 process's (1e-9)."""
+    full = config(case, MeshShape(dp=2, pp=2, tp=2), dtype="float64", micro_batch=2)
+    ref_params, _ = reference_training(full)
+    first = dataclasses.replace(full, train=dataclasses.replace(full.train, steps=2))
+    run_ranks(run_phase, 8, config=config_to_dict(first), root=str(tmp_path), resume_step=None)
+    shrunk = dataclasses.replace(full, mesh=MeshShape(dp=1, pp=2, tp=2))
+    per_rank = run_ranks(run_phase, 4, config=config_to_dict(shrunk), root=str(tmp_path), resume_step=2)
+    assert set().union(*per_rank) == set(ref_params)
+    for params in per_rank:
+        for name, value in params.items():
+            err = (value - ref_params[name]).abs().max().item()
+            assert err < TOL, f"{name} differs by {err}"
 
 
 def flip_rank(*, rank: int, world_size: int, store_port: int, config: dict, flip: int) -> dict:
