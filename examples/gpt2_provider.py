@@ -118,7 +118,7 @@ class GPT2Provider:
         layer = 4 * (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d) + 4 * d  # attn, fc, proj, two norms
         parameters = v * d + s.seq_len * d + s.n_layers * layer + 2 * d + v * d
         return ModelNumbers(n_layers=s.n_layers, parameters=parameters,
-                            flops_per_token=6 * parameters + 6 * s.n_layers * s.seq_len * d,
+                            flops_per_token=6 * parameters + 12 * s.n_layers * s.seq_len * d,
                             activation_bytes_per_token=34 * d, input_bytes_per_token=2 * d, tp_width=s.n_heads)
 
     def build_stage(self, layers: range, *, first: bool, last: bool) -> nn.Module:

@@ -101,7 +101,8 @@ class ModelNumbers:
     parameters: int
     """Every parameter of the whole model (the planner's static memory: 16 bytes each)."""
     flops_per_token: float
-    """Training FLOPs per token, forward and backward (6 x parameters for a dense decoder, plus attention)."""
+    """Training FLOPs per token, forward and backward (6 x parameters for a dense decoder, plus attention's
+    12 x layers x width x seq_len)."""
     activation_bytes_per_token: float
     """Bytes one layer keeps for its backward per token at tp = 1 in bf16 (divided by tp)."""
     input_bytes_per_token: float

@@ -93,7 +93,7 @@ class Decoder:
 
     def numbers(self) -> ModelNumbers:
         m = self.model
-        attention = 6 * m.n_layers * m.seq_len * m.d_model  # QK^T and AV, forward and backward
+        attention = 12 * m.n_layers * m.seq_len * m.d_model  # QK^T and AV, forward and backward (PaLM)
         return ModelNumbers(n_layers=m.n_layers, parameters=m.num_params(),
                             flops_per_token=6 * m.num_params() + attention,
                             activation_bytes_per_token=34 * m.d_model, input_bytes_per_token=2 * m.d_model,
