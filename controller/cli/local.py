@@ -134,10 +134,35 @@ def _run_torchrun(spec: Any, opts: argparse.Namespace) -> int:
     return 0
 
 
+def _model_numbers(spec: Any) -> Any:
+    """A provider model's numbers, asked of its code (goodput plan and simulate plan with them)."""
+    from controller.providers import with_model_numbers
+    from controller.spec import SpecError
+
+    try:
+        return with_model_numbers(spec)
+    except SpecError as e:
+        raise CliError(str(e)) from None
+
+
+def _with_provider_numbers(raw: Any) -> Any:
+    """`raw` with its provider's numbers written in (a sweep parses each variant of it again)."""
+    from controller.spec import SpecError, parse_spec
+
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if not isinstance(model, dict) or not model.get("provider"):
+        return raw
+    try:
+        numbers = _model_numbers(parse_spec(raw)).model.numbers
+    except SpecError as e:
+        raise CliError(str(e)) from None
+    return {**raw, "model": {**model, "numbers": numbers.model_dump()}}
+
+
 def cmd_plan(opts: argparse.Namespace) -> int:
     from controller.planner import plan_local
 
-    spec = load_spec(opts.spec)
+    spec = _model_numbers(load_spec(opts.spec))
     if spec.cluster.address:
         raise CliError("goodput plan reads cluster.local; for a live cluster submit the run instead")
     plan, placement = plan_local(spec)
@@ -242,6 +267,7 @@ def cmd_simulate(opts: argparse.Namespace) -> int:
         raw = _yaml.safe_load(Path(opts.spec).read_text())
     except (OSError, _yaml.YAMLError) as e:
         raise CliError(f"cannot read {opts.spec}: {e}") from None
+    raw = _with_provider_numbers(raw)
     started = time.perf_counter()
     if opts.sweep:
         rows = sweep(raw, [parse_sweep(s) for s in opts.sweep], days=opts.days, seed=opts.seed, fill_dp=opts.fill)

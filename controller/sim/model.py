@@ -125,12 +125,15 @@ class CostModel:
         return dict(self.__dict__)
 
 
-def cost_model(spec: Any, *, params: int, gpus: int, gpus_per_node: int) -> CostModel:
-    """The spec's cost model, defaults filled in from the model size and the cluster."""
+def cost_model(spec: Any, *, params: int, gpus: int, gpus_per_node: int,
+               flops_per_token: float | None = None) -> CostModel:
+    """The spec's cost model, defaults filled in from the model size and the cluster (a provider
+    model's own FLOPs per token where it says them, else 6 x parameters)."""
     c = spec.cost
     tokens = spec.train.global_batch * spec.model.seq_len
     tflops = c.gpu_tflops or DEFAULT_GPU_TFLOPS
-    step = c.step_s if c.step_s is not None else 6.0 * params * tokens / (gpus * tflops * 1e12)
+    per_token = flops_per_token if flops_per_token is not None else 6.0 * params
+    step = c.step_s if c.step_s is not None else per_token * tokens / (gpus * tflops * 1e12)
     per_gpu = BYTES_PER_PARAM * params / max(gpus, 1)
     return CostModel(
         step_s=step,

@@ -67,8 +67,10 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
     topology = spare_topology(sim)
     cluster = SimCluster(topology, clock)
     plan, _ = plan_run(spec, topology)
-    params = spec.to_model_config().num_params()
-    cost = cost_model(spec, params=params, gpus=plan.mesh.world_size, gpus_per_node=sim.gpus_per_node)
+    model = spec.to_model_config()
+    params = model.num_params()
+    cost = cost_model(spec, params=params, gpus=plan.mesh.world_size, gpus_per_node=sim.gpus_per_node,
+                      flops_per_token=model.known_numbers().flops_per_token if model.provider else None)
     failures = spec.failures or FailureModelSpec()
     horizon = (days if days is not None else DEFAULT_DAYS) * 86400.0
     planned = incidents(failures, [n.name for n in topology.nodes], horizon_s=horizon, seed=seed)

@@ -160,3 +160,37 @@ def test_eval_reads_a_providers_model_and_export_says_it_writes_llama_only(tmp_p
     assert abs(mean_loss(model, net.state_dict(), windows, batch=2) - expected) < 1e-5
     with pytest.raises(ValueError, match="Llama folders of goodput's own decoder"):
         export_hf(LocalStore(tmp_path), "mine", model, tmp_path / "hf")
+
+
+def test_plan_and_simulate_ask_a_provider_and_simulate_charges_its_flops(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`goodput simulate` times a step from the provider's own FLOPs per token (not 6 x parameters);
+    `goodput plan` plans with its numbers."""
+    import json
+
+    from controller.cli.main import build_parser
+    from controller.sim.model import DEFAULT_GPU_TFLOPS
+
+    args = {"n_layers": 4, "d_model": 64, "n_heads": 4}
+    spec = {"name": "mine", "model": {"provider": PROVIDER, "args": args, "vocab_size": 300, "seq_len": 32},
+            "train": {"steps": 200, "global_batch": 8, "micro_batch": 1},
+            "parallelism": {"dp": 2, "tp": 2, "pp": 2},
+            "cluster": {"simulated": {"nodes": 4, "gpus_per_node": 2, "racks": 1, "spares": 0}},
+            "checkpoint": {"uri": "sim://", "every_steps": 50, "keep": 2}, "failures": {}}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(spec))
+
+    def cli(*argv: str) -> dict:
+        opts = build_parser().parse_args(list(argv))
+        assert opts.func(opts) == 0
+        return json.loads(capsys.readouterr().out)
+
+    result = cli("simulate", str(path), "--days", "0.01", "--json")
+    numbers = ask_numbers(gpt2(**args))
+    assert result["params"] == numbers.parameters
+    expected = numbers.flops_per_token * 8 * 32 / (8 * DEFAULT_GPU_TFLOPS * 1e12)
+    assert result["cost_model"]["step_s"] == pytest.approx(expected, rel=1e-9)
+    assert numbers.flops_per_token > 6 * numbers.parameters, "attention counted: not the 6N default"
+    local = {**spec, "cluster": {"local": {"nodes": 4, "gpus_per_node": 2, "racks": 1, "spares": 0}}}
+    path.write_text(yaml.safe_dump(local))
+    assert cli("plan", str(path), "--json")["mesh"] == {"dp": 2, "pp": 2, "tp": 2}
