@@ -108,7 +108,8 @@ class ModelSpec(_Strict):
             if missing:
                 raise ValueError(f"model needs {', '.join(missing)} (> 0), a preset, or a provider of your own")
             if self.args or self.numbers is not None:
-                raise ValueError("model.args go with model.provider (goodput's own decoder takes its fields)")
+                raise ValueError("model.args and model.numbers go with model.provider (goodput's own decoder takes "
+                                 "its fields)")
             return self
         mixed = [name for name in ("preset", "init", "n_layers", "d_model", "n_heads", "ffn_hidden", "n_kv_heads",
                                    "rope_scaling") if getattr(self, name)] + (["tie_embeddings"] if self.tie_embeddings

@@ -85,7 +85,7 @@ def test_a_spec_names_a_provider_and_the_controller_asks_it_for_its_numbers() ->
     ({"provider": PROVIDER, "preset": "llama3-tiny"}, "preset"),
     ({"provider": "examples/gpt2_provider.py", "vocab_size": 300, "seq_len": 32}, "provider"),
     ({"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16, "args": {"x": 1}},
-     "model.args go with model.provider"),
+     "model.args and model.numbers go with model.provider"),
     ({"vocab_size": 64, "seq_len": 16}, "model needs n_layers, d_model, n_heads"),
 ])
 def test_a_spec_that_mixes_a_provider_with_the_decoders_fields_is_refused(model: dict, error: str) -> None:
