@@ -92,6 +92,12 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def seeded(seed: int, name: str) -> torch.Generator:
+    """The generator a parameter named `name` is initialised from (CPU; draw, then copy to the device):
+    a function of (seed, name) alone, whichever stage, rank or mesh holds the parameter."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -150,7 +156,7 @@ class Transformer(nn.Module):
         equals the matching slice of a single-process model.
         """
         for name, param in self.named_parameters():
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            gen = seeded(seed, name)
             if name.endswith("norm.weight"):
                 values = torch.ones(param.shape, dtype=torch.float64)
             else:

@@ -14,7 +14,7 @@ with:
   `torch.device("meta")`. Parameter names are global: a parameter has the same name whichever stage,
   rank or mesh holds it (a checkpoint reshards by name).
 - `init_weights(part, seed)`: every parameter from a generator seeded by (seed, its name) alone
-  (`seeded` below), so that a stage equals the matching slice of a one-process model.
+  (`seeded`), so that a stage equals the matching slice of a one-process model.
 - `parallelize(part, plan: Parallelism)`: apply tensor parallelism on `plan.tp_mesh` (if not None),
   activation checkpointing where `plan.recompute(layer)` says, and FSDP2 (`plan.fully_shard(part,
   units)`: each unit, then the stage root). Parameter names must stay as they are.
@@ -28,7 +28,6 @@ it), or draw randomness anywhere but from `seeded` generators. goodput's own dec
 from __future__ import annotations
 
 import importlib
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
@@ -38,11 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer.config import ModelConfig, ModelNumbers
-
-
-def seeded(seed: int, name: str) -> torch.Generator:
-    """The generator a parameter named `name` is initialised from (CPU; draw, then copy to the device)."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+from trainer.model import Block, Transformer, cross_entropy
+from trainer.model import seeded as seeded  # part of the contract: a provider initialises from it
 
 
 @dataclass(frozen=True)
@@ -100,19 +96,14 @@ class Decoder:
                             tp_width=m.kv_heads)
 
     def build_stage(self, layers: range, *, first: bool, last: bool) -> nn.Module:
-        from trainer.model import Transformer
-
         return Transformer(self.model).keep_only(layers, first=first, last=last)
 
     def init_weights(self, part: nn.Module, seed: int) -> None:
-        from trainer.model import Transformer
-
         assert isinstance(part, Transformer)
         part.init_weights(seed)
 
     def parallelize(self, part: nn.Module, plan: Parallelism) -> None:
-        from trainer.model import Block, Transformer
-        from trainer.parallel import apply_tp
+        from trainer.parallel import apply_tp  # (trainer.parallel builds through this module)
 
         assert isinstance(part, Transformer)
         for index, block in part.layers.items():
@@ -126,8 +117,6 @@ class Decoder:
         plan.fully_shard(part, part.layers.values())
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        from trainer.model import cross_entropy
-
         return cross_entropy(output, targets)
 
 

@@ -101,3 +101,28 @@ def test_training_goes_on_through_a_failed_save(bucket: str, s3_server: S3Server
     failed = [d["step"] for k, d in events if k == "checkpoint_failed"]
     assert committed == [2, 6] and failed == [4]
     assert committed_steps(open_store(uri), "outage") == [2, 6]
+
+
+def test_a_dataset_tokenized_to_s3_reads_back_as_the_same_windows(bucket: str, tmp_path: Path) -> None:
+    """`goodput tokenize --out s3://...` writes what a run's ShardSource reads from the store: the same
+    windows, sample by sample, as the same text tokenized to a local folder."""
+    from tests.unit.test_tokenize import EOS, TEXTS, _files
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from trainer.shards import DatasetManifest, ShardSource
+    from trainer.tokenize import tokenize
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXTS * 20, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    files = _files(tmp_path / "in")
+    on_s3, local = f"s3://{bucket}/datasets/mine", f"file://{tmp_path / 'local'}"
+    written = tokenize(files, tmp_path / "tokenizer.json", on_s3, field_name="body", shard_tokens=40)
+    tokenize(files, tmp_path / "tokenizer.json", local, field_name="body", shard_tokens=40)
+    assert len(written.shards) > 1 and DatasetManifest.read(open_store(on_s3)).tokens == written.tokens
+    ids = [0, 5, 11, 40, 3]
+    remote = ShardSource([(on_s3, 1.0)], seed=2, seq_len=8, vocab_size=300).batch(ids)
+    assert (remote == ShardSource([(local, 1.0)], seed=2, seq_len=8, vocab_size=300).batch(ids)).all()
