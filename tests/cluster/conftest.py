@@ -1,4 +1,5 @@
-"""One embedded Ray cluster shared by the cluster tier (each start costs ~10-15 s here)."""
+"""One embedded Ray cluster shared by the cluster tier (each start costs ~10-15 s here), and one S3-protocol
+server; both end with the tier (package scope), so the dist and unit tiers after it run on a quiet machine."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _ray_children() -> list[psutil.Process]:
             if any(n in " ".join(p.cmdline() or [p.name()]) for n in names) and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[LocalRayCluster]:
     # A user's model and data code is installed in the image of every node (README, "Your model, your
     # data"); here it is this checkout's (examples/, tests/support/), which the nodes' processes find
@@ -49,7 +50,7 @@ def ray_cluster() -> Iterator[LocalRayCluster]:
     assert not still, f"processes left behind by the cluster: {still}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["S3Server"]:
     """moto in server mode on 127.0.0.1 behind a fault-injecting proxy; AWS_* env points at it so
     spawned rank processes see it too."""

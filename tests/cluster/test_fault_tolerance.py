@@ -340,14 +340,20 @@ def test_twenty_kill_node_drills_at_random_offsets_all_heal_from_peers(ray_clust
     reports = c.to_dict(0)["drills"]
     seen = "; ".join(f"step {r['at_step']}: {r['outcome']} {r.get('error') or ''} {r.get('cause')} "
                      f"{r.get('decision')} from {r.get('restored_from')}, {r.get('steps_lost')} lost" for r in reports)
-    if c.state is not RunState.CANCELLED:  # what happened, for a failure seen only in CI
+    why = [a.detail.get("peer_unusable") for a in c.events.of_kind("attempt_started")]
+    healed = (c.state is RunState.CANCELLED and len(reports) == 20
+              and all(r["outcome"] == "recovered" for r in reports)
+              and [r["restored_from"] for r in reports] == ["peer"] * 20
+              and [r["steps_lost"] for r in reports] == [0] * 20)
+    if not healed:  # what happened, for a failure seen only in CI (a drill's report alone does not say why)
         t0 = c.events.since(0)[0].time
         for e in c.events.since(0):
             if e.kind not in ("checkpoint_interval", "peer_snapshots"):
-                print(f"{e.time - t0:7.1f} a{e.attempt} {e.kind} {json.dumps(e.detail, default=str)[:300]}")
+                print(f"{e.time - t0:7.1f} a{e.attempt} {e.kind} {json.dumps(e.detail, default=str)[:600]}")
+        for report in reports:
+            print(json.dumps(report, default=str)[:600])
     assert c.state is RunState.CANCELLED, (c.error, c.progress.step, requested, seen)
     assert len(reports) == 20 and all(r["outcome"] == "recovered" for r in reports), seen
-    why = [a.detail.get("peer_unusable") for a in c.events.of_kind("attempt_started")]
-    assert [r["restored_from"] for r in reports] == ["peer"] * 20, (seen, why, injector.offsets)
-    assert [r["steps_lost"] for r in reports] == [0] * 20, (seen, injector.offsets)
+    assert [r["restored_from"] for r in reports] == ["peer"] * 20, (why, injector.offsets, seen)
+    assert [r["steps_lost"] for r in reports] == [0] * 20, (injector.offsets, seen)
     assert {a.detail["mesh"]["dp"] for a in c.events.of_kind("attempt_started")} == {2}, "never shrank"
