@@ -85,8 +85,7 @@ def test_probes_in_real_steps(mesh: MeshShape, flip: int) -> None:
     world = mesh.world_size
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         pytest.skip(f"{world} ranks need {world} GPUs (NCCL allows one rank per GPU)")
-    # Spawned, as this test was calibrated: its bounds are on each rank's own CPU time per step.
-    results = run_ranks(probe_rank, world, start="spawn", config=cfg(mesh), flip_rank=flip)
+    results = run_ranks(probe_rank, world, config=cfg(mesh), flip_rank=flip)
     for rank, r in enumerate(results):
         assert r["same_as_without_probes"], "probes must not change the numbers"
         assert r["error"] is not None and f"ranks [{flip}]" in r["error"], r["error"]
