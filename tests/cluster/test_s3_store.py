@@ -106,18 +106,13 @@ def test_training_goes_on_through_a_failed_save(bucket: str, s3_server: S3Server
 def test_a_dataset_tokenized_to_s3_reads_back_as_the_same_windows(bucket: str, tmp_path: Path) -> None:
     """`goodput tokenize --out s3://...` writes what a run's ShardSource reads from the store: the same
     windows, sample by sample, as the same text tokenized to a local folder."""
-    from tests.unit.test_tokenize import EOS, TEXTS, _files
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tests.support.text import train_tokenizer
+    from tests.unit.test_tokenize import TEXTS, _files
 
     from trainer.shards import DatasetManifest, ShardSource
     from trainer.tokenize import tokenize
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXTS * 20, trainer=trainers.BpeTrainer(
-        vocab_size=300, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(tmp_path / "tokenizer.json"))
+    train_tokenizer(TEXTS * 20, tmp_path / "tokenizer.json")
     files = _files(tmp_path / "in")
     on_s3, local = f"s3://{bucket}/datasets/mine", f"file://{tmp_path / 'local'}"
     written = tokenize(files, tmp_path / "tokenizer.json", on_s3, field_name="body", shard_tokens=40)

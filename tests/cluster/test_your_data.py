@@ -27,6 +27,13 @@ pytestmark = pytest.mark.cluster
 WORDS = ("node", "rank", "step", "loss", "shard", "peer", "drill", "spare", "mesh", "token", "heal", "store")
 
 
+def bring_back_nodes(cluster: LocalRayCluster) -> None:
+    """Start again the fixture cluster's nodes a kill-node drill ended."""
+    for n in range(5):
+        if f"node-{n}" not in cluster._nodes:  # noqa: SLF001 - the test owns the fixture cluster
+            cluster.add_node(n)
+
+
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     from controller.cli.main import build_parser
 
@@ -39,7 +46,7 @@ def test_text_to_trained_model_to_hugging_face_and_back(ray_cluster: LocalRayClu
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     import random
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tests.support.text import train_tokenizer
     from transformers import LlamaForCausalLM
 
     from trainer.export import text_windows
@@ -50,12 +57,7 @@ def test_text_to_trained_model_to_hugging_face_and_back(ray_cluster: LocalRayClu
     corpus.mkdir()
     for part in range(3):
         (corpus / f"part{part}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[part::3]))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainer=trainers.BpeTrainer(vocab_size=300, special_tokens=["<|end_of_text|>"],
-                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(tmp_path / "tokenizer.json"))
+    train_tokenizer(docs, tmp_path / "tokenizer.json")
 
     # 1. goodput tokenize
     data = f"file://{tmp_path / 'data'}"
@@ -79,9 +81,7 @@ def test_text_to_trained_model_to_hugging_face_and_back(ray_cluster: LocalRayClu
     try:
         c = drive(spec, ray_cluster)
     finally:
-        for n in range(5):
-            if f"node-{n}" not in ray_cluster._nodes:  # noqa: SLF001 - the test owns the fixture cluster
-                ray_cluster.add_node(n)
+        bring_back_nodes(ray_cluster)
     assert c.state is RunState.SUCCEEDED, c.error
     (drill,) = c.to_dict(0)["drills"]
     assert drill["outcome"] == "recovered" and drill["restored_from"] == "peer", drill
@@ -128,9 +128,7 @@ def test_a_model_of_your_own_trains_and_heals_on_the_cluster(ray_cluster: LocalR
     try:
         c = drive(parse_spec(spec("mine", [{"kind": "kill-node", "at_step": 4}])), ray_cluster)
     finally:
-        for n in range(5):
-            if f"node-{n}" not in ray_cluster._nodes:  # noqa: SLF001 - the test owns the fixture cluster
-                ray_cluster.add_node(n)
+        bring_back_nodes(ray_cluster)
     assert c.state is RunState.SUCCEEDED, c.error
     (drill,) = c.to_dict(0)["drills"]
     assert drill["outcome"] == "recovered" and drill["restored_from"] == "peer", drill

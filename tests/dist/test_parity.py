@@ -31,6 +31,28 @@ def _norm(grads: dict[str, torch.Tensor]) -> float:
     return float(torch.nn.utils.get_total_norm(list(grads.values()), 2.0))
 
 
+def assert_same_grads(results: list[dict], ref_grads: dict[str, torch.Tensor]) -> None:
+    """Every rank's global gradient norm, and the full gradients the ranks hold together, equal the
+    reference's (TOL)."""
+    assert all(abs(r["grad_norm"] - _norm(ref_grads)) < TOL for r in results), "the global gradient norm"
+    grads: dict[str, torch.Tensor] = {}
+    for r in results:
+        grads.update(r["grads"])
+    assert set(grads) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        assert (grads[name] - ref).abs().max().item() < TOL, name
+
+
+def assert_same_params(per_rank: list[dict[str, torch.Tensor]], ref_params: dict[str, torch.Tensor],
+                       tol: float = TOL) -> None:
+    """The parameters the ranks hold together are the reference's, each to `tol`."""
+    assert set().union(*per_rank) == set(ref_params)
+    for params in per_rank:
+        for name, value in params.items():
+            err = (value - ref_params[name]).abs().max().item()
+            assert err < tol, f"{name} differs by {err}"
+
+
 @pytest.mark.parametrize("mesh", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)],
                          ids=lambda m: "dp%d-pp%d-tp%d" % m)
 def test_one_step_matches_float64_single_process(mesh: tuple[int, int, int]) -> None:
@@ -61,13 +83,7 @@ def test_hsdp_matches_float64_single_process() -> None:
     results = [r[0] for r in run_ranks(one_step_grads, 8, configs=[config_to_dict(config)])]
     ref_loss, ref_grads = reference_grads(config)
     assert all(abs(r["loss"] - ref_loss) < TOL for r in results)
-    assert all(abs(r["grad_norm"] - _norm(ref_grads)) < TOL for r in results), "the global gradient norm"
-    grads: dict[str, torch.Tensor] = {}
-    for r in results:
-        grads.update(r["grads"])
-    assert set(grads) == set(ref_grads)
-    for name, ref in ref_grads.items():
-        assert (grads[name] - ref).abs().max().item() < TOL, name
+    assert_same_grads(results, ref_grads)
 
 
 def test_a_grouped_query_llama3_shape_matches_float64_single_process_on_a_3d_mesh() -> None:
@@ -84,14 +100,8 @@ def test_a_grouped_query_llama3_shape_matches_float64_single_process_on_a_3d_mes
     ref_loss, ref_grads = reference_grads(config)
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert len(losses) == 4 and all(abs(loss - ref_loss) < TOL for loss in losses), (losses, ref_loss)
-    assert all(abs(r["grad_norm"] - _norm(ref_grads)) < TOL for r in results), "the global gradient norm"
-    grads: dict[str, torch.Tensor] = {}
-    for r in results:
-        grads.update(r["grads"])
-    assert set(grads) == set(ref_grads)
     assert ref_grads["layers.0.attention.wk.weight"].shape == (2 * model.head_dim, model.d_model)
-    for name, ref in ref_grads.items():
-        assert (grads[name] - ref).abs().max().item() < TOL, name
+    assert_same_grads(results, ref_grads)
 
 
 def test_tied_embeddings_match_float64_single_process_on_dp_and_tp() -> None:
@@ -109,13 +119,7 @@ def test_tied_embeddings_match_float64_single_process_on_dp_and_tp() -> None:
     ref_loss, ref_grads = reference_grads(config)
     assert "output.weight" not in ref_grads
     assert all(abs(r["loss"] - ref_loss) < TOL for r in results), ([r["loss"] for r in results], ref_loss)
-    assert all(abs(r["grad_norm"] - _norm(ref_grads)) < TOL for r in results), "the global gradient norm"
-    grads: dict[str, torch.Tensor] = {}
-    for r in results:
-        grads.update(r["grads"])
-    assert set(grads) == set(ref_grads)
-    for name, ref in ref_grads.items():
-        assert (grads[name] - ref).abs().max().item() < TOL, name
+    assert_same_grads(results, ref_grads)
 
 
 def test_warmup_cosine_decay_and_clipping_match_torch_on_one_process() -> None:
@@ -128,9 +132,4 @@ def test_warmup_cosine_decay_and_clipping_match_torch_on_one_process() -> None:
         warmup_steps=2, decay="cosine", min_lr_ratio=0.1, grad_clip=0.05, activation_checkpointing="full"))
     ref_params, norms = reference_training(cfg)
     assert min(norms) > 0.05, f"every step clips: {norms}"
-    per_rank = run_ranks(train_steps, 8, config=config_to_dict(cfg))
-    assert set().union(*per_rank) == set(ref_params)
-    for params in per_rank:
-        for name, value in params.items():
-            err = (value - ref_params[name]).abs().max().item()
-            assert err < TOL, f"{name} differs by {err}"
+    assert_same_params(run_ranks(train_steps, 8, config=config_to_dict(cfg)), ref_params)

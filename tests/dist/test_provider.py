@@ -20,12 +20,14 @@ from tests.dist.harness import run_ranks
 from tests.dist.parity import reference_training, train_steps
 from tests.dist.reshard import load_on_mesh, save_on_mesh
 from tests.dist.test_checkpoint_resume import two_runs
+from tests.dist.test_parity import assert_same_params
 from trainer.config import DataConfig, MeshShape, ModelConfig, ProbeConfig, TrainConfig, TrainerConfig, config_to_dict
 from trainer.provider import ask_numbers
 
 pytestmark = pytest.mark.dist
 
 TOL = 1e-9
+
 PROVIDER = "examples.gpt2_provider:build"
 
 
@@ -40,7 +42,7 @@ def tokenized_text(root: Path) -> str:
     """A small corpus tokenized as a user would (`goodput tokenize`, a BPE tokenizer of 300 tokens)."""
     import random
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tests.support.text import train_tokenizer
 
     from trainer.tokenize import tokenize
 
@@ -48,12 +50,7 @@ def tokenized_text(root: Path) -> str:
     words = ("node", "rank", "step", "loss", "shard", "peer", "drill", "spare", "mesh", "token", "heal", "store")
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) + "." for _ in range(120)]
     (root / "corpus.txt").write_text("\n".join(docs))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainer=trainers.BpeTrainer(vocab_size=300, special_tokens=["<|end_of_text|>"],
-                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(root / "tokenizer.json"))
+    train_tokenizer(docs, root / "tokenizer.json")
     uri = f"file://{root / 'data'}"
     tokenize([root / "corpus.txt"], root / "tokenizer.json", uri)
     return uri
@@ -85,12 +82,7 @@ def test_four_steps_on_a_3d_mesh_equal_torch_on_one_float64_process(case: tuple[
                  decay="cosine", min_lr_ratio=0.1, grad_clip=0.05, activation_checkpointing="full")
     ref_params, norms = reference_training(cfg)
     assert min(norms) > 0.05, f"every step clips: {norms}"
-    per_rank = run_ranks(train_steps, 8, config=config_to_dict(cfg))
-    assert set().union(*per_rank) == set(ref_params)
-    for params in per_rank:
-        for name, value in params.items():
-            err = (value - ref_params[name]).abs().max().item()
-            assert err < TOL, f"{name} differs by {err}"
+    assert_same_params(run_ranks(train_steps, 8, config=config_to_dict(cfg)), ref_params, TOL)
 
 
 def test_a_resume_is_bit_identical_and_the_checkpoint_reshards_to_one_process(
@@ -145,12 +137,8 @@ def test_a_shrink_keeps_the_global_batch_and_the_data_position(case: tuple[Model
     first = dataclasses.replace(full, train=dataclasses.replace(full.train, steps=2))
     run_ranks(run_phase, 8, config=config_to_dict(first), root=str(tmp_path), resume_step=None)
     shrunk = dataclasses.replace(full, mesh=MeshShape(dp=1, pp=2, tp=2))
-    per_rank = run_ranks(run_phase, 4, config=config_to_dict(shrunk), root=str(tmp_path), resume_step=2)
-    assert set().union(*per_rank) == set(ref_params)
-    for params in per_rank:
-        for name, value in params.items():
-            err = (value - ref_params[name]).abs().max().item()
-            assert err < TOL, f"{name} differs by {err}"
+    assert_same_params(run_ranks(run_phase, 4, config=config_to_dict(shrunk), root=str(tmp_path), resume_step=2),
+                       ref_params, TOL)
 
 
 def flip_rank(*, rank: int, world_size: int, store_port: int, config: dict, flip: int) -> dict:

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import yaml
 
+from tests.support.text import EOS, train_tokenizer
 from trainer.shards import ShardSource, TokenDataset
 from trainer.tokenize import TokenizeError, tokenize
 
 ROOT = Path(__file__).resolve().parents[2]
-EOS = "<|end_of_text|>"
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -32,17 +32,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXTS * 20, trainer=trainer)
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return train_tokenizer(TEXTS * 20, tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 def _files(root: Path) -> list[Path]:
