@@ -51,8 +51,12 @@ def test_the_numbers_are_the_modules_and_the_stages_add_up_to_the_whole_model() 
 
 def test_goodputs_decoder_is_a_provider_whose_numbers_the_planner_already_uses() -> None:
     model = ModelConfig(n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=100, seq_len=16)
-    numbers = Decoder(model).numbers()
-    assert numbers.parameters == model.num_params() and numbers.n_layers == 3 and numbers.tp_width == 2
+    provider = Decoder(model)
+    numbers = provider.numbers()
+    with torch.device("meta"):
+        whole = provider.build_stage(range(3), first=True, last=True)
+    assert numbers.parameters == sum(p.numel() for p in whole.parameters()) == model.num_params()
+    assert numbers.n_layers == 3 and numbers.tp_width == 2
 
 
 def test_a_spec_names_a_provider_and_the_controller_asks_it_for_its_numbers() -> None:
