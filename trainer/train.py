@@ -29,15 +29,26 @@ from trainer.optim import clip_to, global_grad_norm, set_learning_rate
 from trainer.parallel import DeviceChoice, build_model_parts
 from trainer.provider import load_provider
 from trainer.probes import ComputeClock, Probes, spin
+from trainer.replica import CrossReplica, Membership, StepDiscarded, state_tensors
 from trainer.report import ReportSink, StepReport
 from trainer.switches import DrillSwitches
 
 
 class Trainer:
     def __init__(self, config: TrainerConfig, mesh: DeviceMesh, choice: DeviceChoice, *, attempt: int = 0,
-                 sink: ReportSink | None = None, switches: DrillSwitches | None = None) -> None:
+                 sink: ReportSink | None = None, switches: DrillSwitches | None = None,
+                 replicas: CrossReplica | None = None) -> None:
+        """`replicas`: this rank's world is one data-parallel replica (`config.mesh` is the replica's:
+        dp is its dp_shard) and its gradients meet the other replicas' there (trainer/replica.py);
+        configure it with the first membership before the first step."""
         config.validate(world_size=dist.get_world_size())
+        if replicas is not None and (config.mesh.dp_replicas > 1 or config.probes.enabled):
+            raise ValueError("a replica's own mesh has no dp_replicas, and its health probes do not yet judge "
+                             "across replicas: set parallelism.dp_replicas = 1 and probes.enabled = false")
         self.config = config
+        self.replicas = replicas
+        self.next_epoch: int | None = None
+        """The membership epoch every replica agreed to switch to after this step (`switch`)."""
         self.mesh = mesh
         self.choice = choice
         self.attempt = attempt
@@ -55,6 +66,8 @@ class Trainer:
                               fused=fused)
             for part in self.parts
         ]
+        self.num_stages = num_stages
+        self.n_micro = config.num_microbatches()
         self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
         if config.mesh.pp > 1:
             self.schedule = self._build_schedule(num_stages)
@@ -78,7 +91,7 @@ class Trainer:
             PipelineStage(part, stage, num_stages, self.choice.device, group=pp_group)
             for part, stage in zip(self.parts, self.stage_ids)
         ]
-        n_micro = self.config.num_microbatches()
+        n_micro = self.n_micro
         schedule = self.config.train.schedule
         if schedule is Schedule.INTERLEAVED_1F1B:
             return ScheduleInterleaved1F1B(stages, n_microbatches=n_micro, loss_fn=self.provider.loss)
@@ -88,16 +101,17 @@ class Trainer:
     def local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of this dp rank for the step starting at `self.cursor`."""
         t = self.config.train
-        ids = local_sample_ids(
-            cursor=self.cursor, global_batch=t.global_batch, dp=self.config.mesh.dp,
-            dp_rank=self.dp_rank, micro_batch=t.micro_batch,
-        )
+        dp, dp_rank = self.config.mesh.dp, self.dp_rank
+        if self.replicas is not None:
+            dp, dp_rank = self.replicas.data_split(self.dp_rank, self.config.mesh.dp)
+        ids = local_sample_ids(cursor=self.cursor, global_batch=t.global_batch, dp=dp, dp_rank=dp_rank,
+                               micro_batch=t.micro_batch)
         rows = torch.from_numpy(self.source.batch(ids)).to(self.choice.device)
         return rows[:, :-1], rows[:, 1:]
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Gradients of the mean loss over this rank's samples; returns that loss on the last stage."""
-        n_micro = self.config.num_microbatches()
+        n_micro = self.n_micro
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.is_first else ()
@@ -128,6 +142,10 @@ class Trainer:
         compute = self.clock.elapsed()
         probe_s = 0.0
         apply_update = True
+        if self.replicas is not None:
+            self.clock.start()
+            loss_value = self._across_replicas(loss)
+            compute += self.clock.elapsed()
         if self.probes is not None:
             p0 = time.perf_counter()
             loss_value, apply_update = self.probes.check(loss, lambda: self.forward_backward(inputs, targets))
@@ -153,7 +171,7 @@ class Trainer:
             p0 = time.perf_counter()
             self.probes.after_optimizer(self.step + 1)
             probe_s += time.perf_counter() - p0
-        else:
+        elif self.replicas is None:
             loss_value = self._global_loss(loss)
         t4 = self._sync_clock()
         self.step += 1
@@ -164,6 +182,49 @@ class Trainer:
             step_time_s=t4 - t0, data_s=t1 - t0, compute_s=compute, probe_s=probe_s,
             wait_s=max(0.0, t4 - t1 - compute - probe_s), tokens_per_s=tokens / (t4 - t0), end_time=time.time(),
         )
+
+    def _across_replicas(self, loss: torch.Tensor | None) -> float | None:
+        """The gradient of the whole global batch from every live replica's, or StepDiscarded (nothing
+        applied) when any replica could not give its part; the run's loss on last-stage ranks. Agrees
+        on the membership epoch to switch to after this step (`next_epoch`)."""
+        r = self.replicas
+        assert r is not None and r.membership is not None
+        current = r.membership.epoch
+        ok, loss_value = r.reduce(self.parts, loss)
+        seen = r.board.due(current, self.step + 2) if self.rank == 0 else current
+        ok, epoch = r.vote(ok, seen)
+        if ok:
+            ok, epoch = r.agree(ok, epoch)
+        if not ok:
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            raise StepDiscarded(f"step {self.step + 1} discarded: a replica of epoch {current} failed"
+                                + (f" ({r.last_error})" if r.last_error else ""))
+        self.next_epoch = epoch if epoch > current else None
+        return loss_value
+
+    def switch(self, membership: Membership) -> int | None:
+        """Train under `membership` from the next step: this position's cross-replica group of its
+        live replicas, every member's state made the newest member's (a joining replica receives it
+        all), and the data split over the live replicas. The replica the state came from, if any."""
+        r = self.replicas
+        assert r is not None
+        r.configure(membership)
+        self.step, self.cursor, source = r.sync(lambda: state_tensors(self.parts, self.optimizers),
+                                                    self.step, self.cursor)
+        self.next_epoch = None
+        t = self.config.train
+        dp_total = r.live * self.config.mesh.dp
+        if t.global_batch % (dp_total * t.micro_batch):
+            raise ValueError(f"train.global_batch = {t.global_batch} cannot be split over {r.live} replica(s) x "
+                             f"dp_shard {self.config.mesh.dp} x micro_batch {t.micro_batch}: choose a global batch "
+                             "divisible by every replica count the run may train with")
+        n_micro = t.global_batch // (dp_total * t.micro_batch)
+        if n_micro != self.n_micro:
+            self.n_micro = n_micro
+            if self.schedule is not None:
+                self.schedule = self._build_schedule(self.num_stages)
+        return source
 
     def _prepare_update(self) -> None:
         """The step's learning rate (a pure function of the step) and, when asked, the gradient

@@ -49,40 +49,70 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: st
         pickle.dump(result, f)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 300.0,
-              may_die: frozenset[int] = frozenset(), start: str = "forkserver", **kwargs: Any) -> list[Any]:
-    """Run fn(rank=, world_size=, store_port=, **kwargs) in world_size processes (forked from the warm
-    image, or spawned: `start`). Ranks in `may_die` may exit without a result (fault-injection
-    tests); their result is None."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = _context(start)
-    env, cwd = dict(os.environ), os.getcwd()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store.port, out_dir, kwargs, env, cwd))
-                 for r in range(world_size)]
-        for p in procs:
+class Ranks:
+    """Rank processes started and not yet waited for: a test that plays the controller kills some
+    (every process of a lost node), starts others, and collects what each returned."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, *, port: int, start: str = "forkserver",
+                 ranks: list[int] | None = None, **kwargs: Any) -> None:
+        ctx = _context(start)
+        env, cwd = dict(os.environ), os.getcwd()
+        self._dir = tempfile.TemporaryDirectory()
+        self.ranks = list(range(world_size)) if ranks is None else ranks
+        self.procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, self._dir.name, kwargs, env, cwd))
+                      for r in self.ranks]
+        for p in self.procs:
             p.start()
-        for p in procs:
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def kill(self) -> None:
+        """SIGKILL every one of these processes at once, as a node loss ends them."""
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.join()
+
+    def collect(self, timeout_s: float = 300.0, may_die: frozenset[int] = frozenset()) -> list[Any]:
+        """Wait for every process (killing any still alive after `timeout_s`); what each returned, in
+        `ranks` order (None for a rank in `may_die` that left none); AssertionError naming the ranks
+        that failed."""
+        for p in self.procs:
             p.join(timeout_s)
-        for p in procs:
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join()
-        results, errors = [], []
-        for r in range(world_size):
-            path = os.path.join(out_dir, f"{r}.pkl")
+        results: list[Any] = []
+        errors: list[str] = []
+        for r, proc in zip(self.ranks, self.procs):
+            path = os.path.join(self._dir.name, f"{r}.pkl")
             if not os.path.exists(path):
                 if r in may_die:
                     results.append(None)
                 else:
-                    errors.append(f"rank {r}: exited with code {procs[r].exitcode} and no result")
+                    errors.append(f"rank {r}: exited with code {proc.exitcode} and no result")
                 continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status == "error":
                 errors.append(f"rank {r}:\n{value}")
             results.append(value)
-    del store
-    if errors:
-        raise AssertionError("ranks failed:\n" + "\n".join(errors))
-    return results
+        self._dir.cleanup()
+        if errors:
+            raise AssertionError("ranks failed:\n" + "\n".join(errors))
+        return results
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 300.0,
+              may_die: frozenset[int] = frozenset(), start: str = "forkserver", **kwargs: Any) -> list[Any]:
+    """Run fn(rank=, world_size=, store_port=, **kwargs) in world_size processes (forked from the warm
+    image, or spawned: `start`). Ranks in `may_die` may exit without a result (fault-injection
+    tests); their result is None."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        return Ranks(fn, world_size, port=store.port, start=start, **kwargs).collect(timeout_s, may_die)
+    finally:
+        del store

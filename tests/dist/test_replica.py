@@ -1,0 +1,140 @@
+"""One data-parallel replica is the failure domain (trainer/replica.py): replicas that train as one
+model equal a single float64 process; a replica lost mid-step leaves the other training (the step in
+flight discarded, nothing of it applied), and a replica formed again receives the survivor's state
+and ends bit-identical to it; replaying the membership log gives the same bytes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tests.dist.harness import Ranks
+from tests.dist.parity import reference_training
+from tests.dist.replica_ranks import replica_rank
+from tests.dist.test_parity import assert_same_params
+from trainer.config import DataConfig, MeshShape, ModelConfig, ProbeConfig, TrainConfig, TrainerConfig, config_to_dict
+from trainer.replica import Membership, MembershipBoard
+
+pytestmark = pytest.mark.dist
+
+TOL = 1e-10
+STEPS = 12
+
+
+def replica_config(*, dp_shard: int, pp: int, tp: int, steps: int = STEPS) -> TrainerConfig:
+    """One replica's mesh (its dp is its dp_shard); the run's global batch (split over the live replicas)."""
+    return TrainerConfig(
+        model=ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16),
+        data=DataConfig(seed=1),
+        train=TrainConfig(steps=steps, global_batch=8, micro_batch=1, dtype="float64", seed=3, lr=1e-2,
+                          weight_decay=0.1, warmup_steps=2, decay="cosine", min_lr_ratio=0.1, grad_clip=0.05),
+        mesh=MeshShape(dp=dp_shard, pp=pp, tp=tp), probes=ProbeConfig(enabled=False),
+    )
+
+
+def whole_run(cfg: TrainerConfig, replicas: int) -> TrainerConfig:
+    """The same run as one float64 process sees it (the reference's config)."""
+    m = cfg.mesh
+    return TrainerConfig(model=cfg.model, data=cfg.data, train=cfg.train,
+                         mesh=MeshShape(dp=m.dp * replicas, pp=m.pp, tp=m.tp))
+
+
+class Controller:
+    """The test's side: a store, the membership board, and the replicas' processes."""
+
+    def __init__(self) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.board = MembershipBoard(self.store)
+
+    def start(self, cfg: TrainerConfig, replica: int, incarnation: int, epoch: int) -> Ranks:
+        r = cfg.mesh.world_size
+        return Ranks(replica_rank, r, port=self.store.port, replica=replica, incarnation=incarnation,
+                     config=config_to_dict(cfg), steps=cfg.train.steps, epoch=epoch)
+
+    def progress(self, replica: int) -> int:
+        key = f"progress/{replica}"
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def wait(self, what: str, done: object, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():  # type: ignore[operator]
+            assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {what}"
+            time.sleep(0.02)
+
+    def ready(self, replica: int, incarnation: int, ranks: int) -> bool:
+        return self.store.check([f"ready/{replica}/{incarnation}/{r}" for r in range(ranks)])
+
+
+@pytest.mark.parametrize("mesh", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=lambda m: "dp_shard%d-pp%d-tp%d" % m)
+def test_two_replicas_train_as_one_float64_process_and_hold_the_same_bytes(mesh: tuple[int, int, int]) -> None:
+    """Two replicas, each its own world of two ranks (FSDP, a pipeline or TP inside), whose gradients
+    meet only in one cross-replica group per shard position: after 12 steps (warmup, cosine decay,
+    clipping) their parameters equal a float64 single process, and both replicas hold the same
+    bytes (parameters and AdamW state). No process group anywhere is larger than max(R, D) = 2."""
+    cfg = replica_config(dp_shard=mesh[0], pp=mesh[1], tp=mesh[2])
+    c = Controller()
+    c.board.publish(Membership(0, (0, 1)))
+    runs = [c.start(cfg, replica, 0, 0) for replica in (0, 1)]
+    results = [run.collect(timeout_s=240) for run in runs]
+    ref, _ = reference_training(whole_run(cfg, 2))
+    for replica in results:
+        assert_same_params([r["params"] for r in replica], ref, TOL)
+    assert [r["checksum"] for r in results[0]] == [r["checksum"] for r in results[1]], "the replicas' bytes differ"
+    assert max(r["largest_world_group"] for rs in results for r in rs) <= 2
+    assert max(r["largest_cross_group"] for rs in results for r in rs) == 2
+
+
+def test_a_lost_replica_leaves_the_other_training_and_rejoins_with_its_bytes() -> None:
+    """dp2 replicas of pp2 (four processes). Replica 1 loses its node (both processes SIGKILLed) after
+    its 3rd step: replica 0 discards the step in flight, trains on alone from the controller's next
+    epoch with the whole global batch, and stalls no longer than it takes the controller to publish
+    it. Replica 1 is formed again (fresh processes, a world of 2, not 4) and receives replica 0's state
+    at a step boundary. After 12 steps both replicas hold the same bytes, and the parameters equal a
+    float64 single process that never failed (no sample skipped or repeated). Replaying the
+    membership log (the same epochs at the same steps, no failure) ends in the same bytes."""
+    cfg = replica_config(dp_shard=1, pp=2, tp=1)
+    c = Controller()
+    c.board.publish(Membership(0, (0, 1)))
+    survivor = c.start(cfg, 0, 0, 0)
+    lost = c.start(cfg, 1, 0, 0)
+    c.wait("replica 1's third step", lambda: c.progress(1) >= 3)
+    lost.kill()
+    killed_at = time.time()
+    c.board.publish(Membership(1, (0,)))  # what the controller does once it has confirmed the node gone
+    at_kill = c.progress(0)
+    c.wait("replica 0 training alone", lambda: c.progress(0) >= at_kill + 3)
+    again = c.start(cfg, 1, 1, 2)
+    c.wait("replica 1 formed again", lambda: c.ready(1, 1, cfg.mesh.world_size))
+    c.board.publish(Membership(2, (0, 1), joining=(1,)))
+    lives = survivor.collect(timeout_s=240)
+    rejoined = again.collect(timeout_s=240)
+
+    ref, _ = reference_training(whole_run(cfg, 2))
+    assert_same_params([r["params"] for r in lives], ref, TOL)
+    assert_same_params([r["params"] for r in rejoined], ref, TOL)
+    assert [r["checksum"] for r in lives] == [r["checksum"] for r in rejoined], "the rejoined replica's bytes differ"
+    log = lives[0]["log"]
+    discarded = [e for e in log if e["kind"] == "discarded"]
+    switched = {e["epoch"]: e for e in log if e["kind"] == "switched"}
+    assert len(discarded) <= 1 and set(switched) == {0, 1, 2}, log
+    assert switched[2]["source"] == 0 and rejoined[0]["log"][0]["source"] == 0
+    alone = [e for e in log if e["kind"] == "step" and e["epoch"] == 1]
+    assert alone and alone[0]["time"] - killed_at < 10.0, "the survivor's first step alone came late"
+    assert all(r["largest_world_group"] <= 2 and r["largest_cross_group"] <= 2 for r in lives + rejoined)
+
+    # The same membership log, replayed: epoch 1 from the step the survivor first trained alone, epoch
+    # 2 from the step replica 1 rejoined at; replica 1 leaves by the log instead of by a SIGKILL.
+    first_alone, rejoin = switched[1]["step"] + 1, switched[2]["step"] + 1
+    r = Controller()
+    r.board.publish(Membership(0, (0, 1)))
+    r.board.publish(Membership(1, (0,), at_step=first_alone))
+    r.board.publish(Membership(2, (0, 1), joining=(1,), at_step=rejoin))
+    replay0 = r.start(cfg, 0, 0, 0)
+    leaves = r.start(cfg, 1, 0, 0)
+    replay1 = r.start(cfg, 1, 1, 2)
+    left = leaves.collect(timeout_s=240)
+    assert all(x["removed"] and x["step"] == first_alone - 1 for x in left), [x["step"] for x in left]
+    assert [x["checksum"] for x in replay0.collect(timeout_s=240)] == [x["checksum"] for x in lives]
+    assert [x["checksum"] for x in replay1.collect(timeout_s=240)] == [x["checksum"] for x in rejoined]

@@ -1,0 +1,358 @@
+"""One data-parallel replica as the failure domain (DESIGN.md, "Failure domains").
+
+A replica (dp_shard x pp x tp ranks on whole nodes) is its own torch.distributed world: its own
+rendezvous prefix, its own FSDP / TP / PP groups. The only communicators that span replicas are one
+per shard position (a rank's place inside its replica), of size D (the live replicas): the gradient
+all-reduce runs there, after FSDP's reduce-scatter inside the replica. Losing a node then breaks one
+replica's world and the cross-replica groups it was in, never the other replicas' worlds: survivors
+discard the step in flight, take the next membership epoch from the controller (the one authority on
+who is in), rebuild only their cross-replica groups (an init of size D, not W) and go on; a replica
+formed again on a spare receives its state from a live one at a step boundary and joins.
+
+The cross-replica groups are backends built directly on a store prefix per (epoch, position), as
+torchft builds its reconfigurable process groups: a new epoch is a new prefix, so nothing of an
+old epoch's rendezvous is read again, and no global process group is ever re-initialised.
+
+Per step, inside `Trainer.train_step` (trainer/train.py):
+1. forward and backward inside the replica (FSDP reduce-scatters over dp_shard);
+2. `reduce`: one flat all-reduce of the local gradient shards (and the loss) over this position's
+   cross-replica group, divided by D: every replica now holds the gradient of the whole global batch;
+3. `vote`: one all-reduce (MAX) over the replica's world of [failed?, newest epoch seen]: the replica
+   commits only if every position's reduce succeeded, and every rank learns the epoch to switch to;
+4. `agree`: one all-reduce (MAX) over the cross-replica group of [failed?, that epoch], so every
+   replica commits the same steps and switches epoch at the same step boundary;
+5. the optimizer step. Any failure in 2-4 discards the step (gradients dropped, nothing applied):
+   `StepDiscarded`. A replica whose own world broke cannot vote at all: `ReplicaBroken` (its ranks
+   end; the controller forms it again).
+
+Whatever a failure leaves uneven (a replica that applied a step another discarded) is made even at
+the next epoch: `sync` finds the members' newest step and copies the whole state from the first
+member that has it to every other member (a joining replica included), bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.probes import local_tensor
+
+MEMBERSHIP_KEY = "membership"
+
+
+class StepDiscarded(RuntimeError):
+    """A collective across replicas failed in this step: nothing of it was applied, anywhere that
+    agreed; the rank waits for the controller's next membership epoch and trains the step again."""
+
+
+class ReplicaBroken(RuntimeError):
+    """This rank's own replica cannot agree (a member of its world is gone): the replica is lost and
+    its ranks end."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who trains, as the controller publishes it: epoch after epoch, never reused."""
+
+    epoch: int
+    replicas: tuple[int, ...]
+    """The live replica ids, ascending: the cross-replica groups' members in this order."""
+    joining: tuple[int, ...] = ()
+    """Replicas formed again that receive their state from a live one when the epoch starts."""
+    at_step: int = 0
+    """The first step trained under this epoch at the earliest (a replay of a membership log gives
+    each epoch's step; a live controller gives 0: at the next step boundary all replicas agree on)."""
+
+    def __post_init__(self) -> None:
+        if list(self.replicas) != sorted(set(self.replicas)) or not self.replicas:
+            raise ValueError(f"membership epoch {self.epoch}: replicas {self.replicas} must be distinct, ascending, non-empty")
+        if not set(self.joining) <= set(self.replicas):
+            raise ValueError(f"membership epoch {self.epoch}: joining {self.joining} not among replicas {self.replicas}")
+        if set(self.joining) == set(self.replicas):
+            raise ValueError(f"membership epoch {self.epoch}: every replica is joining, none can give its state")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Membership":
+        raw = json.loads(text)
+        return cls(int(raw["epoch"]), tuple(raw["replicas"]), tuple(raw.get("joining", ())), int(raw.get("at_step", 0)))
+
+
+class MembershipBoard:
+    """Where the controller publishes membership epochs (every one it ever published, by number, and
+    the newest number) and ranks read them: keys of the run's rendezvous store."""
+
+    def __init__(self, store: dist.Store, prefix: str = MEMBERSHIP_KEY) -> None:
+        self.store = store
+        self.prefix = prefix
+
+    def publish(self, membership: Membership) -> None:
+        newest = self.newest_epoch()
+        if membership.epoch <= newest:
+            raise ValueError(f"membership epoch {membership.epoch} is not newer than the published {newest}")
+        self.store.set(f"{self.prefix}/{membership.epoch}", membership.to_json())
+        self.store.set(f"{self.prefix}/newest", str(membership.epoch))
+
+    def newest_epoch(self) -> int:
+        key = f"{self.prefix}/newest"
+        return int(self.store.get(key)) if self.store.check([key]) else -1
+
+    def get(self, epoch: int) -> Membership:
+        return Membership.from_json(self.store.get(f"{self.prefix}/{epoch}"))
+
+    def due(self, after: int, next_step: int) -> int:
+        """The newest epoch after `after` whose `at_step` has come by `next_step` (else `after`)."""
+        newest = self.newest_epoch()
+        for epoch in range(newest, after, -1):
+            if self.get(epoch).at_step <= next_step:
+                return epoch
+        return after
+
+    def wait_newer(self, epoch: int, timeout_s: float, poll_s: float = 0.05) -> Membership:
+        """The newest membership after `epoch`, once the controller has published one."""
+        deadline = time.monotonic() + timeout_s
+        while (newest := self.newest_epoch()) <= epoch:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no membership epoch after {epoch} within {timeout_s:.0f} s")
+            time.sleep(poll_s)
+        return self.get(newest)
+
+
+def _backend(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class CrossReplica:
+    """This rank's side of the cross-replica groups: the group of its shard position over the live
+    replicas of the current epoch, rebuilt (on a fresh store prefix) at each new epoch."""
+
+    def __init__(self, store: dist.Store, *, replica: int, position: int, device: torch.device,
+                 timeout_s: float = 60.0, board: MembershipBoard | None = None) -> None:
+        self.store = store
+        self.replica = replica
+        self.position = position
+        self.device = device
+        self.timeout_s = timeout_s
+        self.board = board or MembershipBoard(store)
+        self.membership: Membership | None = None
+        self.group: Any = None
+        self.last_error = ""
+        """Why the last cross-replica collective failed."""
+        self.largest_group = 0
+        """The largest cross-replica group this rank was ever in (a test bounds it by D)."""
+
+    @property
+    def live(self) -> int:
+        assert self.membership is not None
+        return len(self.membership.replicas)
+
+    @property
+    def index(self) -> int:
+        """This replica's place among the live ones (its rank in the cross-replica group)."""
+        assert self.membership is not None
+        return self.membership.replicas.index(self.replica)
+
+    def configure(self, membership: Membership) -> None:
+        """Join this position's group of `membership` (every member's rank at this position meets here)."""
+        if self.replica not in membership.replicas:
+            raise ReplicaBroken(f"replica {self.replica} is not in membership epoch {membership.epoch}")
+        self.abort()
+        prefix = dist.PrefixStore(f"cross/e{membership.epoch}/p{self.position}", self.store)
+        self.membership = membership
+        size = len(membership.replicas)
+        self.group = _backend(prefix, self.index, size, self.device, self.timeout_s) if size > 1 else None
+        self.largest_group = max(self.largest_group, size)
+
+    def abort(self) -> None:
+        """Drop the current group (a failed one may still have a collective pending on a dead peer)."""
+        if self.group is not None:
+            try:
+                self.group.abort()
+            except Exception:  # noqa: BLE001 - a broken group may refuse even that; it is dropped either way
+                pass
+        self.group = None
+
+    def data_split(self, shard_rank: int, dp_shard: int) -> tuple[int, int]:
+        """(dp ranks of the whole run, this rank's dp rank): replicas outermost, as HSDP orders them."""
+        return self.live * dp_shard, self.index * dp_shard + shard_rank
+
+    def _all_reduce(self, buf: torch.Tensor, op: Any) -> None:
+        if self.group is None:
+            return
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.group.allreduce([buf], opts).wait()
+
+    def reduce(self, parts: Sequence[nn.Module], loss: torch.Tensor | None) -> tuple[bool, float | None]:
+        """The mean over the live replicas of every local gradient shard (in place) and of the loss
+        (on last-stage ranks): one flat all-reduce per dtype. (ok, global loss or None)."""
+        grads = [local_tensor(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
+        try:
+            for dtype, same in _by_dtype(grads):
+                flat = torch.cat([g.reshape(-1) for g in same])
+                self._all_reduce(flat, dist.ReduceOp.SUM)
+                flat /= self.live
+                torch._foreach_copy_(same, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in same]), same)])
+            buf = torch.zeros(2, dtype=torch.float64, device=self.device)
+            if loss is not None:
+                buf[0], buf[1] = loss.detach().double(), 1.0
+            self._all_reduce(buf, dist.ReduceOp.SUM)
+        except Exception as e:  # noqa: BLE001 - a peer replica is gone (its socket closed, or the timeout)
+            self.last_error = f"{type(e).__name__}: {e}"[:500]
+            return False, None
+        return True, (float(buf[0] / buf[1]) if loss is not None and float(buf[1]) > 0 else None)
+
+    def vote(self, ok: bool, epoch_seen: int) -> tuple[bool, int]:
+        """Inside the replica (its own world): did every position's reduce succeed, and the newest
+        epoch any member saw. ReplicaBroken if the replica's own world cannot answer."""
+        buf = torch.tensor([0.0 if ok else 1.0, float(epoch_seen)], dtype=torch.float64, device=self.device)
+        try:
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        except Exception as e:  # noqa: BLE001 - a member of this replica is gone
+            raise ReplicaBroken(f"replica {self.replica}'s own world failed: {e}") from e
+        return buf[0].item() == 0.0, int(buf[1].item())
+
+    def agree(self, ok: bool, epoch: int) -> tuple[bool, int]:
+        """Across the live replicas at this position: commit only if every replica can, and switch to
+        the newest epoch any of them saw."""
+        buf = torch.tensor([0.0 if ok else 1.0, float(epoch)], dtype=torch.float64, device=self.device)
+        try:
+            self._all_reduce(buf, dist.ReduceOp.MAX)
+        except Exception as e:  # noqa: BLE001
+            self.last_error = f"{type(e).__name__}: {e}"[:500]
+            return False, epoch
+        return buf[0].item() == 0.0, int(buf[1].item())
+
+    def sync(self, tensors: Callable[[], list[torch.Tensor]], step: int, cursor: int) -> tuple[int, int, int | None]:
+        """Make every member's state the newest member's: the members exchange their steps; if any
+        differs, or any member is joining, the first member (in replica order) at the newest step that
+        is not joining broadcasts `tensors` (and its step and cursor) to all. (step, cursor, source
+        replica or None when nothing moved)."""
+        assert self.membership is not None
+        m = self.membership
+        if self.group is None:
+            return step, cursor, None
+        size = len(m.replicas)
+        mine = torch.zeros(size, 2, dtype=torch.float64, device=self.device)
+        mine[self.index] = torch.tensor([float(step), float(cursor)], dtype=torch.float64)
+        if self.replica in m.joining:
+            mine[self.index, 0] = -1.0  # a joining replica gives nothing
+        self._all_reduce(mine, dist.ReduceOp.SUM)
+        steps = [int(s) for s in mine[:, 0].tolist()]
+        newest = max(steps)
+        if not m.joining and len(set(steps)) == 1:
+            return step, cursor, None
+        root = steps.index(newest)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        for t in tensors():
+            if not t.is_contiguous():
+                raise ValueError("a replica's state tensor is not contiguous: it cannot be received in place")
+            # NCCL moves device memory only: a host-side tensor (AdamW's step count) goes through the device
+            staged = t.to(self.device) if t.device != self.device else t
+            self.group.broadcast([staged], opts).wait()
+            if staged is not t:
+                t.copy_(staged)
+        return newest, int(mine[root, 1].item()), m.replicas[root]
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> Iterator[tuple[torch.dtype, list[torch.Tensor]]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    yield from groups.items()
+
+
+def state_tensors(parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """Every tensor of a rank's training state, in an order every replica agrees on: each part's
+    local parameter shards, then its optimizer's state (created if the optimizer has not stepped yet,
+    as zeros of the same shape: a joining replica receives into them)."""
+    out: list[torch.Tensor] = []
+    for part, opt in zip(parts, optimizers):
+        params = list(part.parameters())
+        out.extend(local_tensor(p.data) for p in params)
+        for p in params:
+            state = opt.state[p]
+            if not state:
+                state.update(_fresh_state(opt, p))
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    out.append(local_tensor(value))
+    return out
+
+
+def _fresh_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AdamW's per-parameter state before its first step (what `sync` overwrites with a live replica's)."""
+    if not isinstance(opt, torch.optim.AdamW | torch.optim.Adam):
+        raise TypeError(f"the replica failure domain copies AdamW state; {type(opt).__name__} is not supported")
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    step_device = p.device if (group.get("fused") or group.get("capturable")) else torch.device("cpu")
+    state = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def checksum(tensors: Sequence[torch.Tensor]) -> str:
+    """A digest of a rank's state, equal across replicas exactly when their bytes are."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_replica(trainer: Any, steps: int, *, wait_s: float, on_step: Any = None) -> list[dict[str, Any]]:
+    """Train `trainer` (trainer.train.Trainer with `replicas`, configured) to `steps` as one replica
+    among the live ones: a discarded step waits for the controller's next membership and is trained
+    again under it; an epoch every replica agreed on is switched to at the step boundary. Ends when
+    the steps are done, or with ReplicaBroken when this replica is no longer a member. What happened,
+    in order: {kind: step | discarded | switched, step, epoch, ...}."""
+    r: CrossReplica = trainer.replicas
+    assert r.membership is not None, "configure the first membership (Trainer.switch) before training"
+    log: list[dict[str, Any]] = []
+    pending: Membership | None = None
+    while trainer.step < steps:
+        if pending is not None:
+            try:
+                source = trainer.switch(pending)
+            except ReplicaBroken:
+                raise
+            except Exception as e:  # noqa: BLE001 - a member failed while the epoch formed: wait for the next
+                log.append({"kind": "switch_failed", "epoch": pending.epoch, "error": str(e)[:200]})
+                pending = r.board.wait_newer(pending.epoch, wait_s)
+                continue
+            log.append({"kind": "switched", "epoch": pending.epoch, "step": trainer.step, "live": r.live,
+                        "source": source, "time": time.time()})
+            pending = None
+        try:
+            report = trainer.train_step()
+        except StepDiscarded:
+            log.append({"kind": "discarded", "step": trainer.step + 1, "epoch": r.membership.epoch, "time": time.time()})
+            pending = r.board.wait_newer(r.membership.epoch, wait_s)
+            continue
+        log.append({"kind": "step", "step": trainer.step, "epoch": r.membership.epoch, "loss": report.loss,
+                    "time": report.end_time})
+        if on_step is not None:
+            on_step(report)
+        if trainer.next_epoch is not None:
+            pending = r.board.get(trainer.next_epoch)
+    return log
