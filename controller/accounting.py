@@ -11,13 +11,20 @@ category, so productive time plus the badput categories add up to wall time (to 
                         and a succeeded run's wait for its final checkpoint
 - failure_detection     the failure (a drill's injection, else the attempt's last finished step) ->
                         `failure_detected`
-- restart_restore       `failure_detected` -> the next attempt's first step (new mesh, launch, load)
+- restart_restore       `failure_detected` -> the next attempt's first step (new mesh, launch, load);
+                        for a failure that stopped only some replicas, -> the survivors' next step
+                        (their cross-replica regroup), and the survivors' stall while the formed
+                        replicas receive their state (`replica_rejoined` seconds)
 - recomputation         steps whose progress was lost (done again after a rollback), and the step in
                         flight when a failure struck
 - straggler_slowdown    in kept steps after a `straggler` verdict: the time above the attempt's
                         median step before it
 - degraded_capacity     kept steps on a mesh smaller than the planned one (shrunk for want of
-                        spares): the share of their time the planned mesh would not have needed.
+                        spares): the share of their time the planned mesh would not have needed;
+                        and kept steps while data-parallel replicas are out (`replica_lost` ->
+                        `replica_rejoined`, failure_domain replica): the share the missing replicas
+                        would have done (keeping the batch: the full mesh's median step over theirs;
+                        shrinking it: the missing replicas' share of the batch).
                         A shrunk attempt's throughput against the planned mesh is the planned
                         mesh's median step time over its own (the global batch is the same), at
                         most 1; with no step measured on the planned mesh, its share of the planned
@@ -79,8 +86,12 @@ class FailureTiming:
     """The attempt the recovery started (None while none has)."""
     degraded_s: float = 0.0
     """What running that attempt on a mesh smaller than the planned one cost (its `degraded_capacity`):
-    a shrink's price after the recovery, until the next failure or grow. Not in `lost_seconds`, which
-    is time the run did not train at all."""
+    a shrink's price after the recovery, until the next failure or grow; for a failure that stopped
+    only some replicas, what training without them cost until they rejoined. Not in `lost_seconds`,
+    which is time the run did not train at all."""
+    rejoined_at: float | None = None
+    """A failure that stopped only some replicas: when they trained again (the survivors' recovery is
+    `recovered_at`, their first step after it)."""
 
     @property
     def detection_s(self) -> float:
@@ -98,6 +109,7 @@ class FailureTiming:
                 "restart_seconds": None if recovery is None else max(0.0, recovery - self.waiting_s - self.restore_s),
                 "restore_seconds": self.restore_s,
                 "recomputation_seconds": self.recomputation_s, "degraded_seconds": self.degraded_s,
+                **({"rejoined_at": self.rejoined_at} if self.rejoined_at is not None else {}),
                 "lost_seconds": None if recovery is None else self.detection_s + recovery + self.recomputation_s}
 
 
@@ -180,6 +192,11 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
     for e in events:
         if e["kind"] == EventKind.RESTORED:
             restore_s[e["attempt"]] = max(restore_s.get(e["attempt"], 0.0), float(e["detail"].get("seconds") or 0.0))
+    out_spans = _replicas_out(events, end)
+    for e in events:  # the survivors' stall while formed replicas receive their state and join
+        if e["kind"] == EventKind.REPLICA_REJOINED and "at" in e["detail"]:
+            at = float(e["detail"]["at"])
+            intervals.append((at - float(e["detail"].get("seconds") or 0.0), at, "restart_restore"))
     for failure in detected:
         attempt, t_detected = failure["attempt"], failure["time"]
         ends = ends_by_attempt.get(attempt, [])
@@ -189,6 +206,15 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         onset = max(drill) if drill else last_end
         intervals.append((last_end, onset, "recomputation"))  # the step in flight, lost
         intervals.append((onset, t_detected, "failure_detection"))
+        if failure["detail"].get("replicas") is not None:  # only those replicas stopped: the attempt goes on
+            k = bisect.bisect_left(starts, t_detected)
+            resumed = starts[k] if k < len(starts) else None
+            intervals.append((t_detected, resumed if resumed is not None else end, "restart_restore"))
+            span = out_spans.get(t_detected)
+            failures.append(FailureTiming(attempt, str(failure["detail"].get("cause", "unknown")), onset, t_detected,
+                                          resumed, recomputation_s=onset - last_end,
+                                          rejoined_at=span[1] if span is not None and span[1] < end else None))
+            continue
         j = bisect.bisect_left(attempt_starts, t_detected)
         later = j < len(attempt_starts)
         next_start = attempt_starts[j] if later else end
@@ -213,9 +239,16 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
     segments = _partition(intervals, start, end)
     excess = _straggler_excess(events, kept, by_attempt)
     degraded = _degraded(events, kept, by_attempt, excess)
+    out_cost = _out_costs(out_spans, kept)
+    for t, (a, b, *_rest) in out_spans.items():
+        i = bisect.bisect_right(attempt_starts, a) - 1  # the attempt the replicas were lost in
+        if i >= 0:
+            owner = attempt_at[attempt_starts[i]]
+            degraded[owner] = degraded.get(owner, 0.0) + out_cost[t]
     whole = _total(segments, start, end, sum(excess.values()), sum(degraded.values()))
     whole.failures = [dataclasses.replace(f, degraded_s=degraded.get(f.next_attempt, 0.0))
-                      if f.next_attempt is not None else f for f in failures]
+                      if f.next_attempt is not None else dataclasses.replace(f, degraded_s=out_cost.get(f.detected_at, 0.0))
+                      for f in failures]
     bounds = sorted((t, a) for a, t in started.items())
     seg_ends = [y for _, y, _ in segments]  # segments are in time order and do not overlap
     for i, (t, attempt) in enumerate(bounds):
@@ -276,6 +309,65 @@ def _degraded(events: Sequence[dict[str, Any]], kept: set[StepSpan], by_attempt:
         else:
             throughput = world / planned
         out[attempt] = max(0.0, (sum(durations) - excess.get(attempt, 0.0)) * (1.0 - throughput))
+    return out
+
+
+def _replicas_out(events: Sequence[dict[str, Any]], end: float) -> dict[float, tuple[float, float, int, int, str]]:
+    """failure time -> (replicas lost at, all of them back at (or `end`), live replicas, of how
+    many, batch policy), for each `replica_lost` (its failure's `failure_detected` has the same time)."""
+    out: dict[float, tuple[float, float, int, int, str]] = {}
+    pending: list[tuple[float, set[int], int, int, str]] = []
+    for e in events:
+        d = e["detail"]
+        if e["kind"] == EventKind.REPLICA_LOST:
+            pending.append((e["time"], {int(r) for r in d.get("replicas", ())}, int(d.get("live", 1)),
+                            int(d.get("of", 1)), str(d.get("batch", "keep"))))
+        elif e["kind"] == EventKind.REPLICA_REJOINED:
+            back = {int(r) for r in d.get("replicas", ())}
+            at = float(d.get("at", e["time"]))
+            for lost_at, replicas, live, of, batch in list(pending):
+                replicas -= back
+                if not replicas:
+                    out[lost_at] = (lost_at, max(at, lost_at), live, of, batch)
+                    pending.remove((lost_at, replicas, live, of, batch))
+        elif e["kind"] == EventKind.ATTEMPT_STARTED:  # a new attempt forms every replica
+            for lost_at, _, live, of, batch in pending:
+                out[lost_at] = (lost_at, max(e["time"], lost_at), live, of, batch)
+            pending = []
+    for lost_at, _, live, of, batch in pending:
+        out[lost_at] = (lost_at, max(end, lost_at), live, of, batch)
+    return out
+
+
+def _out_costs(out_spans: dict[float, tuple[float, float, int, int, str]], kept: set[StepSpan]) -> dict[float, float]:
+    """failure time -> what the kept steps while its replicas were out cost for want of them: keeping
+    the batch, the share of their time the full mesh would not have needed (the median kept step of
+    the same attempt outside such spans, over theirs; the live share when none was measured);
+    shrinking it, the missing replicas' share. Bisected: a 54-day run has thousands of failures."""
+    if not out_spans:
+        return {}
+    ordered = sorted(kept, key=lambda s: s.start)
+    starts = [s.start for s in ordered]
+    windows = sorted((a, b) for a, b, *_ in out_spans.values())
+    full: dict[int, list[float]] = {}
+    w = 0
+    for s in ordered:  # the kept steps outside every out span, by attempt (one merge pass)
+        while w < len(windows) and windows[w][1] <= s.start:
+            w += 1
+        if not any(a <= s.start < b for a, b in windows[w:w + 2]):
+            full.setdefault(s.attempt, []).append(s.end - s.start)
+    reference = {attempt: statistics.median(d) for attempt, d in full.items()}
+    out: dict[float, float] = {}
+    for t, (a, b, live, of, batch) in out_spans.items():
+        inside = [s for s in ordered[bisect.bisect_left(starts, a):bisect.bisect_left(starts, b)] if s.end <= b]
+        if not inside:
+            out[t] = 0.0
+            continue
+        share = live / max(of, 1)
+        ref = reference.get(inside[0].attempt)
+        if batch == "keep" and ref is not None:
+            share = min(1.0, ref / max(statistics.median([s.end - s.start for s in inside]), 1e-12))
+        out[t] = sum(s.end - s.start for s in inside) * (1.0 - share)
     return out
 
 

@@ -51,6 +51,11 @@ class AttemptSpec:
     """Load this peer snapshot step (from the nodes' host memory) instead of `resume_step`."""
     peer_key: str | None = None
     """The run's snapshot folder on every node (checkpointing.peer.run_key); None: `run_id`."""
+    failure_domain: str = "world"
+    """`replica`: a lost node stops only its data-parallel replicas (the group's `lose_replicas` and
+    `form_replicas` are then called while the others train); `world`: the whole attempt."""
+    batch_while_healing: str = "keep"
+    """While replicas are out: `keep` the global batch (survivors take their samples), or `shrink` it."""
 
 
 class GroupStatus(str, enum.Enum):
@@ -89,6 +94,9 @@ class WorkerGroup(Protocol):
     def start(self, attempt: AttemptSpec) -> None: ...
     def poll(self) -> PollResult: ...
     def shutdown(self) -> None: ...
+    # Optional, for `failure_domain: replica`: `lose_replicas(replicas, nodes)` (the survivors go on
+    # without them, now) and `form_replicas(replicas, placement)` (form them again where the placement
+    # puts them; the group reports `replica_rejoined` once they train).
     # Optional: `abort()`, callable from any thread, makes a `start` in progress give up soon (cancel).
     # Optional: `peer_copies(peer_key, nodes) -> {node: [checkpointing.peer.Held]}`, what each of those
     # nodes holds of the run's peer snapshots (a group without it never recovers from peers).

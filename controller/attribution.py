@@ -342,6 +342,20 @@ class AttemptWatch:
                                                 hang_floor_s=self.hang_floor_s)
         return seen
 
+    def contained(self, ranks: set[int]) -> None:
+        """A failure that stopped only these ranks' replicas was handled while the others train on:
+        its signals are spent, and the ranks are not heard from (nor judged silent) until they rejoin."""
+        s = self.signals
+        s.errors, s.dead_ranks, s.on_live_nodes, s.since = {}, set(), set(), None
+        for rank in ranks:
+            s.last_step.pop(rank, None)
+            s.last_report_at.pop(rank, None)
+
+    def moved(self, node_of_rank: tuple[str, ...]) -> None:
+        """Ranks formed again on other nodes (a replica on a spare)."""
+        self.node_of_rank = node_of_rank
+        self.stragglers.node_of_rank = node_of_rank
+
     def finished(self, now: float) -> FailureEvent | None:
         """The workers finished with no sign of trouble: None when done, or the failed final save."""
         if self.final_save_error is None:

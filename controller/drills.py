@@ -363,6 +363,24 @@ def _failure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
     restored = _first(later, EventKind.ATTEMPT_STARTED)
     ended = _ended(later)
     resumed_from = restored.detail.get("start_step", 0) if restored else None
+    if detected is not None and detected.detail.get("replicas") is not None:
+        # Only those replicas stopped: the survivors went on from the last step (the one in flight was
+        # discarded), and the lost replicas took their state from a live one when they rejoined.
+        lost = set(detected.detail["replicas"])
+        rejoined = next((e for e in later if e.kind == EventKind.REPLICA_REJOINED
+                         and lost <= set(e.detail.get("replicas", ()))), None)
+        return {
+            "detected_at": detected.time, "cause": detected.detail.get("cause"),
+            "attributed_to": {"nodes": detected.detail.get("nodes"), "ranks": detected.detail.get("ranks")},
+            "decision": decision.detail.get("action") if decision else None,
+            "recovered_at": recovered.detail.get("ended_at", recovered.time) if recovered else None,
+            "recovery_heard_at": recovered.time if recovered else None,
+            "steps_lost": max(0, ev.detail["step"] - detected.detail.get("step", ev.detail["step"])),
+            "restored_from": "replica" if rejoined else None,
+            "replicas": sorted(lost),
+            "rejoined_at": rejoined.detail.get("at", rejoined.time) if rejoined else None,
+            "outcome": _outcome(recovered is not None, True, ended.kind if ended else None),
+        }
     return {
         "detected_at": detected.time if detected else None,
         "cause": detected.detail.get("cause") if detected else None,

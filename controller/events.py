@@ -38,6 +38,8 @@ class EventKind(enum.StrEnum):
     SDC_TRANSIENT = "sdc_transient"  # (rank)
     BITFLIP_INJECTED = "bitflip_injected"  # (rank)
     FAILURE_DETECTED = "failure_detected"
+    REPLICA_LOST = "replica_lost"  # the failure stopped only these data-parallel replicas; the others go on
+    REPLICA_REJOINED = "replica_rejoined"  # (rank) replicas formed again, their state from a live one, training
     DECISION = "decision"
     QUARANTINED = "quarantined"
     NODE_CORDONED = "node_cordoned"

@@ -64,6 +64,8 @@ class Action(str, enum.Enum):
     WAIT = "wait"
     GROW = "grow"
     FAIL = "fail"
+    HEAL_REPLICA = "heal_replica"
+    """Only the failed data-parallel replicas stop; they are formed again while the others train."""
 
 
 @dataclass(frozen=True, kw_only=True)

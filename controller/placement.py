@@ -157,3 +157,13 @@ def _place(mesh: MeshShape, topology: Topology, excluded: frozenset[str]) -> Pla
         rack_of_node=dict(zip(nodes.name[used].tolist(), nodes.rack[used].tolist())),
         spares=tuple(n.name for n in topology.spares() if n.name in spares) if spares else (),
     )
+
+
+def swap_nodes(placement: Placement, swaps: dict[str, str], topology: Topology) -> Placement:
+    """`placement` with the ranks of each node in `swaps` moved to its replacement (same GPUs), every
+    other rank where it was: a replica formed again on a spare leaves the live replicas in place."""
+    node_of_rank = tuple(swaps.get(n, n) for n in placement.node_of_rank)
+    rack_of_node = {n: placement.rack_of_node.get(n) or topology.node(n).rack for n in dict.fromkeys(node_of_rank)}
+    return Placement(mesh=placement.mesh, node_of_rank=node_of_rank, gpu_of_rank=placement.gpu_of_rank,
+                     rack_of_node=rack_of_node,
+                     spares=tuple(s for s in placement.spares if s not in set(swaps.values())))

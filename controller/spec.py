@@ -259,6 +259,13 @@ class ElasticSpec(_Strict):
     min_dp: int = Field(default=1, gt=0)
     max_failures: int = Field(default=10, ge=0)
     wait_for_capacity_s: float = Field(default=300.0, gt=0)
+    failure_domain: Literal["world", "replica"] = "world"
+    """What a lost node stops: the whole run (a new attempt on a new mesh), or only the data-parallel
+    replicas (parallelism.dp_replicas > 1) it held, while the others keep training and the lost ones
+    are formed again on spares and rejoin (trainer/replica.py, DESIGN.md "Failure domains")."""
+    batch_while_healing: Literal["keep", "shrink"] = "keep"
+    """While a replica is out: the survivors take its samples (the global batch is kept, steps take
+    longer), or the batch shrinks by its share (steps as fast; its samples are skipped and counted)."""
 
 
 class DrillSpec(_Strict):
@@ -318,6 +325,9 @@ class CostModelSpec(_Strict):
     peer_snapshot_stall_s: float | None = Field(default=None, ge=0)
     peer_transfer_s: float | None = Field(default=None, ge=0)
     peer_restore_s: float | None = Field(default=None, ge=0)
+    # elastic.failure_domain replica: the survivors' whole stall per failure, in place of detection +
+    # a cross-replica init (180: FT-HSDP's ~3 minutes at ~100K GPUs, a pessimistic preset)
+    replica_stall_s: float | None = Field(default=None, ge=0)
 
 
 class RunSpec(_Strict):

@@ -22,7 +22,7 @@ from checkpointing.store import ObjectStore, StoreError
 from controller.attempt import AttemptSpec, GroupStatus, WorkerGroup
 from controller.checkpoints import RunCheckpoints
 from controller.events import EventKind, EventLog
-from controller.placement import Placement, place
+from controller.placement import Placement, place, ranks_on, swap_nodes
 from controller.planner import MeshPlan, memory_problem, plan_run
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
@@ -31,7 +31,7 @@ from controller.drills import DrillError, DrillInjector, DrillRequest, RunDrills
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, GrowWatch, RunPolicy, taken_out,
 )
-from controller.topology import Topology, merge_returned
+from controller.topology import NodeState, Topology, merge_returned
 from controller.views import GoodputView, health_view, run_view
 from trainer.config import TrainerConfig
 
@@ -104,6 +104,13 @@ class RunController:
         (only the driving thread changes the run's state; requests only set flags and queue drills)."""
         self.watch: AttemptWatch | None = None
         """The attempt being driven, as watched (None before the first launch)."""
+        self.replicas_out: dict[int, tuple[str, ...]] = {}
+        """failure_domain replica: the data-parallel replicas of this attempt not training now, and
+        the nodes each lost (to be replaced before it can be formed again)."""
+        self._forming: set[int] = set()
+        """Of those, the ones being formed again (their group reports `replica_rejoined`)."""
+        self._survivors_since: float | None = None
+        """When the survivors were told to go on without lost replicas (their next step is the recovery)."""
         self.events.add(now, 0, EventKind.SUBMITTED, name=spec.name)
 
     @property
@@ -198,6 +205,7 @@ class RunController:
         """Fresh per-attempt bookkeeping: failure signals, progress timestamps, straggler scores."""
         assert self.config is not None and self.placement is not None
         self._attempt_started_at = now
+        self.replicas_out, self._forming, self._survivors_since = {}, set(), None
         h = self.spec.health
         self.watch = AttemptWatch(self.attempt, self.config.mesh, self.placement.node_of_rank,
                                   last_step=self.spec.train.steps, straggler_ratio=h.straggler_ratio,
@@ -269,7 +277,9 @@ class RunController:
             run_id=self.run_id, attempt=self.attempt, config=self.config, placement=self.placement,
             start_step=start_step, cursor=point.cursor, resume_step=point.resume_step,
             **self.checkpoints.attempt_settings(self.spec, run_s=now - self.created_at, failures=len(self.failures)),
-            **self.checkpoints.peer_settings(self.spec, self.placement, point))
+            **self.checkpoints.peer_settings(self.spec, self.placement, point),
+            failure_domain=self.spec.elastic.failure_domain if self.config.mesh.dp_replicas > 1 else "world",
+            batch_while_healing=self.spec.elastic.batch_while_healing)
         self._track_attempt(now)
         try:
             with self.outside_lock():
@@ -331,6 +341,18 @@ class RunController:
             self.events.add(now, self.attempt, EventKind.STRAGGLER, **detail)
         for rank, kind, detail in result.events:  # every event of the poll joins the timeline first
             self.events.add(now, self.attempt, kind, **{**detail, "rank": rank})  # the reporting rank wins
+            if kind == EventKind.REPLICA_REJOINED:
+                for replica in detail.get("replicas", ()):
+                    self.replicas_out.pop(int(replica), None)
+                    self._forming.discard(int(replica))
+        if self._survivors_since is not None:
+            after = [r for r in result.reports if r.end_time - r.step_time_s >= self._survivors_since]
+            if after:
+                self.events.add(now, self.attempt, EventKind.FIRST_STEP_AFTER_RECOVERY, step=after[0].step,
+                                ended_at=min(after[0].end_time, now), survivors=True)
+                self._survivors_since = None
+        if self.replicas_out and seen.failure is None:
+            self._form_replicas(now)
         if seen.interval is not None:
             self.checkpoints.auto_interval = seen.interval
         sdc = seen.failure is not None and seen.failure.cause is FailureCause.SDC
@@ -364,8 +386,81 @@ class RunController:
             self._recover(now, failure)
         return failure is not None
 
+    def _contain(self, now: float, failure: FailureEvent) -> bool:
+        """failure_domain replica: a lost node (or a dead rank) stops only the data-parallel replicas it
+        held, if others live on and the worker group can go on without them. The survivors go on now;
+        the lost replicas are formed again on spares (`_form_replicas`). False: stop the world."""
+        assert self.config is not None and self.placement is not None
+        mesh = self.config.mesh
+        lose = getattr(self.worker_group, "lose_replicas", None)
+        if (self.spec.elastic.failure_domain != "replica" or mesh.dp_replicas < 2 or lose is None
+                or failure.cause not in (FailureCause.NODE_LOST, FailureCause.RANK_DIED, FailureCause.WORKER_ERROR,
+                                         FailureCause.COLLECTIVE_ERROR)
+                or len(self.failures) + 1 > self.spec.elastic.max_failures):
+            return False
+        per = mesh.world_size // mesh.dp_replicas
+        ranks = set(failure.ranks) | set(ranks_on(self.placement.node_of_rank, failure.nodes))
+        lost = sorted({r // per for r in ranks} - set(self.replicas_out))
+        live = mesh.dp_replicas - len(self.replicas_out) - len(lost)
+        if not lost or live < 1:
+            return False
+        self.events.add(now, self.attempt, EventKind.FAILURE_DETECTED, cause=failure.cause.value, nodes=list(failure.nodes),
+                        ranks=list(failure.ranks), message=failure.message, step=self.progress.step, replicas=lost)
+        self._last_failure = failure
+        self.failures.append(failure)
+        state = NodeState.QUARANTINED if failure.cause.quarantines else NodeState.LOST
+        self.topology = self.topology.with_states({n: state for n in failure.nodes})
+        nodes_of = {replica: tuple(sorted({self.placement.node_of_rank[r] for r in range(replica * per, (replica + 1) * per)}
+                                          & set(failure.nodes))) for replica in lost}
+        for replica in lost:
+            self.replicas_out[replica] = nodes_of[replica]
+        self.events.add(now, self.attempt, EventKind.DECISION, action=Action.HEAL_REPLICA.value, code="replica_out",
+                        reason=f"{failure.cause.value} on {list(failure.nodes) or list(failure.ranks)}: replica(s) {lost} "
+                               f"stop, {live} of {mesh.dp_replicas} train on ({self.spec.elastic.batch_while_healing} "
+                               "the global batch) and the lost ones are formed again", mesh=mesh.axes(),
+                        dp_replicas=mesh.dp_replicas)
+        self.events.add(now, self.attempt, EventKind.REPLICA_LOST, replicas=lost, nodes=list(failure.nodes), live=live,
+                        of=mesh.dp_replicas, batch=self.spec.elastic.batch_while_healing)
+        assert self.watch is not None
+        self.watch.contained(ranks | {r for replica in lost for r in range(replica * per, (replica + 1) * per)})
+        with self.outside_lock():
+            lose(lost, tuple(failure.nodes))
+        self._survivors_since = now
+        self._form_replicas(now)
+        return True
+
+    def _form_replicas(self, now: float) -> None:
+        """Form the replicas that are out again, once spares (or their own nodes, back) can take the
+        places of the nodes they lost; the live replicas stay where they are."""
+        waiting = sorted(set(self.replicas_out) - self._forming)
+        form = getattr(self.worker_group, "form_replicas", None)
+        if not waiting or form is None or self.placement is None:
+            return
+        if self.topology_source is not None:
+            self.topology = merge_returned(self.topology, self.topology_source())
+        needed = [n for replica in waiting for n in self.replicas_out[replica]]
+        healthy = self.topology.names_in(NodeState.HEALTHY)
+        missing = [n for n in needed if n not in healthy]
+        used = self.placement.rack_of_node
+        # spares first, then healthy nodes the run does not use (repaired ones, or a replaced node back)
+        spares = [s.name for s in self.topology.spares()]
+        if len(spares) < len(missing):
+            spares += [n for n in self.topology.in_node_order(healthy) if n not in used][:len(missing) - len(spares)]
+        if len(spares) < len(missing):
+            return  # degraded until a spare or a repaired node can take them
+        swaps = dict(zip(missing, spares))
+        self.topology = self.topology.with_states({s: NodeState.HEALTHY for s in swaps.values()})
+        self.placement = swap_nodes(self.placement, swaps, self.topology)
+        assert self.watch is not None
+        self.watch.moved(self.placement.node_of_rank)
+        self._forming |= set(waiting)
+        with self.outside_lock():
+            form(waiting, self.placement)
+
     def _recover(self, now: float, failure: FailureEvent) -> None:
         assert self.config is not None
+        if self._contain(now, failure):
+            return
         self.events.add(now, self.attempt, EventKind.FAILURE_DETECTED, cause=failure.cause.value, nodes=list(failure.nodes),
                         ranks=list(failure.ranks), message=failure.message, step=self.progress.step)
         self._last_failure = failure

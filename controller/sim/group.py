@@ -27,6 +27,14 @@ and its buddy's copy on the buddy's, except on nodes lost since, and no buddy co
 failure struck while they were being rewritten (then the recovery falls back to the store); each
 node answers with one `Held` record naming the ranks it keeps, as a Ray node does.
 
+Replica failure domain (`failure_domain: replica` on the attempt): a lost node pauses the survivors
+at its time (the step in flight is discarded) and shows up after `replica_detection_s` as a dead
+node; the controller's `lose_replicas` lets them go on after one cross-replica init, at D-1 of D
+replicas' throughput (keeping the batch: longer steps; shrinking it: fewer tokens per step);
+`form_replicas` starts the lost ones warm on their new nodes, and at the first step boundary after
+that the survivors stall for the state transfer and one more cross-replica init, and report
+`replica_rejoined`. An incident on a node that holds only replicas already out stops nothing.
+
 Reports come from one rank of the last pipeline stage (the one carrying the loss), one per step:
 the controller's progress and accounting need no more, and 16,384 ranks' reports per step would
 make a 54-day simulation take days.
@@ -34,7 +42,9 @@ make a 54-day simulation take days.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -141,6 +151,10 @@ class SimWorkerGroup:
         """(steps left, {slow rank: factor}): every rank's compute is sampled while steps are left."""
         self.slow_ranks: dict[int, float] = {}
         """This attempt's ranks slowed by a slow-rank drill (its process stays slow until replaced)."""
+        self.out: set[int] = set()
+        """failure_domain replica: the attempt's data-parallel replicas not training now."""
+        self.forming: list[tuple[float, tuple[int, ...]]] = []
+        """(ready at, replicas): replicas being formed again, ready to receive their state at that time."""
 
     # -- the WorkerGroup protocol ------------------------------------------------------------------------
     def start(self, attempt: AttemptSpec) -> None:
@@ -171,6 +185,7 @@ class SimWorkerGroup:
         self._held_compute: list[tuple[int, Any]] = []
         self.slow_ranks = {}
         self.judging = None
+        self.out, self.forming = set(), []
         self._judge(now)
 
     def poll(self) -> PollResult:
@@ -265,6 +280,29 @@ class SimWorkerGroup:
         if kind == "hang":  # nothing is reported: the controller's hang verdict has to find it
             self.stop_at = t
             return True
+        if kind in ("gpu", "host", "network", "software", "storage") and self._replica_domain():
+            # The replicas of the node it strikes stop (network and software faults strike the run
+            # wherever it is: a node of the mesh drawn from the incident's node name).
+            node = incident.node if on_mesh else node_of_rank[zlib.crc32(incident.node.encode()) % len(node_of_rank)]
+            replicas = self._replicas_on(node)
+            lost_node = kind in ("gpu", "host")
+            if replicas <= self.out:  # only replicas already out: nothing more stops
+                if lost_node:
+                    self.memory_lost[node] = t
+                return False
+            if len(self.out | replicas) < self.attempt.config.mesh.dp_replicas:
+                self.stop_at = t  # the survivors' step in flight is discarded; they wait for the controller
+                ranks = ranks_on(node_of_rank, (node,))
+                if lost_node:  # the survivors' collectives fail at once; the controller's probe confirms the node
+                    self.memory_lost[node] = t
+                    self.signals.append(_Signal(at=t + self.cost.replica_detection_s, dead_nodes={node}))
+                elif kind == "network":  # a silent peer: the survivors' collectives time out
+                    self.signals.append(_Signal(at=t + self.cost.collective_timeout_s, errors={
+                        r: "RuntimeError: simulated NIC fault: this node's links are down" for r in ranks}))
+                else:  # a rank's process raised: its sockets close, the survivors' collectives fail at once
+                    what = "OSError: [Errno 5] Input/output error" if kind == "storage" else "RuntimeError: simulated bug"
+                    self.signals.append(_Signal(at=t, errors={ranks[0]: what}))
+                return True
         if kind in ("gpu", "host"):
             self.memory_lost[incident.node] = t
             self.stop_at = t
@@ -291,9 +329,62 @@ class SimWorkerGroup:
                 "evidence": {"simulated": True}})]))
         return True
 
+    # -- failure_domain replica ----------------------------------------------------------------------------
+    def _replica_domain(self) -> bool:
+        a = self.attempt
+        return a is not None and a.failure_domain == "replica" and a.config.mesh.dp_replicas > 1
+
+    def _replicas_on(self, node: str) -> set[int]:
+        assert self.attempt is not None
+        mesh = self.attempt.config.mesh
+        per = mesh.world_size // mesh.dp_replicas
+        return {r // per for r in ranks_on(self.attempt.placement.node_of_rank, (node,))}
+
+    def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...]) -> None:
+        """The controller's word: the survivors go on without `replicas` after one cross-replica init."""
+        assert self.attempt is not None
+        now = self.clock()
+        self.out |= set(replicas)
+        self.signals = [s for s in self.signals if not (s.dead_nodes & set(nodes))]
+        live = self.attempt.config.mesh.dp_replicas - len(self.out)
+        stall = self.cost.replica_stall_s if self.cost.replica_stall_s is not None else self.cost.regroup_s(live)
+        self.next_start = max(self.next_start, now) + stall
+        self.stop_at = None
+
+    def form_replicas(self, replicas: list[int], placement: Any) -> None:
+        """Form `replicas` again where `placement` puts them: ready after a warm start of their ranks."""
+        assert self.attempt is not None
+        self.attempt = dataclasses.replace(self.attempt, placement=placement)
+        self.nodes = placement.rack_of_node
+        self.forming.append((self.clock() + self.cost.replica_start_s(), tuple(replicas)))
+
+    def _batch_share(self) -> float:
+        """Of the global batch, the share a step trains now (less while replicas are out under `shrink`)."""
+        a = self.attempt
+        if a is None or not self.out or a.batch_while_healing == "keep":
+            return 1.0
+        return 1.0 - len(self.out) / a.config.mesh.dp_replicas
+
+    def _rejoin(self, boundary: float) -> float:
+        """At a step boundary: the formed replicas that are ready receive their state and join; the
+        survivors' stall for it (0 when none is ready)."""
+        ready = [f for f in self.forming if f[0] <= boundary]
+        if not ready or self.attempt is None:
+            return 0.0
+        joining = sorted(r for _, replicas in ready for r in replicas)
+        self.forming = [f for f in self.forming if f[0] > boundary]
+        self.out -= set(joining)
+        live = self.attempt.config.mesh.dp_replicas - len(self.out)
+        stall = self.cost.regroup_s(live) + self.cost.replica_transfer_s
+        source = min(set(range(self.attempt.config.mesh.dp_replicas)) - self.out - set(joining))
+        self.pending_events.append((0, EventKind.REPLICA_REJOINED, {
+            "replicas": joining, "at": boundary + stall, "step": self.step, "source": source,
+            "seconds": stall}))
+        return stall
+
     def next_wake(self, now: float) -> float:
         """When a poll next has something to say."""
-        times = [s.at for s in self.signals] + [c[0] for c in self.commits]
+        times = [s.at for s in self.signals] + [c[0] for c in self.commits] + [f[0] for f in self.forming if f[0] > now]
         if self.running and self.stop_at is None and self.step < self.total_steps:
             chunk = min(CHUNK_STEPS, self.total_steps - self.step)
             if self.wake_at_step is not None and self.wake_at_step > self.step:
@@ -306,6 +397,9 @@ class SimWorkerGroup:
                 times.append(self.next_start + (save - self.step) * self._step_s(self.next_start)
                              + self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s)
             times.append(self.next_start + chunk * self._step_s(self.next_start))
+            for ready, _ in self.forming:  # the step boundary a formed replica joins at: steps get faster there
+                step_s = self._step_s(self.next_start)
+                times.append(self.next_start + max(1, math.ceil((ready - self.next_start) / step_s)) * step_s)
         if self.running and self.stop_at is not None:
             times.append(now + HANG_POLL_S)  # stopped: the controller's own hang verdict may come first
         return max(min(times), now + 1e-6) if times else math.inf
@@ -320,8 +414,12 @@ class SimWorkerGroup:
 
     def _healthy_step_s(self) -> float:
         assert self.attempt is not None
-        world = self.attempt.config.mesh.world_size
-        return self.cost.step_s * (self.full_world or world) / world
+        mesh = self.attempt.config.mesh
+        world = mesh.world_size
+        step = self.cost.step_s * (self.full_world or world) / world
+        if self.out and self.attempt.batch_while_healing == "keep":  # the live replicas take the others' samples
+            step *= mesh.dp_replicas / (mesh.dp_replicas - len(self.out))
+        return step
 
     def _judge(self, at: float, *, struck: str | None = None) -> None:
         """Sample every rank for the next JUDGED_STEPS steps if a rank of this mesh is slow at `at`."""
@@ -360,6 +458,7 @@ class SimWorkerGroup:
             if end > limit:
                 break
             self.step += 1
+            a = self.attempt  # (formed replicas move it to a new placement)
             snapshot = bool(a.peer_every) and self.step % a.peer_every == 0
             # A snapshot first waits for the last one's transfer to the buddies (trainer/peer.py): a
             # transfer longer than the steps between snapshots stalls the loop for the rest of it.
@@ -371,7 +470,7 @@ class SimWorkerGroup:
                                 cursor=self.step * a.config.train.global_batch,
                                 loss=2.0 + 8.0 / math.sqrt(self.step), step_time_s=step_s, data_s=0.0,
                                 compute_s=step_s * COMPUTE_SHARE, wait_s=step_s * (1 - COMPUTE_SHARE),
-                                tokens_per_s=tokens / step_s,
+                                tokens_per_s=tokens * self._batch_share() / step_s,
                                 end_time=end, snapshot_s=stall)
             sampled = [(self.step, self._compute(self.step))] if self.judging is not None else []
             if result is not None:
@@ -392,6 +491,9 @@ class SimWorkerGroup:
                 chosen = self.interval.measured(self.cost.checkpoint_stall_s, step_s)
                 if chosen is not None:
                     self.pending_events.append((0, EventKind.CHECKPOINT_INTERVAL, chosen))
+            if self.forming and (rejoin := self._rejoin(self.next_start)) > 0:
+                self.next_start += rejoin
+                step_s = self._step_s(self.next_start)
         if result is not None and self._held:
             result.reports[:0] = self._held
             self._held = []

@@ -43,6 +43,17 @@ Cost model defaults grow with the world where the real costs do, and each says w
                    the store's restore); a transfer longer than the steps between snapshots stalls
                    the next snapshot for the rest of it (controller/sim/group.py)
 
+    replica domain (elastic.failure_domain: replica; trainer/replica.py) a lost node stops its
+                   data-parallel replicas only. Survivors: detection from the data plane (their
+                   collective fails at once and the controller confirms the node with its raylet probe:
+                   DATA_PLANE_DETECTION_S, goodput's measured node-loss detection), then one
+                   cross-replica group init of size D (comm_init above), then steps at D-1 of D
+                   replicas' throughput. The lost replica: a warm start of its R ranks (CUDA init +
+                   comm_init(R)), then its state from a live replica at a step boundary: the replica's
+                   per-node state over the 100 Gb/s link (the survivors stall for it and one more
+                   cross-replica init). Pessimistic preset for comparison: Meta's FT-HSDP reports ~3
+                   minutes of stall per failure at ~100K GPUs (arXiv 2602.00277): `cost.replica_stall_s`.
+
 A spec's `cost:` overrides each (`restart_s` the whole restart).
 """
 
@@ -76,6 +87,10 @@ RAY_HEALTH_CHECK_TIMEOUT_S = 10.0
 RAY_HEALTH_CHECK_FAILURES = 5
 """Ray's defaults (health_check_timeout_ms 10000, health_check_failure_threshold 5)."""
 DEFAULT_GPU_TFLOPS = 400.0
+DATA_PLANE_DETECTION_S = 1.0
+"""A survivor's collective fails as soon as its peer's connection drops, and the controller confirms
+the node with its raylet probe: goodput measures 0.92 s node-loss detection (README, "Healing from
+peers", n = 5); the issue's goal is <= 1 s."""
 
 
 def comm_init_s(world: int) -> float:
@@ -120,13 +135,29 @@ class CostModel:
     peer_snapshot_stall_s: float = 0.0
     peer_transfer_s: float = 0.0
     peer_restore_s: float = 0.0
+    replica_detection_s: float = DATA_PLANE_DETECTION_S
+    replica_gpus: int = 1
+    """GPUs of one data-parallel replica (R)."""
+    replica_transfer_s: float = 0.0
+    """A replica's state to one formed again, node to node."""
+    replica_stall_s: float | None = None
+    """The survivors' whole stall per failure, when given (FT-HSDP's 180 s preset), instead of
+    detection + a cross-replica init."""
+
+    def regroup_s(self, replicas: int) -> float:
+        """A cross-replica group init over `replicas` members."""
+        return comm_init_s(replicas)
+
+    def replica_start_s(self) -> float:
+        """A lost replica's R ranks forked warm on their nodes: CUDA init and its own world's communicators."""
+        return restart_s(self.replica_gpus)
 
     def to_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 def cost_model(spec: Any, *, params: int, gpus: int, gpus_per_node: int,
-               flops_per_token: float | None = None) -> CostModel:
+               flops_per_token: float | None = None, replicas: int = 1) -> CostModel:
     """The spec's cost model, defaults filled in from the model size and the cluster (a provider
     model's own FLOPs per token where it says them, else 6 x parameters)."""
     c = spec.cost
@@ -147,6 +178,11 @@ def cost_model(spec: Any, *, params: int, gpus: int, gpus_per_node: int,
         peer_snapshot_stall_s=_given(c.peer_snapshot_stall_s, per_gpu / (STAGING_GBPS_PER_GPU * 1e9)),
         peer_transfer_s=_given(c.peer_transfer_s, per_gpu * gpus_per_node / (NODE_LINK_GBPS * 1e9)),
         peer_restore_s=_given(c.peer_restore_s, per_gpu * gpus_per_node / (NODE_LINK_GBPS * 1e9)),
+        replica_gpus=max(gpus // max(replicas, 1), 1),
+        # a replica's ranks each hold 1/R of the state (16 bytes per parameter): a node's share over its link
+        replica_transfer_s=BYTES_PER_PARAM * params / max(gpus // max(replicas, 1), 1)
+        * min(gpus_per_node, max(gpus // max(replicas, 1), 1)) / (NODE_LINK_GBPS * 1e9),
+        replica_stall_s=c.replica_stall_s,
     )
 
 

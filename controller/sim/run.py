@@ -70,7 +70,8 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
     model = spec.to_model_config()
     params = model.num_params()
     cost = cost_model(spec, params=params, gpus=plan.mesh.world_size, gpus_per_node=sim.gpus_per_node,
-                      flops_per_token=model.known_numbers().flops_per_token if model.provider else None)
+                      flops_per_token=model.known_numbers().flops_per_token if model.provider else None,
+                      replicas=plan.mesh.dp_replicas)
     failures = spec.failures or FailureModelSpec()
     horizon = (days if days is not None else DEFAULT_DAYS) * 86400.0
     planned = incidents(failures, [n.name for n in topology.nodes], horizon_s=horizon, seed=seed)
@@ -101,6 +102,9 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
             # as the poll left them; while the ranks' times are judged, a verdict may come at any poll
             group.wake_at_commits = bool(c.drills.pending()) or c.acts_on_commits() or group.judging is not None
             wake = group.next_wake(clock.t)
+            if c.replicas_out:  # replicas out for want of a node: the controller forms them once one is back
+                repair = cluster.next_repair(clock.t)
+                wake = min(wake, repair if repair is not None else math.inf)
         elif c.state is RunState.RECOVERING:
             repair = cluster.next_repair(clock.t)
             wake = min(repair if repair is not None else math.inf, clock.t + 10.0)

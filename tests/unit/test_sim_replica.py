@@ -1,0 +1,87 @@
+"""`elastic.failure_domain: replica` in the simulator, checked by hand on tiny cases: a kill-node stops
+one replica, the survivors pay detection + one cross-replica init and train on at half throughput
+until the replica, formed again on the spare, receives their state and rejoins, all in one attempt;
+shrinking the batch instead keeps the step time and counts the missing share; with no spare the
+replica waits for its node's repair; a node that holds every replica stops the world as before."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controller.events import EventKind
+from controller.sim.model import comm_init_s, restart_s
+from controller.sim.run import simulate
+from tests.unit.test_simulate import spec
+
+REPLICAS = {"dp": 2, "tp": 1, "pp": 1, "dp_replicas": 2}
+KILL_AT_25 = [{"kind": "kill-node", "at_step": 25}]
+
+
+def replica_spec(**changes: Any) -> Any:
+    elastic = {"max_failures": 1000, "failure_domain": "replica", **changes.pop("elastic", {})}
+    return spec(parallelism=REPLICAS, elastic=elastic, drills=KILL_AT_25, **changes)
+
+
+def kinds(result: dict[str, Any], *wanted: str) -> list[Any]:
+    return [e for e in result["_controller"].events if e.kind in wanted]
+
+
+def test_a_lost_node_stops_its_replica_only_and_it_rejoins_from_the_survivor() -> None:
+    result = simulate(replica_spec(), days=1)
+    g = result["goodput"]
+    assert result["state"] == "succeeded" and result["steps"] == 100 and result["attempts"] == 1
+    assert result["decisions"] == {"heal_replica": 1}
+    (failure,) = g["failures"]
+    # The drill lands at step 25's end: 25 steps of 1 s and the saves after 10 and 20 (0.5 s each).
+    assert failure["onset"] == pytest.approx(26.0)
+    assert failure["detection_seconds"] == pytest.approx(1.0)  # from the data plane, not Ray's health checks
+    assert failure["recovery_seconds"] == pytest.approx(comm_init_s(1))  # the survivors' cross-replica init
+    assert failure["recomputation_seconds"] == pytest.approx(0.0)  # the step in flight had just begun
+    # The replica on the spare is ready restart_s(1) after the decision; the survivor's step 26 (2 s:
+    # the whole batch on one replica) ends after that, and the rejoin stalls it for one more init.
+    survivors_resume = 27.0 + comm_init_s(1)
+    assert 27.0 + restart_s(1) < survivors_resume + 2.0
+    (rejoined,) = kinds(result, EventKind.REPLICA_REJOINED)
+    assert rejoined.detail["replicas"] == [1] and rejoined.detail["source"] == 0 and rejoined.detail["step"] == 26
+    assert rejoined.detail["seconds"] == pytest.approx(comm_init_s(2), rel=1e-3)  # + the (tiny) state transfer
+    assert failure["rejoined_at"] == pytest.approx(survivors_resume + 2.0 + rejoined.detail["seconds"])
+    assert failure["degraded_seconds"] == pytest.approx(1.0)  # step 26 took 2 s where the full mesh takes 1
+    assert g["badput_seconds"]["degraded_capacity"] == pytest.approx(1.0)
+    assert g["badput_seconds"]["restart_restore"] == pytest.approx(comm_init_s(1) + rejoined.detail["seconds"])
+    assert g["badput_seconds"]["recomputation"] == pytest.approx(0.0)
+    (report,) = result["_controller"].drill_reports()
+    assert report["outcome"] == "recovered" and report["restored_from"] == "replica" and report["steps_lost"] == 0
+    (lost,) = kinds(result, EventKind.REPLICA_LOST)
+    assert lost.detail["replicas"] == [1] and lost.detail["live"] == 1 and lost.detail["of"] == 2
+    world = simulate(spec(parallelism=REPLICAS, drills=KILL_AT_25), days=1)
+    assert world["attempts"] == 2 and world["ettr"] < result["ettr"]
+
+
+def test_shrinking_the_batch_keeps_the_step_time_and_counts_the_missing_share() -> None:
+    result = simulate(replica_spec(elastic={"batch_while_healing": "shrink"}), days=1)
+    (failure,) = result["goodput"]["failures"]
+    # Step 26 takes 1 s on one replica, half the batch: half of it is the missing replica's share.
+    assert failure["degraded_seconds"] == pytest.approx(0.5)
+    spans = result["_controller"].progress.history
+    assert all(h["end"] - h.get("start", h["end"] - 1.0) == pytest.approx(1.0) for h in spans if "start" in h)
+
+
+def test_with_no_spare_the_replica_waits_for_its_node_to_be_repaired() -> None:
+    repair_h = 0.01  # 36 s
+    result = simulate(replica_spec(cluster={"simulated": {"nodes": 2, "gpus_per_node": 1, "racks": 1, "spares": 0}},
+                                   failures={"repair_hours": {"host": repair_h}}), days=1)
+    (failure,) = result["goodput"]["failures"]
+    assert result["attempts"] == 1 and result["state"] == "succeeded"
+    # Out from the decision (27 s) until the node is back (26 + 36 s) and the replica has started and joined.
+    assert failure["rejoined_at"] > 26.0 + repair_h * 3600 + restart_s(1)
+    assert failure["rejoined_at"] < 26.0 + repair_h * 3600 + restart_s(1) + 2.0 + 1.0
+    assert failure["degraded_seconds"] == pytest.approx((failure["rejoined_at"] - 27.0) / 2, rel=0.1)
+
+
+def test_a_node_that_holds_every_replica_stops_the_world() -> None:
+    result = simulate(replica_spec(cluster={"simulated": {"nodes": 2, "gpus_per_node": 2, "racks": 1, "spares": 1}}),
+                      days=1)
+    assert result["attempts"] == 2 and result["decisions"] == {"replace": 1}
+    assert not kinds(result, EventKind.REPLICA_LOST)
