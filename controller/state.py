@@ -236,6 +236,11 @@ class RunController:
         self.state = RunState.PLANNING
 
     def _on_planning(self, now: float) -> None:
+        if self.spec.elastic.failure_domain == "replica" and getattr(self.worker_group, "lose_replicas", None) is None:
+            self._fail(now, "unsupported", "elastic.failure_domain: replica needs a worker group that can go on without "
+                       f"a replica; {type(self.worker_group).__name__} cannot yet (the trainer's side is "
+                       "trainer/replica.py; `goodput simulate` models it): use failure_domain: world")
+            return
         try:
             self.plan, self.placement = self._admitted_plan or plan_run(self.spec, self.topology)
             self._admitted_plan = None

@@ -21,7 +21,8 @@ KILL_AT_25 = [{"kind": "kill-node", "at_step": 25}]
 
 def replica_spec(**changes: Any) -> Any:
     elastic = {"max_failures": 1000, "failure_domain": "replica", **changes.pop("elastic", {})}
-    return spec(parallelism=REPLICAS, elastic=elastic, drills=KILL_AT_25, **changes)
+    changes.setdefault("drills", KILL_AT_25)
+    return spec(parallelism=REPLICAS, elastic=elastic, **changes)
 
 
 def kinds(result: dict[str, Any], *wanted: str) -> list[Any]:
@@ -85,3 +86,14 @@ def test_a_node_that_holds_every_replica_stops_the_world() -> None:
                       days=1)
     assert result["attempts"] == 2 and result["decisions"] == {"replace": 1}
     assert not kinds(result, EventKind.REPLICA_LOST)
+
+
+def test_a_dead_rank_stops_its_replica_only_and_it_is_formed_again_in_place() -> None:
+    result = simulate(replica_spec(drills=[{"kind": "kill-rank", "at_step": 25, "target": "1"}]), days=1)
+    assert result["attempts"] == 1 and result["decisions"] == {"heal_replica": 1}
+    (failure,) = result["goodput"]["failures"]
+    assert failure["cause"] == "rank_died" and failure["detection_seconds"] == pytest.approx(0.0, abs=1e-3)
+    (rejoined,) = kinds(result, EventKind.REPLICA_REJOINED)
+    assert rejoined.detail["replicas"] == [1]
+    c = result["_controller"]
+    assert c.placement is not None and set(c.placement.node_of_rank) == {"node-0", "node-1"}, "no node was replaced"

@@ -402,3 +402,13 @@ def test_a_repaired_node_stands_in_at_the_next_loss_when_the_spares_are_used() -
     decision = c.events.of_kind("decision")[-1].detail
     assert decision["action"] == "replace" and decision["mesh"] == {"dp": 2, "pp": 2, "tp": 2}, decision
     assert c.state is RunState.RUNNING and first in g.started[-1].placement.node_of_rank
+
+
+def test_a_replica_failure_domain_is_refused_where_the_worker_group_cannot_keep_the_others_training() -> None:
+    raw = copy.deepcopy(BASE)
+    raw["elastic"] = {**(raw.get("elastic") or {}), "failure_domain": "replica"}
+    c, g = controller(raw)
+    c.step(101.0)
+    assert c.step(102.0) is RunState.FAILED and not g.started
+    assert c.error is not None and c.error.code == "unsupported"
+    assert "failure_domain: world" in c.error.message and "FakeWorkerGroup" in c.error.message
