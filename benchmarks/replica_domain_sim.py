@@ -6,9 +6,10 @@ the model's memory needs, so 1,024 GPUs hold a single replica and the replica pa
 contain there), and at 131,072 GPUs Meta's FT-HSDP stall (~3 minutes per failure at ~100K GPUs,
 arXiv 2602.00277) as a pessimistic preset for the survivors' stall.
 
-Per row: ETTR, the mean recovery (world: failure detected -> the new attempt's first step; replica:
--> the survivors' next step), interruptions, world restarts (failures no replica can contain: SDC
-rollbacks), and the simulation's wall time.
+Per row: ETTR, the mean recovery of every failure (world: failure detected -> the new attempt's
+first step), the survivors' mean recovery over the failures a replica contained (-> their next step),
+interruptions, world restarts (failures no replica can contain: SDC rollbacks), the degraded hours
+(training without the replicas that were out), and the simulation's wall time.
 
     python benchmarks/replica_domain_sim.py [--days 54] [--seed 0] [--scales 8,128,1024]
 """
@@ -39,7 +40,7 @@ def main() -> None:
     parser.add_argument("--scales", default="8,128,1024", help="pipelines (dp) of 128 GPUs each")
     opts = parser.parse_args()
     raw = yaml.safe_load(PRESET.read_text())
-    print(f"{'GPUs':>8} {'path':<22}{'D':>5}{'ETTR':>8}{'MTTR s':>9}{'interruptions':>15}{'world restarts':>16}"
+    print(f"{'GPUs':>8} {'path':<22}{'D':>5}{'ETTR':>8}{'MTTR s':>9}{'survivors s':>13}{'interruptions':>15}{'world restarts':>16}"
           f"{'degraded h':>12}{'wall s':>8}")
     for dp in [int(x) for x in opts.scales.split(",")]:
         base = at_scale(raw, dp)
@@ -56,8 +57,10 @@ def main() -> None:
             wall = time.perf_counter() - t
             g = r["goodput"]
             recoveries = [f["recovery_seconds"] for f in g["failures"] if f["recovery_seconds"] is not None]
+            survivors = [f["recovery_seconds"] for f in g["failures"] if f.get("contained") and f["recovery_seconds"] is not None]
             restarts = sum(v for k, v in r["decisions"].items() if k != "heal_replica")
             print(f"{r['gpus']:>8} {name:<22}{d:>5}{r['ettr']:>8.4f}{statistics.fmean(recoveries) if recoveries else 0:>9.1f}"
+                  f"{statistics.fmean(survivors) if survivors else float('nan'):>13.1f}"
                   f"{sum(r['failures_by_cause'].values()):>15}{restarts:>16}"
                   f"{g['badput_seconds']['degraded_capacity'] / 3600:>12.1f}{wall:>8.1f}", flush=True)
             del r

@@ -89,6 +89,8 @@ class FailureTiming:
     a shrink's price after the recovery, until the next failure or grow; for a failure that stopped
     only some replicas, what training without them cost until they rejoined. Not in `lost_seconds`,
     which is time the run did not train at all."""
+    contained: bool = False
+    """The failure stopped only some replicas (failure_domain replica); the attempt went on."""
     rejoined_at: float | None = None
     """A failure that stopped only some replicas: when they trained again (the survivors' recovery is
     `recovered_at`, their first step after it)."""
@@ -109,7 +111,7 @@ class FailureTiming:
                 "restart_seconds": None if recovery is None else max(0.0, recovery - self.waiting_s - self.restore_s),
                 "restore_seconds": self.restore_s,
                 "recomputation_seconds": self.recomputation_s, "degraded_seconds": self.degraded_s,
-                **({"rejoined_at": self.rejoined_at} if self.rejoined_at is not None else {}),
+                **({"contained": True, "rejoined_at": self.rejoined_at} if self.contained else {}),
                 "lost_seconds": None if recovery is None else self.detection_s + recovery + self.recomputation_s}
 
 
@@ -212,7 +214,7 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
             intervals.append((t_detected, resumed if resumed is not None else end, "restart_restore"))
             span = out_spans.get(t_detected)
             failures.append(FailureTiming(attempt, str(failure["detail"].get("cause", "unknown")), onset, t_detected,
-                                          resumed, recomputation_s=onset - last_end,
+                                          resumed, recomputation_s=onset - last_end, contained=True,
                                           rejoined_at=span[1] if span is not None and span[1] < end else None))
             continue
         j = bisect.bisect_left(attempt_starts, t_detected)
