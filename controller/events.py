@@ -40,6 +40,9 @@ class EventKind(enum.StrEnum):
     FAILURE_DETECTED = "failure_detected"
     REPLICA_LOST = "replica_lost"  # the failure stopped only these data-parallel replicas; the others go on
     REPLICA_REJOINED = "replica_rejoined"  # (rank) replicas formed again, their state from a live one, training
+    REPLICA_READY = "replica_ready"  # (rank) a replica formed again has built its world and waits to join
+    REPLICA_STEP_DISCARDED = "replica_step_discarded"  # (rank) a cross-replica collective failed: nothing applied
+    REPLICA_CHECKSUMS = "replica_checksums"  # (rank) every live replica's state checksum at one shard position
     DECISION = "decision"
     QUARANTINED = "quarantined"
     NODE_CORDONED = "node_cordoned"

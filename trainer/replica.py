@@ -117,6 +117,21 @@ class MembershipBoard:
                 return epoch
         return after
 
+    def wait_joining(self, replica: int, timeout_s: float, poll_s: float = 0.05) -> Membership:
+        """The newest membership that forms `replica` again (it receives its state there)."""
+        deadline = time.monotonic() + timeout_s
+        seen = -1
+        while True:
+            newest = self.newest_epoch()
+            if newest > seen:
+                m = self.get(newest)
+                if replica in m.joining:
+                    return m
+                seen = newest
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no membership epoch formed replica {replica} again within {timeout_s:.0f} s")
+            time.sleep(poll_s)
+
     def wait_newer(self, epoch: int, timeout_s: float, poll_s: float = 0.05) -> Membership:
         """The newest membership after `epoch`, once the controller has published one."""
         deadline = time.monotonic() + timeout_s
@@ -237,6 +252,14 @@ class CrossReplica:
             return False, epoch
         return buf[0].item() == 0.0, int(buf[1].item())
 
+    def compare(self, value: int) -> list[int]:
+        """Every live replica's `value` at this position, in replica order (a state checksum: replicas
+        that disagree with no failure between them hold corrupted state)."""
+        mine = torch.zeros(self.live, dtype=torch.int64, device=self.device)
+        mine[self.index] = value
+        self._all_reduce(mine, dist.ReduceOp.SUM)
+        return [int(v) for v in mine.tolist()]
+
     def sync(self, tensors: Callable[[], list[torch.Tensor]], step: int, cursor: int) -> tuple[int, int, int | None]:
         """Make every member's state the newest member's: the members exchange their steps; if any
         differs, or any member is joining, the first member (in replica order) at the newest step that
@@ -320,39 +343,60 @@ def checksum(tensors: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def train_replica(trainer: Any, steps: int, *, wait_s: float, on_step: Any = None) -> list[dict[str, Any]]:
-    """Train `trainer` (trainer.train.Trainer with `replicas`, configured) to `steps` as one replica
-    among the live ones: a discarded step waits for the controller's next membership and is trained
-    again under it; an epoch every replica agreed on is switched to at the step boundary. Ends when
-    the steps are done, or with ReplicaBroken when this replica is no longer a member. What happened,
-    in order: {kind: step | discarded | switched, step, epoch, ...}."""
+def replica_step(trainer: Any, *, wait_s: float, log: list[dict[str, Any]],
+                 on_discarded: Any = None) -> Any:
+    """One step committed by every live replica (trainer.train.Trainer with `replicas`, configured):
+    a discarded step waits for the controller's next membership and is trained again under it; an
+    epoch every replica agreed on is switched to at the step boundary after it. Its StepReport.
+    ReplicaBroken when this replica is no longer a member. `log` gets what happened, in order
+    ({kind: step | discarded | switched | switch_failed, ...}); `on_discarded(detail)` is told of
+    each discarded step at once (the controller hears of the failure from the data plane)."""
     r: CrossReplica = trainer.replicas
     assert r.membership is not None, "configure the first membership (Trainer.switch) before training"
-    log: list[dict[str, Any]] = []
-    pending: Membership | None = None
-    while trainer.step < steps:
-        if pending is not None:
-            try:
-                source = trainer.switch(pending)
-            except ReplicaBroken:
-                raise
-            except Exception as e:  # noqa: BLE001 - a member failed while the epoch formed: wait for the next
-                log.append({"kind": "switch_failed", "epoch": pending.epoch, "error": str(e)[:200]})
-                pending = r.board.wait_newer(pending.epoch, wait_s)
-                continue
-            log.append({"kind": "switched", "epoch": pending.epoch, "step": trainer.step, "live": r.live,
-                        "source": source, "time": time.time()})
-            pending = None
+    while True:
         try:
             report = trainer.train_step()
-        except StepDiscarded:
-            log.append({"kind": "discarded", "step": trainer.step + 1, "epoch": r.membership.epoch, "time": time.time()})
-            pending = r.board.wait_newer(r.membership.epoch, wait_s)
+        except StepDiscarded as e:
+            detail = {"kind": "discarded", "step": trainer.step + 1, "epoch": r.membership.epoch, "time": time.time(),
+                      "error": str(e)[:300]}
+            log.append(detail)
+            if on_discarded is not None:
+                on_discarded(detail)
+            switch_to(trainer, r.board.wait_newer(r.membership.epoch, wait_s), wait_s=wait_s, log=log)
             continue
         log.append({"kind": "step", "step": trainer.step, "epoch": r.membership.epoch, "loss": report.loss,
                     "time": report.end_time})
+        if trainer.next_epoch is not None:
+            switch_to(trainer, r.board.get(trainer.next_epoch), wait_s=wait_s, log=log)
+        return report
+
+
+def switch_to(trainer: Any, membership: Membership, *, wait_s: float, log: list[dict[str, Any]]) -> None:
+    """`trainer.switch(membership)`; when a member fails while the epoch forms, the next one the
+    controller publishes instead. ReplicaBroken when this replica is not in it."""
+    r: CrossReplica = trainer.replicas
+    while True:
+        t0 = time.time()
+        try:
+            source = trainer.switch(membership)
+        except ReplicaBroken:
+            raise
+        except Exception as e:  # noqa: BLE001 - a member failed while the epoch formed: wait for the next
+            log.append({"kind": "switch_failed", "epoch": membership.epoch, "error": str(e)[:200]})
+            membership = r.board.wait_newer(membership.epoch, wait_s)
+            continue
+        log.append({"kind": "switched", "epoch": membership.epoch, "step": trainer.step, "live": r.live,
+                    "source": source, "time": time.time(), "seconds": time.time() - t0})
+        return
+
+
+def train_replica(trainer: Any, steps: int, *, wait_s: float, on_step: Any = None) -> list[dict[str, Any]]:
+    """Train `trainer` to `steps` as one replica among the live ones (`replica_step` after step);
+    what happened, in order. Ends when the steps are done, or with ReplicaBroken when this replica is
+    no longer a member."""
+    log: list[dict[str, Any]] = []
+    while trainer.step < steps:
+        report = replica_step(trainer, wait_s=wait_s, log=log)
         if on_step is not None:
             on_step(report)
-        if trainer.next_epoch is not None:
-            pending = r.board.get(trainer.next_epoch)
     return log

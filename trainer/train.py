@@ -42,9 +42,8 @@ class Trainer:
         dp is its dp_shard) and its gradients meet the other replicas' there (trainer/replica.py);
         configure it with the first membership before the first step."""
         config.validate(world_size=dist.get_world_size())
-        if replicas is not None and (config.mesh.dp_replicas > 1 or config.probes.enabled):
-            raise ValueError("a replica's own mesh has no dp_replicas, and its health probes do not yet judge "
-                             "across replicas: set parallelism.dp_replicas = 1 and probes.enabled = false")
+        if replicas is not None and config.mesh.dp_replicas > 1:
+            raise ValueError("a replica's own mesh has no dp_replicas: its dp is its dp_shard")
         self.config = config
         self.replicas = replicas
         self.next_epoch: int | None = None
@@ -142,14 +141,14 @@ class Trainer:
         compute = self.clock.elapsed()
         probe_s = 0.0
         apply_update = True
-        if self.replicas is not None:
-            self.clock.start()
-            loss_value = self._across_replicas(loss)
-            compute += self.clock.elapsed()
-        if self.probes is not None:
+        if self.probes is not None:  # (a replica's probes judge its own gradient, before it meets the others')
             p0 = time.perf_counter()
             loss_value, apply_update = self.probes.check(loss, lambda: self.forward_backward(inputs, targets))
             probe_s += time.perf_counter() - p0
+        if self.replicas is not None:
+            self.clock.start()
+            loss_value = self._across_replicas(loss, apply_update)
+            compute += self.clock.elapsed()
         self.clock.start()
         if apply_update:
             self._prepare_update()
@@ -183,7 +182,7 @@ class Trainer:
             wait_s=max(0.0, t4 - t1 - compute - probe_s), tokens_per_s=tokens / (t4 - t0), end_time=time.time(),
         )
 
-    def _across_replicas(self, loss: torch.Tensor | None) -> float | None:
+    def _across_replicas(self, loss: torch.Tensor | None, apply_update: bool = True) -> float | None:
         """The gradient of the whole global batch from every live replica's, or StepDiscarded (nothing
         applied) when any replica could not give its part; the run's loss on last-stage ranks. Agrees
         on the membership epoch to switch to after this step (`next_epoch`)."""
@@ -191,8 +190,9 @@ class Trainer:
         assert r is not None and r.membership is not None
         current = r.membership.epoch
         ok, loss_value = r.reduce(self.parts, loss)
-        seen = r.board.due(current, self.step + 2) if self.rank == 0 else current
-        ok, epoch = r.vote(ok, seen)
+        seen = r.board.due(current, self.step + 2) if dist.get_rank() == 0 else current  # (the replica's rank 0)
+        # a replica whose probes held its update back (a loss anomaly) commits nothing, so none does
+        ok, epoch = r.vote(ok and apply_update, seen)
         if ok:
             ok, epoch = r.agree(ok, epoch)
         if not ok:
@@ -232,7 +232,8 @@ class Trainer:
         t = self.config.train
         set_learning_rate(self.optimizers, t.lr_at(self.step + 1))
         if t.grad_clip > 0:
-            norm = (self.probes.last_grad_norm if self.probes is not None
+            # (a replica's probes saw its own gradient, not the one the replicas now share)
+            norm = (self.probes.last_grad_norm if self.probes is not None and self.replicas is None
                     else global_grad_norm(self.parts, self.config.mesh.dp * self.config.mesh.tp, self.choice.device))
             clip_to(self.parts, norm, t.grad_clip)
 

@@ -24,7 +24,7 @@ from checkpointing.manifest import CheckpointError
 from checkpointing.peer import PeerPoint
 from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import OutageGate, open_store
-from trainer.config import TrainerConfig, config_from_dict, state_fingerprint
+from trainer.config import MeshShape, TrainerConfig, config_from_dict, state_fingerprint
 from trainer.parallel import build_mesh, choose_device, init_process_group
 from trainer.report import JsonlSink, ReportSink, StepReport
 from trainer.switches import DrillSwitches
@@ -85,6 +85,14 @@ class WorkerArgs:
     in_place: bool = False
     """This process trained an earlier attempt of the run and stayed (its process group rebuilt in
     place, controller/ray/rank_actor.py); said in its `restored` event."""
+    replica_domain: bool = False
+    """failure_domain replica (trainer/replica.py): this rank's world is its data-parallel replica
+    (`config.mesh.dp_replicas` of them, `world_size / dp_replicas` ranks each); the gradient meets
+    the other replicas' in one cross-replica group per shard position, re-formed at each membership
+    epoch the controller publishes in the store (epoch 0 before the launch)."""
+    incarnation: int = 0
+    """failure_domain replica: how many times this rank's replica was formed before (0: at the launch).
+    A replica formed again waits for the epoch that lists it as joining and takes a live one's state."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,13 +126,26 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
     choice = choose_device(args.config.train.dtype)
     base = dist.TCPStore(args.store_host, args.store_port, is_master=False, wait_for_workers=False)
     store = dist.PrefixStore(args.store_prefix, base)
-    init_process_group(rank=args.rank, world_size=args.world_size, store=store, backend=choice.backend,
-                       timeout_s=args.collective_timeout_s)
+    config, cross, replica = args.config, None, None
+    if args.replica_domain:
+        from trainer.replica import CrossReplica
+
+        config, r = replica_config(args.config), args.world_size // args.config.mesh.dp_replicas
+        replica, local = divmod(args.rank, r)
+        init_process_group(rank=local, world_size=r, backend=choice.backend, timeout_s=args.collective_timeout_s,
+                           store=dist.PrefixStore(f"{args.store_prefix}replica-{replica}/i{args.incarnation}/", base))
+        cross = CrossReplica(store, replica=replica, position=local, device=choice.device,
+                             timeout_s=args.collective_timeout_s)
+    else:
+        init_process_group(rank=args.rank, world_size=args.world_size, store=store, backend=choice.backend,
+                           timeout_s=args.collective_timeout_s)
     checkpointer = None
     peers = None
+    replica_log: list[dict[str, Any]] = []
     try:
-        mesh = build_mesh(args.config.mesh, choice.device.type)
-        trainer = Trainer(args.config, mesh, choice, attempt=args.attempt, sink=sink, switches=switches)
+        mesh = build_mesh(config.mesh, choice.device.type)
+        trainer = Trainer(config, mesh, choice, attempt=args.attempt, sink=sink, switches=switches, replicas=cross)
+        trainer.rank = args.rank  # reports name the run's rank
         trainer.step, trainer.cursor = args.start_step, args.cursor
         ckpt_store = open_store(args.checkpoint_uri) if args.checkpoint_uri else None
         if ckpt_store is not None and switches is not None:
@@ -145,7 +166,9 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
             if args.rank == 0:
                 sink.event("initialised", {"from": args.config.train.init_hf, "tensors": count,
                                            "seconds": time.perf_counter() - t0})
-        if args.peer_every > 0 and folder is not None:
+        if cross is not None:
+            _join_replicas(trainer, cross, args, sink, replica_log)
+        if args.peer_every > 0 and folder is not None and cross is None:  # (a replica heals from a live one)
             peers = PeerSnapshots(folder=folder, run_id=args.run_id, attempt=args.attempt,
                                   buddy=list(args.peer_buddy) if args.peer_buddy else None, sink=sink,
                                   identity=state_fingerprint(args.config.model), mesh=args.config.mesh.axes(),
@@ -165,7 +188,10 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         since_snapshot: list[StepReport] = []
         """This rank's reports since its last snapshot: the next one's markers carry them."""
         while trainer.step < args.config.train.steps:
-            last = trainer.train_step()
+            if cross is not None:
+                last = _replica_step(trainer, args, sink, replica_log)
+            else:
+                last = trainer.train_step()
             if peers is not None and trainer.step % args.peer_every == 0:
                 since_snapshot.append(last)
                 last = dataclasses.replace(last, snapshot_s=peers.take(trainer, since_snapshot))
@@ -178,7 +204,8 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                 sink.report(last)
             if on_step is not None:
                 on_step(trainer, last)
-            if checkpointer is not None and interval.due(trainer.step, args.config.train.steps):
+            saver = cross is None or cross.index == 0  # one replica saves the state all of them hold
+            if checkpointer is not None and saver and interval.due(trainer.step, args.config.train.steps):
                 timing = checkpointer.save(trainer)
                 if timing.skipped is None:
                     if args.rank == 0:
@@ -186,6 +213,8 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                     chosen = interval.measured(timing.blocked_s, last.step_time_s)
                     if chosen is not None:
                         sink.event("checkpoint_interval", chosen)
+        if cross is not None:
+            _compare_replicas(trainer, cross, sink)
         return WorkerSummary(rank=args.rank, step=trainer.step, cursor=trainer.cursor,
                              last_loss=last.loss if last else None)
     except BaseException:
@@ -198,6 +227,58 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         if peers is not None:
             peers.close()
         dist.destroy_process_group()
+
+
+def replica_config(config: TrainerConfig) -> TrainerConfig:
+    """What one data-parallel replica trains: the run's config with its own mesh (dp_shard x pp x tp)."""
+    m = config.mesh
+    return dataclasses.replace(config, mesh=MeshShape(dp=m.dp // m.dp_replicas, pp=m.pp, tp=m.tp))
+
+
+def _join_replicas(trainer: Any, cross: Any, args: WorkerArgs, sink: ReportSink, log: list[dict[str, Any]]) -> None:
+    """Take this replica's first membership: epoch 0 at the launch; a replica formed again waits for
+    the epoch that lists it as joining, receives a live replica's state there and says so."""
+    from trainer.replica import switch_to
+
+    wait_s = max(args.collective_timeout_s, 60.0)
+    if args.incarnation == 0:
+        switch_to(trainer, cross.board.get(0), wait_s=wait_s, log=log)
+        return
+    first = args.rank % (args.world_size // args.config.mesh.dp_replicas) == 0
+    if first:
+        sink.event("replica_ready", {"replica": cross.replica, "incarnation": args.incarnation})
+    cross.store.set(f"ready/{cross.replica}/{args.incarnation}/{dist.get_rank()}", "1")
+    membership = cross.board.wait_joining(cross.replica, wait_s)
+    switch_to(trainer, membership, wait_s=wait_s, log=log)
+    done = log[-1]
+    if first:
+        sink.event("replica_rejoined", {"replicas": [cross.replica], "epoch": done["epoch"], "step": trainer.step,
+                                        "source": done["source"], "at": done["time"], "seconds": done["seconds"]})
+
+
+def _compare_replicas(trainer: Any, cross: Any, sink: ReportSink) -> None:
+    """Every live replica's state checksum at this rank's position; the first replica says whether
+    they agree (they hold the same bytes after any failure and rejoin)."""
+    from trainer.probes import bits_checksum
+    from trainer.replica import state_tensors
+
+    sums = cross.compare(bits_checksum(state_tensors(trainer.parts, trainer.optimizers)))
+    if cross.index == 0:
+        sink.event("replica_checksums", {"position": cross.position, "step": trainer.step,
+                                         "replicas": list(cross.membership.replicas), "checksums": sums,
+                                         "agree": len(set(sums)) == 1})
+
+
+def _replica_step(trainer: Any, args: WorkerArgs, sink: ReportSink, log: list[dict[str, Any]]) -> StepReport:
+    """One step committed by every live replica (trainer.replica.replica_step); a discarded step is
+    told to the controller at once (from the data plane: the survivors' collective failed)."""
+    from trainer.replica import replica_step
+
+    def discarded(detail: dict[str, Any]) -> None:
+        if dist.get_rank() == 0:
+            sink.event("replica_step_discarded", {k: v for k, v in detail.items() if k != "kind"})
+
+    return replica_step(trainer, wait_s=max(args.collective_timeout_s, 60.0), log=log, on_discarded=discarded)
 
 
 def _restore_from_store(trainer: "object", ckpt_store: "object", args: WorkerArgs, sink: ReportSink,

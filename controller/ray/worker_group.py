@@ -19,6 +19,7 @@ of a re-fork on this machine); only the failed part is replaced.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import socket
 import threading
 import time
@@ -74,6 +75,9 @@ class RayWorkerGroup:
         """(node, actor) of the last growth of the pool (undone together when it does not start)."""
         self._peer_key: str | None = None
         """The folder of the run's peer snapshots on the nodes (checkpointing.peer.run_key), once known."""
+        self._attempt: AttemptSpec | None = None
+        self._replicas: ReplicaTracking | None = None
+        """failure_domain replica: the attempt's membership and the replicas being formed again."""
 
     def abort(self) -> None:
         """From any thread: a `start` waiting for its workers gives up within half a second, and so does
@@ -121,6 +125,15 @@ class RayWorkerGroup:
                                    "those nodes lack free GPU slots or are gone")
             ray.get(ready)  # an actor that died while importing raises here
         self._peer_key = attempt.peer_key
+        self._attempt = attempt
+        self._replicas = None
+        prefix = f"{attempt.run_id}/attempt-{attempt.attempt}/"
+        if attempt.failure_domain == "replica" and placement.mesh.dp_replicas > 1:
+            from trainer.replica import Membership, MembershipBoard
+
+            self._replicas = ReplicaTracking(MembershipBoard(dist.PrefixStore(prefix, self._store)),
+                                             placement.mesh.dp_replicas, world)
+            self._replicas.board.publish(Membership(0, tuple(range(placement.mesh.dp_replicas))))
         taken: dict[str, int] = {}
         self.actors = []
         for node in placement.node_of_rank:
@@ -130,20 +143,78 @@ class RayWorkerGroup:
         self._drains = {}
         self._nodes = set(placement.node_of_rank)
         self._node_of_rank = tuple(placement.node_of_rank)
-        self._runs = [
-            actor.run.remote(WorkerArgs(
-                rank=rank, world_size=world, store_host=self.store_host, store_port=self._store.port,
-                store_prefix=f"{attempt.run_id}/attempt-{attempt.attempt}/", config=attempt.config,
-                attempt=attempt.attempt, start_step=attempt.start_step, cursor=attempt.cursor,
-                resume_step=attempt.resume_step, collective_timeout_s=self.collective_timeout_s,
-                run_id=attempt.run_id, checkpoint_uri=attempt.checkpoint_uri,
-                checkpoint_every=attempt.checkpoint_every, checkpoint_auto=attempt.checkpoint_auto,
-                checkpoint_keep=attempt.checkpoint_keep, mtbf_s=attempt.mtbf_s,
-                store_retry_budget_s=attempt.store_retry_budget_s, peer_every=attempt.peer_every,
-                peer_buddy=attempt.peer_buddy, peer_restore=attempt.peer_restore, peer_key=attempt.peer_key,
-            ))
-            for rank, actor in enumerate(self.actors)
-        ]
+        self._runs = [actor.run.remote(self._worker_args(attempt, rank)) for rank, actor in enumerate(self.actors)]
+
+    def _worker_args(self, attempt: AttemptSpec, rank: int, incarnation: int = 0) -> WorkerArgs:
+        return WorkerArgs(
+            rank=rank, world_size=attempt.placement.mesh.world_size, store_host=self.store_host,
+            store_port=self._store.port, store_prefix=f"{attempt.run_id}/attempt-{attempt.attempt}/",
+            config=attempt.config, attempt=attempt.attempt, start_step=attempt.start_step, cursor=attempt.cursor,
+            resume_step=attempt.resume_step if incarnation == 0 else None,
+            collective_timeout_s=self.collective_timeout_s,
+            run_id=attempt.run_id, checkpoint_uri=attempt.checkpoint_uri,
+            checkpoint_every=attempt.checkpoint_every, checkpoint_auto=attempt.checkpoint_auto,
+            checkpoint_keep=attempt.checkpoint_keep, mtbf_s=attempt.mtbf_s,
+            store_retry_budget_s=attempt.store_retry_budget_s, peer_every=attempt.peer_every,
+            peer_buddy=attempt.peer_buddy, peer_restore=attempt.peer_restore if incarnation == 0 else None,
+            peer_key=attempt.peer_key, replica_domain=self._replicas is not None, incarnation=incarnation,
+        )
+
+    # -- failure_domain replica ---------------------------------------------------------------------
+    def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...]) -> None:
+        """The controller's word: these replicas are out. Their training processes on live nodes end
+        (a node loss ended the others), and the next membership epoch, without them, lets the
+        survivors go on."""
+        import ray
+
+        r = self._replicas
+        assert r is not None and self._attempt is not None
+        ranks = [rank for replica in replicas for rank in r.ranks(replica)]
+        stops = [self.actors[rank].stop.remote() for rank in ranks if self.actors[rank] is not None]
+        ray.wait(stops, num_returns=len(stops), timeout=15)
+        r.out |= set(ranks)
+        self._failed -= set(ranks)
+        self._nodes = {node for rank, node in enumerate(self._node_of_rank) if rank not in r.out}
+        for rank in ranks:
+            self._drains.pop(rank, None)
+        r.publish(live=r.live - set(replicas))
+
+    def form_replicas(self, replicas: list[int], placement: Any) -> None:
+        """Form `replicas` again where `placement` puts them: a training process per rank, forked from
+        a warm actor of its (new) node; once every one has built its replica's world, the next epoch
+        lists them as joining and a live replica gives them its state (`poll` publishes it)."""
+        r = self._replicas
+        assert r is not None and self._attempt is not None
+        self._attempt = dataclasses.replace(self._attempt, placement=placement)
+        self._node_of_rank = tuple(placement.node_of_rank)
+        self._nodes = set(placement.node_of_rank)
+        busy = {id(a) for rank, a in enumerate(self.actors) if rank not in r.out and a is not None}
+        for replica in replicas:
+            incarnation = r.incarnation.get(replica, 0) + 1
+            r.incarnation[replica] = incarnation
+            for rank in r.ranks(replica):
+                node = placement.node_of_rank[rank]
+                actor = next((a for a in self._pool.get(node, []) if id(a) not in busy), None)
+                if actor is None:
+                    raise RuntimeError(f"no idle warm actor on {node} for rank {rank} of replica {replica}")
+                busy.add(id(actor))
+                self.actors[rank] = actor
+                self._runs[rank] = actor.run.remote(self._worker_args(self._attempt, rank, incarnation))
+                self._finished.discard(rank)
+                r.out.discard(rank)
+            r.forming[replica] = incarnation
+
+    def _publish_joining(self) -> None:
+        """Replicas formed again whose every rank has built its world join at the next epoch."""
+        r = self._replicas
+        if r is None or not r.forming:
+            return
+        ready = [k for k, inc in r.forming.items()
+                 if r.board.store.check([f"ready/{k}/{inc}/{local}" for local in range(r.per)])]
+        if ready:
+            for k in ready:
+                del r.forming[k]
+            r.publish(live=r.live | set(ready), joining=set(ready))
 
     def _grow_pool(self, wanted: dict[str, int]) -> list[tuple[str, Any]]:
         """Start actors until each node has `wanted` of them; (node, warm() ref) of the new ones. Their
@@ -220,10 +291,12 @@ class RayWorkerGroup:
         from ray.exceptions import ActorDiedError, RayActorError
 
         result = PollResult(GroupStatus.RUNNING)
+        out = self._replicas.out if self._replicas is not None else set()
+        self._publish_joining()
         ready, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
         ready_ids = {r.hex() for r in ready}
         for rank, ref in enumerate(self._runs):
-            if rank in self._finished or ref.hex() not in ready_ids:
+            if rank in self._finished or rank in out or ref.hex() not in ready_ids:
                 continue
             self._finished.add(rank)
             try:
@@ -241,7 +314,7 @@ class RayWorkerGroup:
         self._failed |= set(result.errors) | result.dead_ranks
         if self._failed or result.dead_nodes:  # failed stays failed: later polls must not read "finished"
             result.status = GroupStatus.FAILED
-        elif len(self._finished) == len(self._runs):
+        elif len(self._finished) == len(self._runs) - len(out):
             result.status = GroupStatus.FINISHED
         return result
 
@@ -252,8 +325,9 @@ class RayWorkerGroup:
         import ray
 
         now = time.monotonic()
+        out = self._replicas.out if self._replicas is not None else set()
         for rank, actor in enumerate(self.actors):
-            if rank not in self._drains and rank not in result.dead_ranks:
+            if rank not in self._drains and rank not in result.dead_ranks and rank not in out:
                 self._drains[rank] = (actor.drain.remote(), now)
         refs = [ref for ref, _ in self._drains.values()]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
@@ -449,6 +523,31 @@ class RayWorkerGroup:
         self._nodes = set(attempt.placement.node_of_rank)
         self._node_of_rank = tuple(attempt.placement.node_of_rank)
         return True
+
+
+class ReplicaTracking:
+    """An attempt's replicas under failure_domain replica: the membership epochs published, the ranks
+    out (their replica lost and not yet formed again), each replica's incarnation, and the replicas
+    being formed (replica -> incarnation) until all their ranks are ready."""
+
+    def __init__(self, board: Any, replicas: int, world: int) -> None:
+        self.board = board
+        self.per = world // replicas
+        self.live: set[int] = set(range(replicas))
+        self.epoch = 0
+        self.out: set[int] = set()
+        self.incarnation: dict[int, int] = {}
+        self.forming: dict[int, int] = {}
+
+    def ranks(self, replica: int) -> range:
+        return range(replica * self.per, (replica + 1) * self.per)
+
+    def publish(self, *, live: set[int], joining: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        from trainer.replica import Membership
+
+        self.epoch += 1
+        self.live = set(live)
+        self.board.publish(Membership(self.epoch, tuple(sorted(live)), tuple(sorted(joining))))
 
 
 def _reservation_node(group: Any, prefix: str) -> str | None:

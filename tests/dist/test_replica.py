@@ -23,14 +23,14 @@ TOL = 1e-10
 STEPS = 12
 
 
-def replica_config(*, dp_shard: int, pp: int, tp: int, steps: int = STEPS) -> TrainerConfig:
+def replica_config(*, dp_shard: int, pp: int, tp: int, steps: int = STEPS, probes: bool = False) -> TrainerConfig:
     """One replica's mesh (its dp is its dp_shard); the run's global batch (split over the live replicas)."""
     return TrainerConfig(
         model=ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16),
         data=DataConfig(seed=1),
         train=TrainConfig(steps=steps, global_batch=8, micro_batch=1, dtype="float64", seed=3, lr=1e-2,
                           weight_decay=0.1, warmup_steps=2, decay="cosine", min_lr_ratio=0.1, grad_clip=0.05),
-        mesh=MeshShape(dp=dp_shard, pp=pp, tp=tp), probes=ProbeConfig(enabled=False),
+        mesh=MeshShape(dp=dp_shard, pp=pp, tp=tp), probes=ProbeConfig(enabled=probes, sdc_every_steps=4),
     )
 
 
@@ -67,13 +67,17 @@ class Controller:
         return self.store.check([f"ready/{replica}/{incarnation}/{r}" for r in range(ranks)])
 
 
-@pytest.mark.parametrize("mesh", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=lambda m: "dp_shard%d-pp%d-tp%d" % m)
-def test_two_replicas_train_as_one_float64_process_and_hold_the_same_bytes(mesh: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("mesh,probes", [((2, 1, 1), False), ((1, 2, 1), False), ((1, 1, 2), False), ((2, 1, 1), True)],
+                         ids=["dp_shard2", "pp2", "tp2", "dp_shard2-probes"])
+def test_two_replicas_train_as_one_float64_process_and_hold_the_same_bytes(mesh: tuple[int, int, int],
+                                                                            probes: bool) -> None:
     """Two replicas, each its own world of two ranks (FSDP, a pipeline or TP inside), whose gradients
     meet only in one cross-replica group per shard position: after 12 steps (warmup, cosine decay,
     clipping) their parameters equal a float64 single process, and both replicas hold the same
-    bytes (parameters and AdamW state). No process group anywhere is larger than max(R, D) = 2."""
-    cfg = replica_config(dp_shard=mesh[0], pp=mesh[1], tp=mesh[2])
+    bytes (parameters and AdamW state). No process group anywhere is larger than max(R, D) = 2. With
+    the health probes on, each replica's probes judge its own gradient and the clipping still uses
+    the shared one's norm."""
+    cfg = replica_config(dp_shard=mesh[0], pp=mesh[1], tp=mesh[2], probes=probes)
     c = Controller()
     c.board.publish(Membership(0, (0, 1)))
     runs = [c.start(cfg, replica, 0, 0) for replica in (0, 1)]

@@ -1,0 +1,53 @@
+"""One data-parallel replica as the failure domain on a real local Ray cluster: a node of one replica
+SIGKILLed (raylet and every process on it) stops that replica only; the other trains on in the same
+attempt, the lost replica is formed again on the spare, takes the survivor's state and rejoins, and
+at the end both replicas hold the same bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controller.ray.cluster import LocalRayCluster
+from controller.ray.runner import drive
+from controller.state import RunState
+from tests.cluster.test_fault_tolerance import check_cursor_accounting, restore_node, spec
+
+pytestmark = pytest.mark.cluster
+
+
+def test_a_lost_node_stops_its_replica_only_and_it_rejoins_with_the_survivors_bytes(
+        ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
+    """dp2 (two replicas of pp2 x tp2, each on two nodes of 2 GPUs) and a spare; node-3 (replica 1's)
+    is killed after step 6."""
+    s = spec("replicas", tmp_path, nodes=5, spares=1, drills=[{"kind": "kill-node", "at_step": 6}], steps=24,
+             elastic={"failure_domain": "replica"})
+    s = s.model_copy(update={"parallelism": s.parallelism.model_copy(update={"dp_replicas": 2})})
+    try:
+        c = drive(s, ray_cluster)
+    finally:
+        restore_node(ray_cluster, "node-3")
+    assert c.state is RunState.SUCCEEDED, c.error
+    assert c.progress.step == 24
+    assert len(c.events.of_kind("attempt_started")) == 1, "the run never stopped the world"
+    (report,) = c.to_dict(0)["drills"]
+    assert report["cause"] == "node_lost" and report["attributed_to"]["nodes"] == ["node-3"], report
+    assert report["decision"] == "heal_replica" and report["outcome"] == "recovered", report
+    assert report["restored_from"] == "replica" and report["steps_lost"] == 0, report
+    assert report["detection_s"] < 5.0, f"node loss detected in {report['detection_s']:.1f} s"
+    (lost,) = [e.detail for e in c.events.of_kind("replica_lost")]
+    assert lost["replicas"] == [1] and lost["live"] == 1
+    (rejoined,) = [e.detail for e in c.events.of_kind("replica_rejoined")]
+    assert rejoined["replicas"] == [1] and rejoined["source"] == 0, rejoined
+    assert c.events.of_kind("replica_step_discarded"), "the survivors' failed collective was not reported"
+    assert "node-4" in c.placement.node_of_rank, "the spare did not take node-3's place"
+    for e in c.events:
+        if e.kind.startswith("replica") or e.kind in ("failure_detected", "decision", "first_step_after_recovery", "drill_injected"):
+            print("EV", round(e.time - c.created_at, 2), e.kind, {k: v for k, v in e.detail.items() if k not in ("checksums", "reason", "message")})
+    sums = [e.detail for e in c.events.of_kind("replica_checksums")]
+    assert len(sums) == 4 and all(d["agree"] and d["replicas"] == [0, 1] for d in sums), sums
+    # The survivors' steps between the loss and the rejoin were committed: the history has every
+    # step once, and every committed checkpoint's cursor is step x global batch.
+    assert [h["step"] for h in c.progress.history] == list(range(1, 25))
+    check_cursor_accounting(tmp_path, "replicas")
