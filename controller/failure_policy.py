@@ -99,21 +99,34 @@ class ElasticLimits:
     """How long to wait below min_dp before failing."""
 
 
+def with_dp(mesh: MeshShape, dp: int, by_replica: bool = False) -> MeshShape:
+    """`mesh` at `dp`: HSDP keeps its dp_replicas (each replica shards over fewer ranks); under
+    failure_domain replica (`by_replica`) each replica keeps its dp_shard and whole replicas go."""
+    if by_replica:
+        return replace(mesh, dp=dp, dp_replicas=max(dp // (mesh.dp // mesh.dp_replicas), 1))
+    return replace(mesh, dp=dp)
+
+
+def _keeps_layout(mesh: MeshShape, dp: int, by_replica: bool) -> bool:
+    return dp % (mesh.dp // mesh.dp_replicas if by_replica else mesh.dp_replicas) == 0
+
+
 def largest_dp(mesh: MeshShape, topology: Topology, global_batch: int, micro_batch: int,
-               fits: Fits | None = None) -> int:
-    """Largest dp <= mesh.dp that keeps the layout (a multiple of HSDP's dp_replicas), divides the
-    batch, fits each GPU's memory and has a feasible placement on healthy nodes; 0 if none."""
-    return _largest(mesh, topology, global_batch, micro_batch, fits)[0]
+               fits: Fits | None = None, by_replica: bool = False) -> int:
+    """Largest dp <= mesh.dp that keeps the layout (a multiple of HSDP's dp_replicas; under
+    `by_replica`, of a replica's dp_shard), divides the batch, fits each GPU's memory and has a
+    feasible placement on healthy nodes; 0 if none."""
+    return _largest(mesh, topology, global_batch, micro_batch, fits, by_replica)[0]
 
 
 def _largest(mesh: MeshShape, topology: Topology, global_batch: int, micro_batch: int,
-             fits: Fits | None) -> tuple[int, Placement | None]:
+             fits: Fits | None, by_replica: bool = False) -> tuple[int, Placement | None]:
     """largest_dp, and the placement that proved it."""
     gpus = int(topology.usable_columns().num_gpus.sum())
     for dp in range(mesh.dp, 0, -1):
-        if dp % mesh.dp_replicas or global_batch % (dp * micro_batch) or dp * mesh.pp * mesh.tp > gpus:
+        if not _keeps_layout(mesh, dp, by_replica) or global_batch % (dp * micro_batch) or dp * mesh.pp * mesh.tp > gpus:
             continue  # (more ranks than healthy GPUs cannot place: no need to try)
-        candidate = replace(mesh, dp=dp)
+        candidate = with_dp(mesh, dp, by_replica)
         if fits is not None and fits(candidate) is not None:
             continue
         try:
@@ -124,17 +137,17 @@ def _largest(mesh: MeshShape, topology: Topology, global_batch: int, micro_batch
 
 
 def _layout_note(mesh: MeshShape, dp: int, topology: Topology, global_batch: int, micro_batch: int,
-                 fits: Fits | None) -> str:
+                 fits: Fits | None, by_replica: bool = False) -> str:
     """Why a smaller dp than the GPUs would allow was taken (HSDP's replicas, memory per GPU), or ''."""
     notes = []
-    if mesh.dp_replicas > 1:
+    if mesh.dp_replicas > 1 and not by_replica:
         plain = largest_dp(replace(mesh, dp_replicas=1), topology, global_batch, micro_batch, fits)
         notes.append(f"HSDP dp_replicas {mesh.dp_replicas} kept, so dp stays a multiple of it"
                      + (f" (dp {plain} would fit without it)" if plain > dp else ""))
     if fits is not None:
         for bigger in range(mesh.dp, dp, -1):
-            if bigger % mesh.dp_replicas == 0 and not global_batch % (bigger * micro_batch):
-                why = fits(replace(mesh, dp=bigger))
+            if _keeps_layout(mesh, bigger, by_replica) and not global_batch % (bigger * micro_batch):
+                why = fits(with_dp(mesh, bigger, by_replica))
                 if why is not None:
                     notes.append(f"dp {bigger} does not fit: {why}")
                     break
@@ -143,7 +156,7 @@ def _layout_note(mesh: MeshShape, dp: int, topology: Topology, global_batch: int
 
 def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshShape, spec_mesh: MeshShape,
            topology: Topology, limits: ElasticLimits, global_batch: int, micro_batch: int,
-           waiting_since: float | None = None, fits: Fits | None = None) -> Decision:
+           waiting_since: float | None = None, fits: Fits | None = None, by_replica: bool = False) -> Decision:
     """`failures_so_far` counts earlier failures of the run (this one excluded)."""
     failures = failures_so_far + 1
     for node in event.nodes:
@@ -172,23 +185,23 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
             topology = with_spares  # spares too small for the mesh: shrink onto them and the rest
     return capacity_decision(now, mesh=mesh, topology=topology, limits=limits, global_batch=global_batch,
                              micro_batch=micro_batch, waiting_since=waiting_since, fits=fits,
-                             cause=f"{lost} {lost_in_use}, no spare")
+                             cause=f"{lost} {lost_in_use}, no spare", by_replica=by_replica)
 
 
 def capacity_decision(now: float, *, mesh: MeshShape, topology: Topology, limits: ElasticLimits,
                       global_batch: int, micro_batch: int, waiting_since: float | None, fits: Fits | None = None,
-                      cause: str, target: MeshShape | None = None) -> Decision:
+                      cause: str, target: MeshShape | None = None, by_replica: bool = False) -> Decision:
     """The mesh the healthy nodes hold now: shrink (or grow back, up to `target`) keeping pp, tp, the
     layout and the global batch; below min_dp wait for capacity, then fail once the wait is over."""
     start = target or mesh
-    dp, placement = _largest(start, topology, global_batch, micro_batch, fits)
-    note = _layout_note(start, dp, topology, global_batch, micro_batch, fits)
+    dp, placement = _largest(start, topology, global_batch, micro_batch, fits, by_replica)
+    note = _layout_note(start, dp, topology, global_batch, micro_batch, fits, by_replica)
     note = f"; {note}" if note else ""
     if target is None and dp == mesh.dp:  # idle healthy nodes (not spares: returned from repair) hold it
         return Decision(action=Action.REPLACE, mesh=mesh, topology=topology, code="replaced", placement=placement,
                         reason=f"{cause}: idle healthy nodes take over, mesh unchanged{note}")
     if dp >= limits.min_dp:
-        new = replace(mesh, dp=dp)
+        new = with_dp(start, dp, by_replica)
         grow = target is not None and dp >= mesh.dp
         return Decision(action=Action.GROW if grow else Action.SHRINK, mesh=new, topology=topology,
                         code="grown" if grow else "shrunk", placement=placement,
@@ -206,21 +219,21 @@ def capacity_decision(now: float, *, mesh: MeshShape, topology: Topology, limits
 
 
 def grow_target(mesh: MeshShape, spec_mesh: MeshShape, topology: Topology, global_batch: int,
-                micro_batch: int, fits: Fits | None = None) -> MeshShape | None:
+                micro_batch: int, fits: Fits | None = None, by_replica: bool = False) -> MeshShape | None:
     """The larger mesh the healthy nodes allow now, up to the spec's; None when nothing to grow."""
     if mesh.dp >= spec_mesh.dp:
         return None
-    dp = largest_dp(spec_mesh, topology, global_batch, micro_batch, fits)
+    dp = largest_dp(spec_mesh, topology, global_batch, micro_batch, fits, by_replica)
     if dp > mesh.dp:
-        return replace(mesh, dp=dp)
+        return with_dp(spec_mesh, dp, by_replica) if by_replica else replace(mesh, dp=dp)
     return None
 
 
 def grow_decision(mesh: MeshShape, spec_mesh: MeshShape, topology: Topology, *, global_batch: int, micro_batch: int,
-                  fits: Fits | None, step: int) -> Decision | None:
+                  fits: Fits | None, step: int, by_replica: bool = False) -> Decision | None:
     """Grow back at a checkpoint boundary when the healthy nodes hold a larger mesh (up to the spec's):
     nodes returned, the run takes them (no step is lost). None when there is nothing to grow into."""
-    target = grow_target(mesh, spec_mesh, topology, global_batch, micro_batch, fits)
+    target = grow_target(mesh, spec_mesh, topology, global_batch, micro_batch, fits, by_replica)
     if target is None:
         return None
     return Decision(action=Action.GROW, mesh=target, topology=topology, code="grown",
@@ -237,18 +250,21 @@ class RunPolicy:
     micro_batch: int
     spec_mesh: MeshShape | None
     fits: Fits | None = None
+    by_replica: bool = False
+    """failure_domain replica: a smaller mesh has fewer whole replicas (each keeps its dp_shard)."""
 
     def on_failure(self, now: float, event: FailureEvent, *, failures_so_far: int, mesh: MeshShape,
                    topology: Topology, waiting_since: float | None) -> Decision:
         return decide(now, event=event, failures_so_far=failures_so_far, mesh=mesh, spec_mesh=self.spec_mesh or mesh,
                       topology=topology, limits=self.limits, global_batch=self.global_batch,
-                      micro_batch=self.micro_batch, waiting_since=waiting_since, fits=self.fits)
+                      micro_batch=self.micro_batch, waiting_since=waiting_since, fits=self.fits,
+                      by_replica=self.by_replica)
 
     def on_capacity(self, now: float, *, mesh: MeshShape, topology: Topology, waiting_since: float | None) -> Decision:
         """Waiting for capacity: launch once the healthy nodes hold dp >= min_dp again; fail once the wait is over."""
         return capacity_decision(now, mesh=mesh, topology=topology, limits=self.limits, global_batch=self.global_batch,
                                  micro_batch=self.micro_batch, waiting_since=waiting_since, fits=self.fits,
-                                 target=self.spec_mesh or mesh,
+                                 target=self.spec_mesh or mesh, by_replica=self.by_replica,
                                  cause=f"after waiting {now - (waiting_since or now):.0f} s")
 
     def may_grow(self, mesh: MeshShape) -> bool:
@@ -257,7 +273,7 @@ class RunPolicy:
     def on_commit(self, mesh: MeshShape, topology: Topology, *, step: int) -> Decision | None:
         """At a checkpoint boundary: grow back towards the spec's mesh if the nodes allow it."""
         return grow_decision(mesh, self.spec_mesh or mesh, topology, global_batch=self.global_batch,
-                             micro_batch=self.micro_batch, fits=self.fits, step=step)
+                             micro_batch=self.micro_batch, fits=self.fits, step=step, by_replica=self.by_replica)
 
 
 class GrowWatch:

@@ -535,7 +535,8 @@ class RunController:
         return RunPolicy(limits=ElasticLimits(min_dp=e.min_dp, max_failures=e.max_failures,
                                               wait_for_capacity_s=e.wait_for_capacity_s),
                          global_batch=t.global_batch, micro_batch=t.micro_batch, spec_mesh=self.spec.fixed_mesh(),
-                         fits=lambda mesh: memory_problem(self.spec, self.topology, mesh))
+                         fits=lambda mesh: memory_problem(self.spec, self.topology, mesh),
+                         by_replica=e.failure_domain == "replica")
 
     def _maybe_grow(self, now: float) -> bool:
         """At a checkpoint boundary, grow back towards the spec's mesh if lost nodes returned."""

@@ -258,6 +258,10 @@ class Probes:
 
     def _suspect(self, step: int, check: str, anomaly: str | None, suspects: tuple[int, ...],
                  reasons: dict[int, list[str]], *, clean_through: int) -> None:
+        # the ranks of this world as the run numbers them (a replica's world is one slice of the run's)
+        offset = getattr(self.trainer, "rank_offset", 0)
+        suspects = tuple(r + offset for r in suspects)
+        reasons = {r + offset: why for r, why in reasons.items()}
         self._event("sdc_suspect", {"step": step, "check": check, "anomaly": anomaly, "ranks": list(suspects),
                                     "evidence": {str(r): reasons[r] for r in suspects},
                                     "clean_through_step": clean_through}, once=True)

@@ -46,6 +46,8 @@ class Trainer:
             raise ValueError("a replica's own mesh has no dp_replicas: its dp is its dp_shard")
         self.config = config
         self.replicas = replicas
+        self.rank_offset = replicas.replica * dist.get_world_size() if replicas is not None else 0
+        """This world's rank 0 in the run's numbering (a replica's world is one slice of it)."""
         self.next_epoch: int | None = None
         """The membership epoch every replica agreed to switch to after this step (`switch`)."""
         self.mesh = mesh
