@@ -137,6 +137,10 @@ def run_overview() -> dashboard.Dashboard:
             .with_panel(st("Step", "none", q(f"goodput_run_step{{{RUN}}}", "{{run}}"),
                            description="Last step whose progress the run holds"))
             .with_panel(st("Attempt", "none", q(f"goodput_run_attempt{{{RUN}}}", "{{run}}")))
+            .with_panel(ts("Live data-parallel replicas", "none", q(f"goodput_run_live_replicas{{{RUN}}}", "live {{run}}"),
+                           q(f"goodput_run_replicas{{{RUN}}}", "of {{run}}", ref="B"), w=24, h=6,
+                           description="Under failure_domain replica a lost replica stops alone and the others train "
+                                       "on until it rejoins: the dip is the degraded span"))
             .with_row(dashboard.Row("Training"))
             .with_panel(ts("Loss", "none", q(f"goodput_run_loss{{{RUN}}}", "{{run}}")))
             .with_panel(ts("Tokens per second", "short", q(f"goodput_run_tokens_per_second{{{RUN}}}", "{{run}}")))

@@ -49,7 +49,15 @@ def describe(event: dict) -> str:
     if kind == EventKind.DECISION:
         return f"decision: {d['action']}: {d.get('reason', '')}"
     if kind == EventKind.FIRST_STEP_AFTER_RECOVERY:
+        if d.get("survivors"):
+            return f"recovered: the surviving replicas' first step is step {d['step']}"
         return f"recovered: first step of attempt {event['attempt']} is step {d['step']}"
+    if kind == EventKind.REPLICA_LOST:
+        return (f"replica(s) {d['replicas']} lost ({d['nodes']}); {d['live']} of {d['of']} train on, "
+                f"{d['batch']}ing the global batch")
+    if kind == EventKind.REPLICA_REJOINED:
+        return (f"replica(s) {d['replicas']} rejoined at step {d['step']} with replica {d['source']}'s state "
+                f"(survivors held {d['seconds']:.2f} s)")
     if kind == EventKind.CHECKPOINT_STAGED:
         return f"checkpoint of step {d['step']} staged (training blocked {d['blocked_s']:.3f} s)"
     if kind == EventKind.RESTORED:

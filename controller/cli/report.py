@@ -79,13 +79,20 @@ def plot(report: dict[str, Any], out: Path) -> Path:
         stride = max(1, len(steps) // 4000)
         top.plot([h["end"] - t0 for h in steps[::stride]], [h["loss"] for h in steps[::stride]], linewidth=1.0,
                  label=f"loss (kept steps), {len(attempts)} attempts")
+    labelled_span = False
     for f in report["failures"]:
         top.axvspan(f["onset"] - t0, f["detected_at"] - t0, color=COLORS["failure_detection"], alpha=0.25, lw=0)
         if f["recovered_at"] is not None:
             top.axvspan(f["detected_at"] - t0, f["recovered_at"] - t0, color=COLORS["restart_restore"], alpha=0.25,
                         lw=0)
+        if f.get("contained"):  # only some replicas stopped: the others trained on with less throughput
+            end = f.get("rejoined_at") or (report["events"][-1]["time"] if report["events"] else f["detected_at"])
+            top.axvspan(f["detected_at"] - t0, end - t0, color=COLORS["degraded_capacity"], alpha=0.12, lw=0,
+                        label=None if labelled_span else "replicas out (degraded capacity)")
+            labelled_span = True
     marks = {EventKind.DRILL_INJECTED: ("#ef6c00", "--", "drill injected"), EventKind.FAILURE_DETECTED: ("#d32f2f", "-", "failure detected"),
              EventKind.FIRST_STEP_AFTER_RECOVERY: ("#2e7d32", "-", "recovered (first step)"),
+             EventKind.REPLICA_REJOINED: ("#00838f", "-.", "replica rejoined"),
              EventKind.QUARANTINED: ("#7b1fa2", ":", "node quarantined")}
     labelled: set[str] = set()
     detailed = len(report["failures"]) <= MAX_DETAILED

@@ -79,6 +79,9 @@ RUN_TOKENS = _m("goodput_run_tokens_per_second", "gauge", "Tokens per second of 
                 ("run",))
 RUN_PROGRESS_TIME = _m("goodput_run_last_progress_timestamp_seconds", "gauge",
                        "Unix time the run last showed progress (a step finished, or its attempt started)", ("run",))
+LIVE_REPLICAS = _m("goodput_run_live_replicas", "gauge", "Data-parallel replicas of the current attempt training now: "
+                   "fewer than goodput_run_replicas while a lost one re-forms (failure_domain replica)", ("run",))
+REPLICAS = _m("goodput_run_replicas", "gauge", "Data-parallel replicas of the current attempt's mesh", ("run",))
 RUN_PENDING = _m("goodput_run_pending_seconds", "gauge",
                  "Seconds the run has waited for capacity since submission (0 once admitted)", ("run",))
 STEP_SECONDS = _m("goodput_step_seconds", "histogram", "Wall time of each finished step, every attempt", ("run",),
@@ -284,6 +287,10 @@ class ServiceCollector(Collector):
         spans = c.progress.spans
         progress_at = max(spans[-1].end if spans else 0.0, fold.attempt_started_at or c.created_at)
         out(RUN_PROGRESS_TIME).add_metric([run], progress_at)
+        if c.config is not None:
+            out(REPLICAS).add_metric([run], c.config.mesh.dp_replicas)
+            out(LIVE_REPLICAS).add_metric([run], c.config.mesh.dp_replicas - len(c.replicas_out)
+                                          if c.state is RunState.RUNNING else 0)
         pending = (c.finished_at or now) - c.created_at if c.state is RunState.PENDING else 0.0
         out(RUN_PENDING).add_metric([run], pending)
         buckets, total = fold.step.samples()
