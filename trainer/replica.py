@@ -156,9 +156,15 @@ class CrossReplica:
     replicas of the current epoch, rebuilt (on a fresh store prefix) at each new epoch."""
 
     def __init__(self, store: dist.Store, *, replica: int, position: int, device: torch.device,
-                 timeout_s: float = 60.0, board: MembershipBoard | None = None) -> None:
+                 timeout_s: float = 60.0, board: MembershipBoard | None = None, replicas: int | None = None,
+                 keep_batch: bool = True) -> None:
         self.store = store
         self.replica = replica
+        self.replicas = replicas
+        """All the run's replicas (D), live or not; None: only the live ones count (`keep_batch`)."""
+        self.keep_batch = keep_batch or replicas is None
+        """While replicas are out: the live ones take their samples (the global batch is kept), or
+        each replica keeps its own share and the missing replicas' samples are skipped."""
         self.position = position
         self.device = device
         self.timeout_s = timeout_s
@@ -202,8 +208,19 @@ class CrossReplica:
         self.group = None
 
     def data_split(self, shard_rank: int, dp_shard: int) -> tuple[int, int]:
-        """(dp ranks of the whole run, this rank's dp rank): replicas outermost, as HSDP orders them."""
-        return self.live * dp_shard, self.index * dp_shard + shard_rank
+        """(dp ranks of the whole run, this rank's dp rank): replicas outermost, as HSDP orders them.
+        Keeping the batch, over the live replicas; shrinking it, over all of them (each replica keeps
+        its own share of the samples; the missing ones' are skipped)."""
+        if self.keep_batch:
+            return self.live * dp_shard, self.index * dp_shard + shard_rank
+        assert self.replicas is not None
+        return self.replicas * dp_shard, self.replica * dp_shard + shard_rank
+
+    def skipped(self) -> tuple[int, ...]:
+        """The replicas whose share of each step's samples is skipped now (shrinking the batch)."""
+        if self.keep_batch or self.membership is None or self.replicas is None:
+            return ()
+        return tuple(sorted(set(range(self.replicas)) - set(self.membership.replicas)))
 
     def _all_reduce(self, buf: torch.Tensor, op: Any) -> None:
         if self.group is None:

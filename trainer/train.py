@@ -178,6 +178,8 @@ class Trainer:
         self.step += 1
         self.cursor += self.config.train.global_batch
         tokens = self.config.train.global_batch * self.config.model.seq_len
+        if self.replicas is not None and self.replicas.skipped():  # the batch shrank while replicas are out
+            tokens = tokens * self.replicas.live // (self.replicas.live + len(self.replicas.skipped()))
         return StepReport(
             rank=self.rank, attempt=self.attempt, step=self.step, cursor=self.cursor, loss=loss_value,
             step_time_s=t4 - t0, data_s=t1 - t0, compute_s=compute, probe_s=probe_s,
@@ -216,7 +218,7 @@ class Trainer:
                                                     self.step, self.cursor)
         self.next_epoch = None
         t = self.config.train
-        dp_total = r.live * self.config.mesh.dp
+        dp_total, _ = r.data_split(0, self.config.mesh.dp)
         if t.global_batch % (dp_total * t.micro_batch):
             raise ValueError(f"train.global_batch = {t.global_batch} cannot be split over {r.live} replica(s) x "
                              f"dp_shard {self.config.mesh.dp} x micro_batch {t.micro_batch}: choose a global batch "

@@ -90,6 +90,8 @@ class WorkerArgs:
     (`config.mesh.dp_replicas` of them, `world_size / dp_replicas` ranks each); the gradient meets
     the other replicas' in one cross-replica group per shard position, re-formed at each membership
     epoch the controller publishes in the store (epoch 0 before the launch)."""
+    batch_while_healing: str = "keep"
+    """failure_domain replica, while replicas are out: `keep` the global batch or `shrink` it."""
     incarnation: int = 0
     """failure_domain replica: how many times this rank's replica was formed before (0: at the launch).
     A replica formed again waits for the epoch that lists it as joining and takes a live one's state."""
@@ -135,7 +137,8 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         init_process_group(rank=local, world_size=r, backend=choice.backend, timeout_s=args.collective_timeout_s,
                            store=dist.PrefixStore(f"{args.store_prefix}replica-{replica}/i{args.incarnation}/", base))
         cross = CrossReplica(store, replica=replica, position=local, device=choice.device,
-                             timeout_s=args.collective_timeout_s)
+                             timeout_s=args.collective_timeout_s, replicas=args.config.mesh.dp_replicas,
+                             keep_batch=args.batch_while_healing == "keep")
     else:
         init_process_group(rank=args.rank, world_size=args.world_size, store=store, backend=choice.backend,
                            timeout_s=args.collective_timeout_s)
@@ -214,6 +217,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                     if chosen is not None:
                         sink.event("checkpoint_interval", chosen)
         if cross is not None:
+            _skipped(trainer, cross, sink, None)
             _compare_replicas(trainer, cross, sink)
         return WorkerSummary(rank=args.rank, step=trainer.step, cursor=trainer.cursor,
                              last_loss=last.loss if last else None)
@@ -271,14 +275,40 @@ def _compare_replicas(trainer: Any, cross: Any, sink: ReportSink) -> None:
 
 def _replica_step(trainer: Any, args: WorkerArgs, sink: ReportSink, log: list[dict[str, Any]]) -> StepReport:
     """One step committed by every live replica (trainer.replica.replica_step); a discarded step is
-    told to the controller at once (from the data plane: the survivors' collective failed)."""
+    told to the controller at once (from the data plane: the survivors' collective failed). Under
+    batch_while_healing shrink, the steps that skipped the out replicas' samples are recorded."""
     from trainer.replica import replica_step
 
     def discarded(detail: dict[str, Any]) -> None:
         if dist.get_rank() == 0:
             sink.event("replica_step_discarded", {k: v for k, v in detail.items() if k != "kind"})
 
-    return replica_step(trainer, wait_s=max(args.collective_timeout_s, 60.0), log=log, on_discarded=discarded)
+    r = trainer.replicas
+    report = replica_step(trainer, wait_s=max(args.collective_timeout_s, 60.0), log=log, on_discarded=discarded)
+    if not r.keep_batch:
+        done = next(e for e in reversed(log) if e["kind"] == "step")
+        missing = tuple(sorted(set(range(r.replicas)) - set(r.board.get(done["epoch"]).replicas)))
+        _skipped(trainer, r, sink, (done["step"], missing) if missing else None)
+    return report
+
+
+_skipping: dict[str, Any] = {}
+"""batch_while_healing shrink: the span of steps whose out replicas' samples were skipped, so far."""
+
+
+def _skipped(trainer: Any, cross: Any, sink: ReportSink, step: tuple[int, tuple[int, ...]] | None) -> None:
+    """Add a step that skipped the out replicas' samples to the span; with none, the span ends and the
+    first replica's rank 0 says what was skipped."""
+    if step is not None:
+        at, replicas = step
+        span = _skipping.setdefault("span", {"from_step": at, "to_step": at, "replicas": set(), "samples": 0})
+        span["to_step"] = at
+        span["replicas"] |= set(replicas)
+        span["samples"] += trainer.config.train.global_batch * len(replicas) // cross.replicas
+        return
+    span = _skipping.pop("span", None)
+    if span is not None and dist.get_rank() == 0 and cross.index == 0:
+        sink.event("samples_skipped", {**span, "replicas": sorted(span["replicas"])})
 
 
 def _restore_from_store(trainer: "object", ckpt_store: "object", args: WorkerArgs, sink: ReportSink,

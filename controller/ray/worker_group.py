@@ -158,6 +158,7 @@ class RayWorkerGroup:
             store_retry_budget_s=attempt.store_retry_budget_s, peer_every=attempt.peer_every,
             peer_buddy=attempt.peer_buddy, peer_restore=attempt.peer_restore if incarnation == 0 else None,
             peer_key=attempt.peer_key, replica_domain=self._replicas is not None, incarnation=incarnation,
+            batch_while_healing=attempt.batch_while_healing,
         )
 
     # -- failure_domain replica ---------------------------------------------------------------------

@@ -13,7 +13,8 @@ from trainer.config import config_from_dict
 
 
 def replica_rank(*, rank: int, world_size: int, store_port: int, replica: int, incarnation: int, config: dict,
-                 steps: int, epoch: int, timeout_s: float = 30.0) -> dict[str, Any]:
+                 steps: int, epoch: int, timeout_s: float = 30.0, replicas: int = 2, keep_batch: bool = True,
+                 ) -> dict[str, Any]:
     """Train replica `replica` (its `incarnation`-th forming) from membership `epoch` to `steps`; its
     log, its state's checksum and its full parameters (None when the membership took it out)."""
     from trainer.parallel import build_mesh, choose_device, init_process_group
@@ -26,7 +27,7 @@ def replica_rank(*, rank: int, world_size: int, store_port: int, replica: int, i
     cfg = config_from_dict(config)
     mesh = build_mesh(cfg.mesh, "cpu")
     cross = CrossReplica(store, replica=replica, position=rank, device=choose_device(cfg.train.dtype).device,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, replicas=replicas, keep_batch=keep_batch)
     trainer = Trainer(cfg, mesh, choose_device(cfg.train.dtype), replicas=cross)
     store.set(f"ready/{replica}/{incarnation}/{rank}", "1")
     source = trainer.switch(cross.board.get(epoch))

@@ -11,7 +11,10 @@ import pytest
 import torch.distributed as dist
 
 from tests.dist.harness import Ranks
-from tests.dist.parity import reference_training
+import torch
+
+from tests.dist.parity import reference_training, whole_model
+from trainer.data import build_source, local_sample_ids
 from tests.dist.replica_ranks import replica_rank
 from tests.dist.test_parity import assert_same_params
 from trainer.config import DataConfig, MeshShape, ModelConfig, ProbeConfig, TrainConfig, TrainerConfig, config_to_dict
@@ -48,10 +51,10 @@ class Controller:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.board = MembershipBoard(self.store)
 
-    def start(self, cfg: TrainerConfig, replica: int, incarnation: int, epoch: int) -> Ranks:
+    def start(self, cfg: TrainerConfig, replica: int, incarnation: int, epoch: int, *, keep_batch: bool = True) -> Ranks:
         r = cfg.mesh.world_size
         return Ranks(replica_rank, r, port=self.store.port, replica=replica, incarnation=incarnation,
-                     config=config_to_dict(cfg), steps=cfg.train.steps, epoch=epoch)
+                     config=config_to_dict(cfg), steps=cfg.train.steps, epoch=epoch, keep_batch=keep_batch)
 
     def progress(self, replica: int) -> int:
         key = f"progress/{replica}"
@@ -142,3 +145,56 @@ def test_a_lost_replica_leaves_the_other_training_and_rejoins_with_its_bytes() -
     assert all(x["removed"] and x["step"] == first_alone - 1 for x in left), [x["step"] for x in left]
     assert [x["checksum"] for x in replay0.collect(timeout_s=240)] == [x["checksum"] for x in lives]
     assert [x["checksum"] for x in replay1.collect(timeout_s=240)] == [x["checksum"] for x in rejoined]
+
+
+def reference_skipping(cfg: TrainerConfig, replicas: int, skipped: dict[int, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """reference_training's float64 single process, except that the steps in `skipped` train only
+    the samples of the replicas not named there (their share of the global batch, as the replicas
+    split it): what shrinking the batch while replicas are out means."""
+    t = cfg.train
+    provider, model = whole_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    source = build_source(cfg.data, cfg.model)
+    dp_total = replicas * cfg.mesh.dp
+    for step in range(1, t.steps + 1):
+        cursor = (step - 1) * t.global_batch
+        ids = list(range(cursor, cursor + t.global_batch))
+        if step in skipped:
+            ids = sorted(i for k in range(replicas) if k not in skipped[step] for shard in range(cfg.mesh.dp)
+                         for i in local_sample_ids(cursor=cursor, global_batch=t.global_batch, dp=dp_total,
+                                                   dp_rank=k * cfg.mesh.dp + shard, micro_batch=t.micro_batch))
+        rows = torch.from_numpy(source.batch(ids))
+        provider.loss(model(rows[:, :-1]), rows[:, 1:]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+        for group in opt.param_groups:
+            group["lr"] = t.lr_at(step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_shrinking_the_batch_while_a_replica_is_out_trains_the_survivors_share_only() -> None:
+    """batch_while_healing shrink: replica 0 trains on alone with only its own share of each step's
+    samples (replica 1's are skipped), then replica 1 rejoins with its state. The parameters equal a
+    float64 single process that trains those steps on replica 0's samples only, and both replicas
+    hold the same bytes."""
+    cfg = replica_config(dp_shard=1, pp=2, tp=1)
+    c = Controller()
+    c.board.publish(Membership(0, (0, 1)))
+    survivor = c.start(cfg, 0, 0, 0, keep_batch=False)
+    lost = c.start(cfg, 1, 0, 0, keep_batch=False)
+    c.wait("replica 1's third step", lambda: c.progress(1) >= 3)
+    lost.kill()
+    c.board.publish(Membership(1, (0,)))
+    at_kill = c.progress(0)
+    c.wait("replica 0 training alone", lambda: c.progress(0) >= at_kill + 3)
+    again = c.start(cfg, 1, 1, 2, keep_batch=False)
+    c.wait("replica 1 formed again", lambda: c.ready(1, 1, cfg.mesh.world_size))
+    c.board.publish(Membership(2, (0, 1), joining=(1,)))
+    lives = survivor.collect(timeout_s=240)
+    rejoined = again.collect(timeout_s=240)
+    alone = {e["step"] for e in lives[0]["log"] if e["kind"] == "step" and e["epoch"] == 1}
+    assert alone, lives[0]["log"]
+    ref = reference_skipping(cfg, 2, {step: (1,) for step in alone})
+    assert_same_params([r["params"] for r in lives], ref, TOL)
+    assert [r["checksum"] for r in lives] == [r["checksum"] for r in rejoined]
