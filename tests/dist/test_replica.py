@@ -198,3 +198,21 @@ def test_shrinking_the_batch_while_a_replica_is_out_trains_the_survivors_share_o
     ref = reference_skipping(cfg, 2, {step: (1,) for step in alone})
     assert_same_params([r["params"] for r in lives], ref, TOL)
     assert [r["checksum"] for r in lives] == [r["checksum"] for r in rejoined]
+
+
+def test_a_model_of_the_users_own_trains_as_replicas_like_one_float64_process() -> None:
+    """The replica path is the provider contract's too: examples/gpt2_provider.py's model as two
+    replicas of tp2 equals the same model on one float64 process, and the replicas hold the same bytes."""
+    import dataclasses
+
+    from tests.dist.test_provider import gpt2
+
+    cfg = dataclasses.replace(replica_config(dp_shard=1, pp=1, tp=2, steps=4), model=gpt2())
+    c = Controller()
+    c.board.publish(Membership(0, (0, 1)))
+    runs = [c.start(cfg, replica, 0, 0) for replica in (0, 1)]
+    results = [run.collect(timeout_s=240) for run in runs]
+    ref, _ = reference_training(whole_run(cfg, 2))
+    for replica in results:
+        assert_same_params([r["params"] for r in replica], ref, 1e-9)
+    assert [r["checksum"] for r in results[0]] == [r["checksum"] for r in results[1]]
