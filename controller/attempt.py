@@ -94,7 +94,8 @@ class WorkerGroup(Protocol):
     def start(self, attempt: AttemptSpec) -> None: ...
     def poll(self) -> PollResult: ...
     def shutdown(self) -> None: ...
-    # Optional, for `failure_domain: replica`: `lose_replicas(replicas, nodes)` (the survivors go on
+    # Optional, for `failure_domain: replica`: `contains_replicas()` (this attempt runs each replica as
+    # its own world), `lose_replicas(replicas, nodes)` (the survivors go on
     # without them, now) and `form_replicas(replicas, placement)` (form them again where the placement
     # puts them; the group reports `replica_rejoined` once they train).
     # Optional: `abort()`, callable from any thread, makes a `start` in progress give up soon (cancel).

@@ -398,7 +398,9 @@ class RunController:
         assert self.config is not None and self.placement is not None
         mesh = self.config.mesh
         lose = getattr(self.worker_group, "lose_replicas", None)
+        contains = getattr(self.worker_group, "contains_replicas", None)  # this attempt's replicas, as launched
         if (self.spec.elastic.failure_domain != "replica" or mesh.dp_replicas < 2 or lose is None
+                or contains is None or not contains()
                 or failure.cause not in (FailureCause.NODE_LOST, FailureCause.RANK_DIED, FailureCause.WORKER_ERROR,
                                          FailureCause.COLLECTIVE_ERROR)
                 or len(self.failures) + 1 > self.spec.elastic.max_failures):

@@ -162,6 +162,11 @@ class RayWorkerGroup:
         )
 
     # -- failure_domain replica ---------------------------------------------------------------------
+    def contains_replicas(self) -> bool:
+        """Whether this attempt runs each replica as its own world (launched so here: an attempt a
+        restarted controller re-attached to has no membership to go on with)."""
+        return self._replicas is not None
+
     def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...]) -> None:
         """The controller's word: these replicas are out. Their training processes on live nodes end
         (a node loss ended the others), and the next membership epoch, without them, lets the

@@ -340,6 +340,9 @@ class SimWorkerGroup:
         per = mesh.world_size // mesh.dp_replicas
         return {r // per for r in ranks_on(self.attempt.placement.node_of_rank, (node,))}
 
+    def contains_replicas(self) -> bool:
+        return self._replica_domain()
+
     def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...]) -> None:
         """The controller's word: the survivors go on without `replicas` after one cross-replica init."""
         assert self.attempt is not None
