@@ -21,7 +21,10 @@ Per step, inside `Trainer.train_step` (trainer/train.py):
    commits only if every position's reduce succeeded, and every rank learns the epoch to switch to;
 4. `agree`: one all-reduce (MAX) over the cross-replica group of [failed?, that epoch], so every
    replica commits the same steps and switches epoch at the same step boundary;
-5. the optimizer step. Any failure in 2-4 discards the step (gradients dropped, nothing applied):
+5. `vote` again inside the replica: a peer replica that died between two positions' agreements
+   leaves them split, and the replica must commit or discard as one (its pipeline and TP
+   collectives go on together);
+6. the optimizer step. Any failure in 2-5 discards the step (gradients dropped, nothing applied):
    `StepDiscarded`. A replica whose own world broke cannot vote at all: `ReplicaBroken` (its ranks
    end; the controller forms it again).
 
@@ -394,12 +397,16 @@ def switch_to(trainer: Any, membership: Membership, *, wait_s: float, log: list[
     r: CrossReplica = trainer.replicas
     while True:
         t0 = time.time()
+        error = ""
         try:
             source = trainer.switch(membership)
         except ReplicaBroken:
             raise
         except Exception as e:  # noqa: BLE001 - a member failed while the epoch formed: wait for the next
-            log.append({"kind": "switch_failed", "epoch": membership.epoch, "error": str(e)[:200]})
+            error = str(e)[:200]
+        ok, _ = r.vote(not error, 0)  # every position of the replica formed the epoch, or none goes on
+        if not ok:
+            log.append({"kind": "switch_failed", "epoch": membership.epoch, "error": error or "another position's failed"})
             membership = r.board.wait_newer(membership.epoch, wait_s)
             continue
         log.append({"kind": "switched", "epoch": membership.epoch, "step": trainer.step, "live": r.live,

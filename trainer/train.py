@@ -199,6 +199,9 @@ class Trainer:
         ok, epoch = r.vote(ok and apply_update, seen)
         if ok:
             ok, epoch = r.agree(ok, epoch)
+        # Each position agreed with its peers in the other replicas on its own: a peer that died
+        # between two positions' agreements leaves them split. The replica decides as one.
+        ok, epoch = r.vote(ok, epoch)
         if not ok:
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
