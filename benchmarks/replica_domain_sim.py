@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--scales", default="8,128,1024", help="pipelines (dp) of 128 GPUs each")
     opts = parser.parse_args()
     raw = yaml.safe_load(PRESET.read_text())
-    print(f"{'GPUs':>8} {'path':<22}{'D':>5}{'ETTR':>8}{'MTTR s':>9}{'survivors s':>13}{'interruptions':>15}{'world restarts':>16}"
+    print(f"{'GPUs':>8} {'path':<22}{'D':>5}{'ETTR':>8}{'MTTR s':>9}{'survivors s (median)':>22}{'interruptions':>15}{'world restarts':>16}"
           f"{'degraded h':>12}{'wall s':>8}")
     for dp in [int(x) for x in opts.scales.split(",")]:
         base = at_scale(raw, dp)
@@ -60,8 +60,9 @@ def main() -> None:
             survivors = [f["recovery_seconds"] for f in g["failures"] if f.get("contained") and f["recovery_seconds"] is not None]
             restarts = sum(v for k, v in r["decisions"].items() if k != "heal_replica")
             print(f"{r['gpus']:>8} {name:<22}{d:>5}{r['ettr']:>8.4f}{statistics.fmean(recoveries) if recoveries else 0:>9.1f}"
-                  f"{statistics.fmean(survivors) if survivors else float('nan'):>13.1f}"
-                  f"{sum(r['failures_by_cause'].values()):>15}{restarts:>16}"
+                  + (f"{statistics.fmean(survivors):>13.1f} ({statistics.median(survivors):5.2f})" if survivors
+                     else f"{'-':>22}")
+                  + f"{sum(r['failures_by_cause'].values()):>15}{restarts:>16}"
                   f"{g['badput_seconds']['degraded_capacity'] / 3600:>12.1f}{wall:>8.1f}", flush=True)
             del r
 
