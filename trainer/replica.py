@@ -251,26 +251,29 @@ class CrossReplica:
             return False, None
         return True, (float(buf[0] / buf[1]) if loss is not None and float(buf[1]) > 0 else None)
 
-    def vote(self, ok: bool, epoch_seen: int) -> tuple[bool, int]:
-        """Inside the replica (its own world): did every position's reduce succeed, and the newest
-        epoch any member saw. ReplicaBroken if the replica's own world cannot answer."""
-        buf = torch.tensor([0.0 if ok else 1.0, float(epoch_seen)], dtype=torch.float64, device=self.device)
+    def vote(self, ok: bool, epoch_seen: int, skip: bool = False) -> tuple[bool, int, bool]:
+        """Inside the replica (its own world): did every position's reduce succeed, the newest epoch
+        any member saw, and whether any holds the update back (its probes' loss anomaly: the step is
+        done without an update, everywhere). ReplicaBroken if the replica's own world cannot answer."""
+        buf = torch.tensor([0.0 if ok else 1.0, float(epoch_seen), 1.0 if skip else 0.0], dtype=torch.float64,
+                           device=self.device)
         try:
             dist.all_reduce(buf, op=dist.ReduceOp.MAX)
         except Exception as e:  # noqa: BLE001 - a member of this replica is gone
             raise ReplicaBroken(f"replica {self.replica}'s own world failed: {e}") from e
-        return buf[0].item() == 0.0, int(buf[1].item())
+        return buf[0].item() == 0.0, int(buf[1].item()), buf[2].item() > 0.0
 
-    def agree(self, ok: bool, epoch: int) -> tuple[bool, int]:
-        """Across the live replicas at this position: commit only if every replica can, and switch to
-        the newest epoch any of them saw."""
-        buf = torch.tensor([0.0 if ok else 1.0, float(epoch)], dtype=torch.float64, device=self.device)
+    def agree(self, ok: bool, epoch: int, skip: bool = False) -> tuple[bool, int, bool]:
+        """Across the live replicas at this position: commit only if every replica can, switch to the
+        newest epoch any of them saw, and hold the update back if any does."""
+        buf = torch.tensor([0.0 if ok else 1.0, float(epoch), 1.0 if skip else 0.0], dtype=torch.float64,
+                           device=self.device)
         try:
             self._all_reduce(buf, dist.ReduceOp.MAX)
         except Exception as e:  # noqa: BLE001
             self.last_error = f"{type(e).__name__}: {e}"[:500]
-            return False, epoch
-        return buf[0].item() == 0.0, int(buf[1].item())
+            return False, epoch, skip
+        return buf[0].item() == 0.0, int(buf[1].item()), buf[2].item() > 0.0
 
     def compare(self, value: int) -> list[int]:
         """Every live replica's `value` at this position, in replica order (a state checksum: replicas
@@ -404,7 +407,7 @@ def switch_to(trainer: Any, membership: Membership, *, wait_s: float, log: list[
             raise
         except Exception as e:  # noqa: BLE001 - a member failed while the epoch formed: wait for the next
             error = str(e)[:200]
-        ok, _ = r.vote(not error, 0)  # every position of the replica formed the epoch, or none goes on
+        ok, _, _ = r.vote(not error, 0)  # every position of the replica formed the epoch, or none goes on
         if not ok:
             log.append({"kind": "switch_failed", "epoch": membership.epoch, "error": error or "another position's failed"})
             membership = r.board.wait_newer(membership.epoch, wait_s)

@@ -149,7 +149,7 @@ class Trainer:
             probe_s += time.perf_counter() - p0
         if self.replicas is not None:
             self.clock.start()
-            loss_value = self._across_replicas(loss, apply_update)
+            loss_value, apply_update = self._across_replicas(loss, apply_update)
             compute += self.clock.elapsed()
         self.clock.start()
         if apply_update:
@@ -186,29 +186,33 @@ class Trainer:
             wait_s=max(0.0, t4 - t1 - compute - probe_s), tokens_per_s=tokens / (t4 - t0), end_time=time.time(),
         )
 
-    def _across_replicas(self, loss: torch.Tensor | None, apply_update: bool = True) -> float | None:
+    def _across_replicas(self, loss: torch.Tensor | None, apply_update: bool = True) -> tuple[float | None, bool]:
         """The gradient of the whole global batch from every live replica's, or StepDiscarded (nothing
-        applied) when any replica could not give its part; the run's loss on last-stage ranks. Agrees
-        on the membership epoch to switch to after this step (`next_epoch`)."""
+        applied) when any replica could not give its part; (the run's loss on last-stage ranks, apply
+        the update: not when any replica's probes held theirs back). Agrees on the membership epoch
+        to switch to after this step (`next_epoch`)."""
         r = self.replicas
         assert r is not None and r.membership is not None
         current = r.membership.epoch
         ok, loss_value = r.reduce(self.parts, loss)
         seen = r.board.due(current, self.step + 2) if dist.get_rank() == 0 else current  # (the replica's rank 0)
-        # a replica whose probes held its update back (a loss anomaly) commits nothing, so none does
-        ok, epoch = r.vote(ok and apply_update, seen)
+        # a replica whose probes held its update back (a loss anomaly) skips the update, so every one does
+        ok, epoch, skip = r.vote(ok, seen, not apply_update)
         if ok:
-            ok, epoch = r.agree(ok, epoch)
+            ok, epoch, skip = r.agree(ok, epoch, skip)
         # Each position agreed with its peers in the other replicas on its own: a peer that died
         # between two positions' agreements leaves them split. The replica decides as one.
-        ok, epoch = r.vote(ok, epoch)
+        ok, epoch, skip = r.vote(ok, epoch, skip)
         if not ok:
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
             raise StepDiscarded(f"step {self.step + 1} discarded: a replica of epoch {current} failed"
                                 + (f" ({r.last_error})" if r.last_error else ""))
         self.next_epoch = epoch if epoch > current else None
-        return loss_value
+        if skip:
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+        return loss_value, not skip
 
     def switch(self, membership: Membership) -> int | None:
         """Train under `membership` from the next step: this position's cross-replica group of its

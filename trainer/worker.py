@@ -193,6 +193,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         while trainer.step < args.config.train.steps:
             if cross is not None:
                 last = _replica_step(trainer, args, sink, replica_log)
+                del replica_log[:-16]  # (what the next step reads back; a long run's log would grow without end)
             else:
                 last = trainer.train_step()
             if peers is not None and trainer.step % args.peer_every == 0:

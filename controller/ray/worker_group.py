@@ -210,6 +210,10 @@ class RayWorkerGroup:
                 r.out.discard(rank)
             r.forming[replica] = incarnation
 
+    def _forming_ranks(self) -> set[int]:
+        r = self._replicas
+        return {rank for replica in r.forming for rank in r.ranks(replica)} if r is not None else set()
+
     def _publish_joining(self) -> None:
         """Replicas formed again whose every rank has built its world join at the next epoch."""
         r = self._replicas
@@ -320,8 +324,8 @@ class RayWorkerGroup:
         self._failed |= set(result.errors) | result.dead_ranks
         if self._failed or result.dead_nodes:  # failed stays failed: later polls must not read "finished"
             result.status = GroupStatus.FAILED
-        elif len(self._finished) == len(self._runs) - len(out):
-            result.status = GroupStatus.FINISHED
+        elif self._finished >= set(range(len(self._runs))) - out - self._forming_ranks():
+            result.status = GroupStatus.FINISHED  # (a replica still forming when the others are done has nothing to join)
         return result
 
     def _collect(self, result: PollResult) -> None:
