@@ -461,12 +461,17 @@ class RunController:
         assert self.watch is not None
         self.watch.moved(self.placement.node_of_rank)
         self._forming |= set(waiting)
-        with self.outside_lock():
-            form(waiting, self.placement)
+        try:
+            with self.outside_lock():
+                form(waiting, self.placement)
+        except Exception as e:  # noqa: BLE001 - they cannot be formed here: the world path takes over
+            failure = FailureEvent(time=now, cause=FailureCause.WORKER_ERROR, message=(
+                f"replica(s) {waiting} could not be formed again: {type(e).__name__}: {e}"))
+            self._recover(now, failure, contain=False)
 
-    def _recover(self, now: float, failure: FailureEvent) -> None:
+    def _recover(self, now: float, failure: FailureEvent, *, contain: bool = True) -> None:
         assert self.config is not None
-        if self._contain(now, failure):
+        if contain and self._contain(now, failure):
             return
         self.events.add(now, self.attempt, EventKind.FAILURE_DETECTED, cause=failure.cause.value, nodes=list(failure.nodes),
                         ranks=list(failure.ranks), message=failure.message, step=self.progress.step)

@@ -97,3 +97,17 @@ def test_a_dead_rank_stops_its_replica_only_and_it_is_formed_again_in_place() ->
     assert rejoined.detail["replicas"] == [1]
     c = result["_controller"]
     assert c.placement is not None and set(c.placement.node_of_rank) == {"node-0", "node-1"}, "no node was replaced"
+
+
+def test_a_replica_that_cannot_be_formed_again_hands_the_run_to_the_world_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from controller.sim.group import SimWorkerGroup
+
+    def refuse(self: SimWorkerGroup, replicas: list[int], placement: Any) -> None:
+        raise RuntimeError("no idle warm actor on node-2")
+
+    monkeypatch.setattr(SimWorkerGroup, "form_replicas", refuse)
+    result = simulate(replica_spec(), days=1)
+    assert result["state"] == "succeeded" and result["steps"] == 100
+    assert result["attempts"] == 2 and result["decisions"].get("heal_replica") == 1
+    detected = kinds(result, EventKind.FAILURE_DETECTED)
+    assert "could not be formed again" in detected[-1].detail["message"]
