@@ -70,6 +70,14 @@ class Controller:
         return self.store.check([f"ready/{replica}/{incarnation}/{r}" for r in range(ranks)])
 
 
+def two_replicas(cfg: TrainerConfig) -> list[list[dict]]:
+    """Replicas 0 and 1 trained from epoch 0 with no failure: what each rank of each returned."""
+    c = Controller()
+    c.board.publish(Membership(0, (0, 1)))
+    runs = [c.start(cfg, replica, 0, 0) for replica in (0, 1)]
+    return [run.collect(timeout_s=240) for run in runs]
+
+
 @pytest.mark.parametrize("mesh,probes", [((2, 1, 1), False), ((1, 2, 1), False), ((1, 1, 2), False), ((2, 1, 1), True)],
                          ids=["dp_shard2", "pp2", "tp2", "dp_shard2-probes"])
 def test_two_replicas_train_as_one_float64_process_and_hold_the_same_bytes(mesh: tuple[int, int, int],
@@ -81,10 +89,7 @@ def test_two_replicas_train_as_one_float64_process_and_hold_the_same_bytes(mesh:
     the health probes on, each replica's probes judge its own gradient and the clipping still uses
     the shared one's norm."""
     cfg = replica_config(dp_shard=mesh[0], pp=mesh[1], tp=mesh[2], probes=probes)
-    c = Controller()
-    c.board.publish(Membership(0, (0, 1)))
-    runs = [c.start(cfg, replica, 0, 0) for replica in (0, 1)]
-    results = [run.collect(timeout_s=240) for run in runs]
+    results = two_replicas(cfg)
     ref, _ = reference_training(whole_run(cfg, 2))
     for replica in results:
         assert_same_params([r["params"] for r in replica], ref, TOL)
@@ -208,10 +213,7 @@ def test_a_model_of_the_users_own_trains_as_replicas_like_one_float64_process() 
     from tests.dist.test_provider import gpt2
 
     cfg = dataclasses.replace(replica_config(dp_shard=1, pp=1, tp=2, steps=4), model=gpt2())
-    c = Controller()
-    c.board.publish(Membership(0, (0, 1)))
-    runs = [c.start(cfg, replica, 0, 0) for replica in (0, 1)]
-    results = [run.collect(timeout_s=240) for run in runs]
+    results = two_replicas(cfg)
     ref, _ = reference_training(whole_run(cfg, 2))
     for replica in results:
         assert_same_params([r["params"] for r in replica], ref, 1e-9)
