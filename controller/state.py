@@ -452,7 +452,7 @@ class RunController:
         # spares first, then healthy nodes the run does not use (repaired ones, or a replaced node back)
         spares = [s.name for s in self.topology.spares()]
         if len(spares) < len(missing):
-            spares += [n for n in self.topology.in_node_order(healthy) if n not in used][:len(missing) - len(spares)]
+            spares += self.topology.in_node_order(healthy - used.keys())[:len(missing) - len(spares)]
         if len(spares) < len(missing):
             return  # degraded until a spare or a repaired node can take them
         swaps = dict(zip(missing, spares))

@@ -56,7 +56,7 @@ from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import MemoryStore
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
-from controller.placement import ranks_on
+from controller.placement import rank_index, ranks_on
 from controller.sim.model import CostModel, Incident
 from controller.topology import Topology
 from health.straggler import StragglerConfig
@@ -261,8 +261,8 @@ class SimWorkerGroup:
         if kind in ("gpu", "host", "sdc", "straggler", "rank", "hang") and not on_mesh:
             return False
         node_of_rank = self.attempt.placement.node_of_rank
-        # The first rank on the struck node (131,072 ranks: looked for only where it is named)
-        first = rank if rank is not None else node_of_rank.index(incident.node) if on_mesh else None
+        # The first rank on the struck node (131,072 ranks: from the placement's index, only where it is named)
+        first = rank if rank is not None else rank_index(node_of_rank).get(incident.node)[0] if on_mesh else None
         if kind == "straggler":  # slower steps from now on; nothing stops, the judgement looks
             self._steps(t, None)  # the steps that finished before it were not slow
             if rank is not None:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from controller.placement import Placement, PlacementError, place, recorded_nodes
+from controller.placement import Placement, PlacementError, place, ranks_on, recorded_nodes, swap_nodes
 from controller.planner import PlanError, plan_mesh, static_state_bytes
 from controller.topology import Node, NodeState, Topology
 from trainer.config import MeshShape, ModelConfig, TrainConfig
@@ -235,3 +235,24 @@ def test_a_derived_topology_answers_as_a_fresh_one(seed: int) -> None:
         gone = frozenset(n.name for n in t.nodes if rng.random() < 0.3)
         assert t.without(gone) == Topology(tuple(n for n in t.nodes if n.name not in gone))
         assert t.without(gone).names == fresh.names - gone
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ranks_on_and_swap_nodes_match_a_pass_over_the_ranks(seed: int) -> None:
+    """`ranks_on` answers from an index kept per placement, and `swap_nodes` derives the moved placement's
+    index from the old one: both checked against a plain pass over node_of_rank, with swaps that move a
+    node to a spare, exchange two used nodes, and chain one after the other."""
+    rng = random.Random(seed)
+    t = topo(12, 4, 3, spares=2)
+    p = place(MeshShape(dp=4, pp=2, tp=2), t)
+    for _ in range(3):
+        used, spare = p.nodes_used(), list(p.spares)
+        a, b = rng.sample(used, 2)
+        swaps = {a: b, b: a} if not spare or rng.random() < 0.5 else {a: spare[0]}
+        moved = swap_nodes(p, swaps, t)
+        for node in set(moved.node_of_rank) | set(p.node_of_rank) | set(swaps.values()):
+            assert ranks_on(moved.node_of_rank, (node,)) == [r for r, n in enumerate(moved.node_of_rank) if n == node]
+        for rank, node in enumerate(p.node_of_rank):
+            assert moved.node_of_rank[rank] == swaps.get(node, node)
+        assert ranks_on(p.node_of_rank, used[:2]) == [r for r, n in enumerate(p.node_of_rank) if n in used[:2]]
+        p = moved
