@@ -162,7 +162,7 @@ def sdc_failure(now: float, detail: dict[str, Any], node_of_rank: tuple[str, ...
     return FailureEvent(time=now, cause=FailureCause.SDC, nodes=nodes, ranks=ranks,
                         message=f"silent data corruption suspected on rank(s) {list(ranks)} ({detail.get('check')} "
                                 f"check at step {detail.get('step')}); state known clean through step {clean}",
-                        evidence=detail.get("evidence") or {}), clean
+                        evidence=detail.get("evidence") or {}, contained=bool(detail.get("contained"))), clean
 
 
 def final_save_failure(now: float, last_step: int, error: str) -> FailureEvent:

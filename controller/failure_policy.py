@@ -55,6 +55,9 @@ class FailureEvent:
     """Human-readable detail."""
     evidence: dict = field(default_factory=dict)
     """What pointed at the ranks (SDC: the probes' findings per rank)."""
+    contained: bool = False
+    """SDC under failure_domain replica: the corruption reached only the named ranks' replicas (the
+    others' state is vouched), so healing them is enough."""
 
 
 class Action(str, enum.Enum):

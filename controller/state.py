@@ -401,8 +401,9 @@ class RunController:
         contains = getattr(self.worker_group, "contains_replicas", None)  # this attempt's replicas, as launched
         if (self.spec.elastic.failure_domain != "replica" or mesh.dp_replicas < 2 or lose is None
                 or contains is None or not contains()
-                or failure.cause not in (FailureCause.NODE_LOST, FailureCause.RANK_DIED, FailureCause.WORKER_ERROR,
-                                         FailureCause.COLLECTIVE_ERROR)
+                or not (failure.cause in (FailureCause.NODE_LOST, FailureCause.RANK_DIED, FailureCause.WORKER_ERROR,
+                                          FailureCause.COLLECTIVE_ERROR)
+                        or (failure.cause is FailureCause.SDC and failure.contained and failure.ranks))
                 or len(self.failures) + 1 > self.spec.elastic.max_failures):
             return False
         per = mesh.world_size // mesh.dp_replicas
@@ -417,6 +418,8 @@ class RunController:
         self.failures.append(failure)
         state = NodeState.QUARANTINED if failure.cause.quarantines else NodeState.LOST
         self.topology = self.topology.with_states({n: state for n in failure.nodes})
+        if failure.cause.quarantines:
+            self._quarantine_contained(now, failure)
         nodes_of = {replica: tuple(sorted({self.placement.node_of_rank[r] for r in range(replica * per, (replica + 1) * per)}
                                           & set(failure.nodes))) for replica in lost}
         for replica in lost:
@@ -435,6 +438,19 @@ class RunController:
         self._survivors_since = now
         self._form_replicas(now)
         return True
+
+    def _quarantine_contained(self, now: float, failure: FailureEvent) -> None:
+        """A contained SDC: its nodes get no rank again (the replica forms on others), and commits
+        after the last step the replicas agreed on are not loaded again (the suspect may have saved)."""
+        for node in failure.nodes:
+            detail = {"node": node, "reason": failure.cause.value, "ranks": list(failure.ranks),
+                      "message": failure.message, "evidence": dict(failure.evidence)}
+            self.events.add(now, self.attempt, EventKind.QUARANTINED, **detail)
+            self.quarantined.append({"node": node, "reason": detail["reason"], "evidence": detail["evidence"], "time": now})
+        through = self.watch.take_rollback() if self.watch is not None else None
+        if through is not None:
+            with self.outside_lock():
+                self._discarded(now, self.checkpoints.roll_back(through))
 
     def _form_replicas(self, now: float) -> None:
         """Form the replicas that are out again, once spares (or their own nodes, back) can take the

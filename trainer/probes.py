@@ -167,8 +167,11 @@ class Probes:
         # A shard that changed at rest explains everything else it shows: the state of the last
         # finished step was clean. Any other evidence reaches back to the last passing check.
         at_rest = all(any("at rest" in why for why in result.reasons[rank]) for rank in result.suspects)
+        # A replica's probes judge its gradient before it meets the other replicas' (failure_domain
+        # replica): corruption found at rest reached no other replica, whose state is vouched.
         self._suspect(step, "anomaly", reason, result.suspects, result.reasons,
-                      clean_through=self.trainer.step if at_rest else self.last_clean_step)
+                      clean_through=self.trainer.step if at_rest else self.last_clean_step,
+                      contained=at_rest and getattr(self.trainer, "replicas", None) is not None)
         raise AssertionError("unreachable")
 
     def after_optimizer(self, step: int) -> None:
@@ -257,14 +260,14 @@ class Probes:
         return out
 
     def _suspect(self, step: int, check: str, anomaly: str | None, suspects: tuple[int, ...],
-                 reasons: dict[int, list[str]], *, clean_through: int) -> None:
+                 reasons: dict[int, list[str]], *, clean_through: int, contained: bool = False) -> None:
         # the ranks of this world as the run numbers them (a replica's world is one slice of the run's)
         offset = getattr(self.trainer, "rank_offset", 0)
         suspects = tuple(r + offset for r in suspects)
         reasons = {r + offset: why for r, why in reasons.items()}
         self._event("sdc_suspect", {"step": step, "check": check, "anomaly": anomaly, "ranks": list(suspects),
                                     "evidence": {str(r): reasons[r] for r in suspects},
-                                    "clean_through_step": clean_through}, once=True)
+                                    "clean_through_step": clean_through, "contained": contained}, once=True)
         raise SilentDataCorruption(f"silent data corruption suspected on ranks {list(suspects)} at step {step}: "
                                    + "; ".join(f"rank {r}: {', '.join(reasons[r])}" for r in suspects))
 

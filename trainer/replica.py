@@ -45,9 +45,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from health.sdc import minority
 from trainer.probes import local_tensor
 
 MEMBERSHIP_KEY = "membership"
+FINGERPRINT_MASK = (1 << 52) - 1
+"""State fingerprints travel in float64 collectives: 52 bits are exact there."""
 
 
 class StepDiscarded(RuntimeError):
@@ -178,6 +181,9 @@ class CrossReplica:
         """Why the last cross-replica collective failed."""
         self.largest_group = 0
         """The largest cross-replica group this rank was ever in (a test bounds it by D)."""
+        self.agreed_step = 0
+        """The newest step whose state every live replica was seen to hold alike (the last step a
+        replay from the store may trust when they stop agreeing)."""
 
     @property
     def live(self) -> int:
@@ -251,29 +257,56 @@ class CrossReplica:
             return False, None
         return True, (float(buf[0] / buf[1]) if loss is not None and float(buf[1]) > 0 else None)
 
-    def vote(self, ok: bool, epoch_seen: int, skip: bool = False) -> tuple[bool, int, bool]:
+    def vote(self, ok: bool, epoch_seen: int, skip: bool = False,
+             marks: Sequence[float] = ()) -> tuple[bool, int, bool, list[float]]:
         """Inside the replica (its own world): did every position's reduce succeed, the newest epoch
-        any member saw, and whether any holds the update back (its probes' loss anomaly: the step is
-        done without an update, everywhere). ReplicaBroken if the replica's own world cannot answer."""
-        buf = torch.tensor([0.0 if ok else 1.0, float(epoch_seen), 1.0 if skip else 0.0], dtype=torch.float64,
+        any member saw, whether any holds the update back (its probes' loss anomaly: the step is done
+        without an update, everywhere), and the largest of each of `marks` (what any position found).
+        ReplicaBroken if the replica's own world cannot answer."""
+        buf = torch.tensor([0.0 if ok else 1.0, float(epoch_seen), 1.0 if skip else 0.0, *marks], dtype=torch.float64,
                            device=self.device)
         try:
             dist.all_reduce(buf, op=dist.ReduceOp.MAX)
         except Exception as e:  # noqa: BLE001 - a member of this replica is gone
             raise ReplicaBroken(f"replica {self.replica}'s own world failed: {e}") from e
-        return buf[0].item() == 0.0, int(buf[1].item()), buf[2].item() > 0.0
+        values = buf.tolist()
+        return values[0] == 0.0, int(values[1]), values[2] > 0.0, values[3:]
 
-    def agree(self, ok: bool, epoch: int, skip: bool = False) -> tuple[bool, int, bool]:
+    def agree(self, ok: bool, epoch: int, skip: bool = False,
+              fingerprint: int | None = None) -> tuple[bool, int, bool, list[int] | None]:
         """Across the live replicas at this position: commit only if every replica can, switch to the
-        newest epoch any of them saw, and hold the update back if any does."""
-        buf = torch.tensor([0.0 if ok else 1.0, float(epoch), 1.0 if skip else 0.0], dtype=torch.float64,
+        newest epoch any of them saw, hold the update back if any does; and, given this rank's state
+        fingerprint (every replica gives one at the same steps), every live replica's, in replica order."""
+        slots = [-1.0] * self.live
+        if fingerprint is not None:
+            slots[self.index] = float(fingerprint & FINGERPRINT_MASK)
+        buf = torch.tensor([0.0 if ok else 1.0, float(epoch), 1.0 if skip else 0.0, *slots], dtype=torch.float64,
                            device=self.device)
         try:
             self._all_reduce(buf, dist.ReduceOp.MAX)
         except Exception as e:  # noqa: BLE001
             self.last_error = f"{type(e).__name__}: {e}"[:500]
-            return False, epoch, skip
-        return buf[0].item() == 0.0, int(buf[1].item()), buf[2].item() > 0.0
+            return False, epoch, skip, None
+        values = buf.tolist()
+        fingerprints = [int(v) for v in values[3:]] if fingerprint is not None else None
+        return values[0] == 0.0, int(values[1]), values[2] > 0.0, fingerprints
+
+    def odd_marks(self, fingerprints: list[int] | None) -> list[float]:
+        """What this position's fingerprints say, as `vote` marks: [no majority?, then per live replica:
+        does it differ from the majority (every replica, with no majority)?]."""
+        if fingerprints is None:
+            return [0.0] * (self.live + 1)
+        odd, tie = minority(dict(enumerate(fingerprints)))
+        return [1.0 if tie else 0.0] + [1.0 if i in odd else 0.0 for i in range(self.live)]
+
+    def judged_by_probes(self, suspect: bool) -> set[int]:
+        """The live replicas (by index) whose own probes found a suspect rank just now, from each
+        replica's `suspect` (its probes' verdict, the same on every rank of the replica)."""
+        slots = [0.0] * self.live
+        slots[self.index] = 1.0 if suspect else 0.0
+        buf = torch.tensor(slots, dtype=torch.float64, device=self.device)
+        self._all_reduce(buf, dist.ReduceOp.MAX)
+        return {i for i, v in enumerate(buf.tolist()) if v > 0.0}
 
     def compare(self, value: int) -> list[int]:
         """Every live replica's `value` at this position, in replica order (a state checksum: replicas
@@ -283,26 +316,44 @@ class CrossReplica:
         self._all_reduce(mine, dist.ReduceOp.SUM)
         return [int(v) for v in mine.tolist()]
 
-    def sync(self, tensors: Callable[[], list[torch.Tensor]], step: int, cursor: int) -> tuple[int, int, int | None]:
-        """Make every member's state the newest member's: the members exchange their steps; if any
-        differs, or any member is joining, the first member (in replica order) at the newest step that
-        is not joining broadcasts `tensors` (and its step and cursor) to all. (step, cursor, source
-        replica or None when nothing moved)."""
+    def sync(self, tensors: Callable[[], list[torch.Tensor]], step: int, cursor: int,
+             intact: bool = True) -> tuple[int, int, int | None]:
+        """Make every member's state the newest member's: the members exchange their steps and state
+        fingerprints; if any differs, or any member is joining, a vouched member broadcasts `tensors`
+        (and its step and cursor) to all. Vouched: not joining, at the newest step, its parameters
+        intact at rest (`intact`: its probes' check), and its fingerprint that of the majority of such
+        members; the first in replica order gives. A healing replica never copies from one the others
+        cannot vouch for: with no majority, SilentDataCorruption. (step, cursor, source replica or None
+        when nothing moved)."""
+        from trainer.probes import SilentDataCorruption, bits_checksum
+
         assert self.membership is not None
         m = self.membership
         if self.group is None:
             return step, cursor, None
         size = len(m.replicas)
-        mine = torch.zeros(size, 2, dtype=torch.float64, device=self.device)
-        mine[self.index] = torch.tensor([float(step), float(cursor)], dtype=torch.float64)
-        if self.replica in m.joining:
+        joining = self.replica in m.joining
+        fingerprint = -1.0 if joining or not intact else float(bits_checksum(tensors()) & FINGERPRINT_MASK)
+        mine = torch.zeros(size, 3, dtype=torch.float64, device=self.device)
+        mine[self.index] = torch.tensor([float(step), float(cursor), fingerprint], dtype=torch.float64)
+        if joining:
             mine[self.index, 0] = -1.0  # a joining replica gives nothing
         self._all_reduce(mine, dist.ReduceOp.SUM)
-        steps = [int(s) for s in mine[:, 0].tolist()]
+        rows = mine.tolist()
+        steps = [int(row[0]) for row in rows]
+        prints = [int(row[2]) for row in rows]
         newest = max(steps)
-        if not m.joining and len(set(steps)) == 1:
+        if not m.joining and len(set(steps)) == 1 and len(set(prints)) == 1 and prints[0] >= 0:
             return step, cursor, None
-        root = steps.index(newest)
+        donors = {i: prints[i] for i in range(size) if steps[i] == newest and prints[i] >= 0}
+        odd, tie = minority(donors)
+        vouched = [i for i in sorted(donors) if i not in odd] if not tie else []
+        if not vouched:
+            raise SilentDataCorruption(
+                f"membership epoch {m.epoch}: no replica's state at step {newest} can be vouched for (replicas "
+                f"{[m.replicas[i] for i in sorted(donors)]} hold different states with no majority, or none is "
+                "intact at rest): nothing is copied; the run goes back to its last verified checkpoint")
+        root = vouched[0]
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         for t in tensors():
@@ -313,7 +364,7 @@ class CrossReplica:
             self.group.broadcast([staged], opts).wait()
             if staged is not t:
                 t.copy_(staged)
-        return newest, int(mine[root, 1].item()), m.replicas[root]
+        return newest, int(rows[root][1]), m.replicas[root]
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> Iterator[tuple[torch.dtype, list[torch.Tensor]]]:
@@ -366,6 +417,87 @@ def checksum(tensors: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def state_fingerprint(trainer: Any) -> int | None:
+    """This rank's state at rest, as the replicas compare it in every step's agreement (the step's
+    gradient is not applied anywhere if they differ): the parameters' exact checksum, which the
+    probes record after each update anyway; every `probes.sdc_every_steps` steps the whole state
+    (parameters and optimizer state). None when nothing is compared at this step (no probes, not a
+    whole-state step): every replica decides alike, from the step."""
+    from trainer.probes import bits_checksum
+
+    every = trainer.config.probes.sdc_every_steps
+    if every > 0 and trainer.step % every == 0:
+        return bits_checksum(state_tensors(trainer.parts, trainer.optimizers)) & FINGERPRINT_MASK
+    probes = trainer.probes
+    if probes is not None and probes.recorded is not None:
+        return probes.recorded & FINGERPRINT_MASK
+    return None
+
+
+def disagreement(trainer: Any, odd: Sequence[float], fingerprints: list[int] | None) -> None:
+    """The live replicas' states differ with no failure between them: corruption (the cross-replica
+    comparison is an SDC detector). `odd` ([no majority?, then per live replica: suspect?]) is the
+    same on every rank of every replica. With a majority, the odd replicas are the suspects; without
+    one, each replica's own probes (a compute self-test now) judge which. The suspects' ranks end
+    with SilentDataCorruption, and their replica-world rank 0 names the ranks whose shard diverged
+    (`contained`: the others' state is vouched, so the controller heals only them); the others
+    discard the step (StepDiscarded) and wait for the controller's next epoch. Contained only when
+    the states were compared at the step before too (the probes' per-step record): else the
+    suspects' gradients since the last comparison reached everyone. When nobody can be judged, or
+    nothing is contained, every replica ends with SilentDataCorruption and the run goes back to the
+    last step they agreed on. Always raises."""
+    from health.sdc import sdc_verdict
+    from trainer.probes import SilentDataCorruption
+
+    r: CrossReplica = trainer.replicas
+    assert r.membership is not None
+    step = trainer.step + 1
+    tie = odd[0] > 0
+    suspects = {i for i, v in enumerate(odd[1:]) if v > 0}
+    if tie and trainer.probes is not None:
+        verdict = sdc_verdict(trainer.probes._gather(selftest_now=True, local_anomaly=False))
+        try:
+            judged = r.judged_by_probes(not verdict.clean) & suspects
+        except Exception as e:  # noqa: BLE001 - a peer replica went away meanwhile
+            raise StepDiscarded(f"step {step} discarded: the replicas disagree and one failed while judged ({e})") from e
+        if judged and len(judged) < r.live:
+            suspects, tie = judged, False
+    names = sorted(r.membership.replicas[i] for i in suspects)
+    offset = getattr(trainer, "rank_offset", 0)
+    if tie:  # nobody to trust: every replica stops
+        if r.index == 0 and dist.get_rank() == 0 and trainer.sink is not None:
+            trainer.sink.event("sdc_suspect", {
+                "step": step, "check": "cross_replica", "anomaly": None, "ranks": [], "evidence": {},
+                "replicas": names, "contained": False, "clean_through_step": r.agreed_step,
+                "why": f"replicas {names} hold different states with no majority and no probe evidence"})
+        raise SilentDataCorruption(f"step {step}: replicas {names} hold different states and no majority or probe "
+                                   f"tells which is right; back to step {r.agreed_step}, the last they agreed on")
+    # The others are clean if the state this step's gradient came from was compared (and agreed) too:
+    # else the suspects' gradients since the last agreement reached every replica.
+    contained = r.agreed_step >= trainer.step - 1
+    if r.index not in suspects:
+        if not contained:
+            raise SilentDataCorruption(f"step {step}: replica(s) {names} diverged after step {r.agreed_step}, the "
+                                       "last compared, and their gradients since reached every replica")
+        raise StepDiscarded(f"step {step} discarded: replica(s) {names} hold a state that differs from the "
+                            "others' (held out as SDC suspects)")
+    here = fingerprints is not None and len(set(fingerprints)) > 1  # this rank's shard diverged
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=r.device)
+    flags[dist.get_rank()] = 1 if here else 0
+    dist.all_reduce(flags)
+    local = [i for i, v in enumerate(flags.tolist()) if v] or list(range(dist.get_world_size()))
+    ranks = [offset + i for i in local]
+    why = (f"state at rest after step {trainer.step} differs from the majority of {r.live} replicas at its shard "
+           "position" if not odd[0] else "its replica's probes failed while the replicas disagreed")
+    if dist.get_rank() == 0 and trainer.sink is not None:
+        trainer.sink.event("sdc_suspect", {
+            "step": step, "check": "cross_replica", "anomaly": None, "ranks": ranks,
+            "evidence": {str(rank): [why] for rank in ranks}, "replicas": names, "contained": contained,
+            "clean_through_step": r.agreed_step})
+    raise SilentDataCorruption(f"step {step}: replica {r.replica}'s state differs from the other replicas' "
+                               f"(ranks {ranks}): {why}")
+
+
 def replica_step(trainer: Any, *, wait_s: float, log: list[dict[str, Any]],
                  on_discarded: Any = None) -> Any:
     """One step committed by every live replica (trainer.train.Trainer with `replicas`, configured):
@@ -407,7 +539,7 @@ def switch_to(trainer: Any, membership: Membership, *, wait_s: float, log: list[
             raise
         except Exception as e:  # noqa: BLE001 - a member failed while the epoch formed: wait for the next
             error = str(e)[:200]
-        ok, _, _ = r.vote(not error, 0)  # every position of the replica formed the epoch, or none goes on
+        ok, _, _, _ = r.vote(not error, 0)  # every position of the replica formed the epoch, or none goes on
         if not ok:
             log.append({"kind": "switch_failed", "epoch": membership.epoch, "error": error or "another position's failed"})
             membership = r.board.wait_newer(membership.epoch, wait_s)

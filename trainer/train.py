@@ -29,7 +29,7 @@ from trainer.optim import clip_to, global_grad_norm, set_learning_rate
 from trainer.parallel import DeviceChoice, build_model_parts
 from trainer.provider import load_provider
 from trainer.probes import ComputeClock, Probes, spin
-from trainer.replica import CrossReplica, Membership, StepDiscarded, state_tensors
+from trainer.replica import CrossReplica, Membership, StepDiscarded, disagreement, state_fingerprint, state_tensors
 from trainer.report import ReportSink, StepReport
 from trainer.switches import DrillSwitches
 
@@ -81,6 +81,7 @@ class Trainer:
         """Global sample cursor: the next step starts at this sample id."""
         self.clock = ComputeClock(choice.device)
         self.switches = switches
+        self.sink = sink
         self.probes = Probes(self, sink=sink, switches=switches) if config.probes.enabled else None
         self.update_waits: list[Any] = []
         """CUDA events the next optimizer step waits for (a peer snapshot's copy still reading the
@@ -197,17 +198,25 @@ class Trainer:
         ok, loss_value = r.reduce(self.parts, loss)
         seen = r.board.due(current, self.step + 2) if dist.get_rank() == 0 else current  # (the replica's rank 0)
         # a replica whose probes held its update back (a loss anomaly) skips the update, so every one does
-        ok, epoch, skip = r.vote(ok, seen, not apply_update)
-        if ok:
-            ok, epoch, skip = r.agree(ok, epoch, skip)
+        ok, epoch, skip, _ = r.vote(ok, seen, not apply_update)
+        fingerprint = state_fingerprint(self)
+        fingerprints = None
+        if ok:  # (with the state at rest each replica holds: they differ only if one was corrupted)
+            ok, epoch, skip, fingerprints = r.agree(ok, epoch, skip, fingerprint)
         # Each position agreed with its peers in the other replicas on its own: a peer that died
         # between two positions' agreements leaves them split. The replica decides as one.
-        ok, epoch, skip = r.vote(ok, epoch, skip)
+        ok, epoch, skip, odd = r.vote(ok, epoch, skip, r.odd_marks(fingerprints))
         if not ok:
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
             raise StepDiscarded(f"step {self.step + 1} discarded: a replica of epoch {current} failed"
                                 + (f" ({r.last_error})" if r.last_error else ""))
+        if any(odd):  # nothing of this step is applied: it was computed from states that differ
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            disagreement(self, odd, fingerprints)
+        if fingerprint is not None:
+            r.agreed_step = self.step
         self.next_epoch = epoch if epoch > current else None
         if skip:
             for opt in self.optimizers:
@@ -221,8 +230,12 @@ class Trainer:
         r = self.replicas
         assert r is not None
         r.configure(membership)
+        intact = self.probes is None or self.probes.recorded is None or self.probes.checksum() == self.probes.recorded
         self.step, self.cursor, source = r.sync(lambda: state_tensors(self.parts, self.optimizers),
-                                                    self.step, self.cursor)
+                                                    self.step, self.cursor, intact=intact)
+        r.agreed_step = self.step  # (every member now holds the vouched state of this step)
+        if self.probes is not None:  # what was received is this rank's state at rest now
+            self.probes.recorded = self.probes.checksum()
         self.next_epoch = None
         t = self.config.train
         dp_total, _ = r.data_split(0, self.config.mesh.dp)

@@ -319,14 +319,20 @@ class SimWorkerGroup:
             what = "OSError: [Errno 5] Input/output error" if kind == "storage" else "RuntimeError: simulated bug"
             self.signals.append(_Signal(at=t, errors={rank: what}))
         elif kind == "sdc":
-            # The probes compare before the next update: caught at the end of the step in flight.
+            # The probes compare before the next update: caught at the end of the step in flight. A
+            # bitflip drill flips a bit at rest, which a replica's probes find before its gradient
+            # meets the others' (trainer/probes.py): contained to that replica under failure_domain
+            # replica. Corruption in compute (the failure model's) may have reached every replica
+            # since the last self-test: the world goes back.
             clean = self.step
             caught = max(t, self.next_start) + self.cost.step_s
             self.stop_at = caught
             assert first is not None
+            contained = (rank is not None and self._replica_domain()
+                         and len(self.out | self._replicas_on(incident.node)) < self.attempt.config.mesh.dp_replicas)
             self.signals.append(_Signal(at=caught, events=[(first, EventKind.SDC_SUSPECT, {
                 "ranks": [first], "step": clean + 1, "clean_through_step": clean, "check": "anomaly",
-                "evidence": {"simulated": True}})]))
+                "evidence": {"simulated": True}, "contained": contained})]))
         return True
 
     # -- failure_domain replica ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from tests.dist.parity import reference_training, whole_model
 from trainer.data import build_source, local_sample_ids
-from tests.dist.replica_ranks import replica_rank
+from tests.dist.replica_ranks import replica_rank, sync_member
 from tests.dist.test_parity import assert_same_params
 from trainer.config import DataConfig, MeshShape, ModelConfig, ProbeConfig, TrainConfig, TrainerConfig, config_to_dict
 from trainer.replica import Membership, MembershipBoard
@@ -218,3 +218,79 @@ def test_a_model_of_the_users_own_trains_as_replicas_like_one_float64_process() 
     for replica in results:
         assert_same_params([r["params"] for r in replica], ref, 1e-9)
     assert [r["checksum"] for r in results[0]] == [r["checksum"] for r in results[1]]
+
+
+def sync_once(replicas: tuple[int, ...], joining: tuple[int, ...], values: dict[int, float], steps: dict[int, int],
+              intact: dict[int, bool] | None = None) -> list[dict]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return Ranks(sync_member, len(replicas), port=store.port, replicas=replicas, joining=joining, values=values,
+                 steps=steps, intact=intact).collect(timeout_s=120)
+
+
+def test_a_healing_replica_copies_only_a_state_the_others_vouch_for() -> None:
+    """`CrossReplica.sync` gives a joining replica the state of a member the others vouch for: at the
+    newest step, intact at rest, and held by the majority of such members. Replica 0 differs from 1
+    and 2: replica 3 (joining) and replica 0 get replica 1's state. Two members that differ with no
+    majority, or a single member not intact at rest, give nothing: every member ends with
+    SilentDataCorruption instead of copying either."""
+    got = sync_once((0, 1, 2, 3), (3,), {0: 9.0, 1: 1.0, 2: 1.0, 3: 0.0}, {0: 5, 1: 5, 2: 5})
+    assert [g["value"] for g in got] == [1.0] * 4 and {g["source"] for g in got} == {1}, got
+    assert {g["step"] for g in got} == {5}
+    split = sync_once((0, 1, 2), (2,), {0: 9.0, 1: 1.0}, {0: 5, 1: 5})
+    assert all("sdc" in g and "no majority" in g["sdc"] for g in split), split
+    flipped = sync_once((0, 1), (1,), {0: 2.0}, {0: 5}, intact={0: False})
+    assert all("sdc" in g for g in flipped), flipped
+    behind = sync_once((0, 1, 2), (), {0: 3.0, 1: 3.0, 2: 7.0}, {0: 5, 1: 5, 2: 6})
+    assert [g["value"] for g in behind] == [7.0] * 3 and {g["step"] for g in behind} == {6}, behind
+
+
+def test_replicas_that_stop_agreeing_hold_out_the_odd_one_and_heal_it_from_the_vouched_state() -> None:
+    """Three replicas of one rank, probes on (each step's agreement compares the parameters at rest).
+    After its 5th step replica 2's AdamW state gets one flipped mantissa bit, which no at-rest check of its
+    parameters sees; its 6th update then differs. The 7th step's agreement finds replica 2 against
+    the majority: nothing of step 7 is applied anywhere, replica 2 ends with SilentDataCorruption and
+    names its rank (global rank 2; contained: the others' state is vouched), replicas 0 and 1 discard the step and
+    train on from the next epoch; replica 2, formed again, takes the vouched state. All end
+    bit-identical and equal to a float64 process that never saw the corruption."""
+    import dataclasses
+
+    base = replica_config(dp_shard=1, pp=1, tp=1, probes=True)
+    cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, global_batch=6))
+    c = Controller()
+    c.board.publish(Membership(0, (0, 1, 2)))
+    runs = [Ranks(replica_rank, 1, port=c.store.port, replica=k, incarnation=0, config=config_to_dict(cfg),
+                  steps=cfg.train.steps, epoch=0, replicas=3, corrupt_after=5 if k == 2 else None) for k in (0, 1, 2)]
+    odd = runs[2].collect(timeout_s=240)[0]
+    assert odd["sdc"] and odd["step"] == 6, odd
+    [(kind, detail)] = [e for e in odd["events"] if e[0] == "sdc_suspect"]
+    assert detail["contained"] and detail["check"] == "cross_replica" and detail["ranks"] == [2], detail
+    assert detail["clean_through_step"] == 5 and detail["replicas"] == [2], detail
+    c.board.publish(Membership(1, (0, 1)))
+    again = Ranks(replica_rank, 1, port=c.store.port, replica=2, incarnation=1, config=config_to_dict(cfg),
+                  steps=cfg.train.steps, epoch=2, replicas=3)
+    c.wait("replica 2 formed again", lambda: c.ready(2, 1, 1))
+    c.board.publish(Membership(2, (0, 1, 2), joining=(2,)))
+    lives = [runs[k].collect(timeout_s=240)[0] for k in (0, 1)]
+    healed = again.collect(timeout_s=240)[0]
+    for r in lives:
+        assert [e["step"] for e in r["log"] if e["kind"] == "discarded"] == [7], r["log"]
+    assert healed["log"][0]["source"] == 0 and healed["step"] == cfg.train.steps
+    assert len({r["checksum"] for r in [*lives, healed]}) == 1, "the replicas' bytes differ after the heal"
+    ref, _ = reference_training(whole_run(cfg, 3))
+    assert_same_params([r["params"] for r in [*lives, healed]], ref, TOL)
+
+
+def test_two_replicas_that_disagree_with_no_evidence_both_stop_and_go_back_to_their_last_agreement() -> None:
+    """Two replicas cannot outvote each other: when replica 1's state diverges (a flipped AdamW bit
+    after step 5, its 6th update differs) and both compute self-tests pass, neither is trusted. Both end with SilentDataCorruption, and
+    replica 0 reports the run clean through the last step they agreed on (no node to quarantine)."""
+    cfg = replica_config(dp_shard=1, pp=1, tp=1, probes=True)
+    c = Controller()
+    c.board.publish(Membership(0, (0, 1)))
+    runs = [Ranks(replica_rank, 1, port=c.store.port, replica=k, incarnation=0, config=config_to_dict(cfg),
+                  steps=cfg.train.steps, epoch=0, corrupt_after=5 if k == 1 else None) for k in (0, 1)]
+    first, second = (run.collect(timeout_s=240)[0] for run in runs)
+    assert first["sdc"] and second["sdc"] and first["step"] == second["step"] == 6
+    [(_, detail)] = [e for e in first["events"] if e[0] == "sdc_suspect"]
+    assert not detail["contained"] and detail["ranks"] == [] and detail["clean_through_step"] == 5, detail
+    assert not [e for e in second["events"] if e[0] == "sdc_suspect"]

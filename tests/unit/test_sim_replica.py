@@ -111,3 +111,23 @@ def test_a_replica_that_cannot_be_formed_again_hands_the_run_to_the_world_path(m
     assert result["attempts"] == 2 and result["decisions"].get("heal_replica") == 1
     detected = kinds(result, EventKind.FAILURE_DETECTED)
     assert "could not be formed again" in detected[-1].detail["message"]
+
+
+def test_a_bitflip_found_at_rest_quarantines_its_node_and_heals_only_its_replica() -> None:
+    """A replica's probes find a bit flipped at rest before its gradient meets the other replica's
+    (trainer/probes.py), so the survivor's state is vouched: the node is quarantined, its replica is
+    formed again on the spare and takes the survivor's state, in the same attempt. Stop-the-world
+    handles the same drill with a second attempt from the store."""
+    result = simulate(replica_spec(drills=[{"kind": "bitflip", "at_step": 25, "target": "1"}]), days=1)
+    assert result["state"] == "succeeded" and result["attempts"] == 1
+    assert result["decisions"] == {"heal_replica": 1}
+    (failure,) = result["goodput"]["failures"]
+    assert failure["cause"] == "sdc"
+    (quarantined,) = kinds(result, EventKind.QUARANTINED)
+    assert quarantined.detail["node"] == "node-1" and quarantined.detail["reason"] == "sdc"
+    (rejoined,) = kinds(result, EventKind.REPLICA_REJOINED)
+    assert rejoined.detail["replicas"] == [1] and rejoined.detail["source"] == 0
+    c = result["_controller"]
+    assert c.placement is not None and "node-1" not in c.placement.node_of_rank
+    world = simulate(spec(parallelism=REPLICAS, drills=[{"kind": "bitflip", "at_step": 25, "target": "1"}]), days=1)
+    assert world["attempts"] == 2
