@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
+from controller.events import EventKind
 from controller.ray.rank_actor import UNRESPONSIVE_S, RankActor, RankProcessDied
 from trainer.worker import WorkerArgs
 
@@ -320,7 +321,14 @@ class RayWorkerGroup:
             except Exception as e:  # noqa: BLE001 - the rank's own error, reported as is
                 result.errors[rank] = f"{type(e).__name__}: {e}"
         self._collect(result)
-        result.dead_nodes, result.suspect_nodes = self._node_states(self._failed | result.dead_ranks)
+        # A survivor's failed cross-replica collective (reported at once) says a peer replica is gone
+        # before Ray does: every node of the attempt gets the raylet probe, not only failed ranks' nodes.
+        discarded = any(kind == EventKind.REPLICA_STEP_DISCARDED for _, kind, _ in result.events)
+        result.dead_nodes, result.suspect_nodes = self._node_states(self._failed | result.dead_ranks, every=discarded)
+        if discarded:  # the data plane and the probe agree: that node's ranks are gone with it
+            out_now = self._replicas.out if self._replicas is not None else set()
+            result.dead_ranks |= {r for r, node in enumerate(self._node_of_rank)
+                                  if node in result.suspect_nodes and r not in out_now}
         self._failed |= set(result.errors) | result.dead_ranks
         if self._failed or result.dead_nodes:  # failed stays failed: later polls must not read "finished"
             result.status = GroupStatus.FAILED
@@ -358,10 +366,11 @@ class RayWorkerGroup:
             result.events.extend((rank, kind, detail) for kind, detail in events)
         result.reports.sort(key=lambda r: (r.step, r.rank))
 
-    def _node_states(self, failed: set[int]) -> tuple[set[str], set[str]]:
+    def _node_states(self, failed: set[int], every: bool = False) -> tuple[set[str], set[str]]:
         """(dead, suspect) among this attempt's nodes. Dead: no alive Ray node carries its `node` label.
         Suspect, looked at only once some node is dead or some rank has failed (on the nodes of the
-        failed ranks, then): Ray still shows it alive but its raylet refuses connections. Ray declares
+        failed ranks, then, or on every node with `every`): Ray still shows it alive but its raylet
+        refuses connections. Ray declares
         a node dead after a few missed health checks (~30 s by default), so nodes lost together are
         declared a moment apart, and a node whose ranks all died is confirmed at once by the probe."""
         import ray
@@ -377,7 +386,7 @@ class RayWorkerGroup:
         dead = seen - set(alive)
         for node in dead:
             self._forget_node(node)  # its actors died with it
-        if not dead:
+        if not dead and not every:
             asked = {self._node_of_rank[r] for r in failed}
             alive = {name: address for name, address in alive.items() if name in asked}
         return dead, _refusing(alive)
