@@ -22,16 +22,17 @@ from checkpointing.store import ObjectStore, StoreError
 from controller.attempt import AttemptSpec, GroupStatus, WorkerGroup
 from controller.checkpoints import RunCheckpoints
 from controller.events import EventKind, EventLog
-from controller.placement import Placement, place, ranks_on, swap_nodes
+from controller.placement import Placement, place
 from controller.planner import MeshPlan, memory_problem, plan_run
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
+from controller import replicas
 from controller.attribution import AttemptWatch, StragglerWatch, failures_from, quarantines_from, relaunch_failure
 from controller.drills import DrillError, DrillInjector, DrillRequest, RunDrills
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, GrowWatch, RunPolicy, taken_out,
 )
-from controller.topology import NodeState, Topology, merge_returned
+from controller.topology import Topology, merge_returned
 from controller.views import GoodputView, health_view, run_view
 from trainer.config import TrainerConfig
 
@@ -392,98 +393,10 @@ class RunController:
         return failure is not None
 
     def _contain(self, now: float, failure: FailureEvent) -> bool:
-        """failure_domain replica: a lost node (or a dead rank) stops only the data-parallel replicas it
-        held, if others live on and the worker group can go on without them. The survivors go on now;
-        the lost replicas are formed again on spares (`_form_replicas`). False: stop the world."""
-        assert self.config is not None and self.placement is not None
-        mesh = self.config.mesh
-        lose = getattr(self.worker_group, "lose_replicas", None)
-        contains = getattr(self.worker_group, "contains_replicas", None)  # this attempt's replicas, as launched
-        if (self.spec.elastic.failure_domain != "replica" or mesh.dp_replicas < 2 or lose is None
-                or contains is None or not contains()
-                or not (failure.cause in (FailureCause.NODE_LOST, FailureCause.RANK_DIED, FailureCause.WORKER_ERROR,
-                                          FailureCause.COLLECTIVE_ERROR)
-                        or (failure.cause is FailureCause.SDC and failure.contained and failure.ranks))
-                or len(self.failures) + 1 > self.spec.elastic.max_failures):
-            return False
-        per = mesh.world_size // mesh.dp_replicas
-        ranks = set(failure.ranks) | set(ranks_on(self.placement.node_of_rank, failure.nodes))
-        lost = sorted({r // per for r in ranks} - set(self.replicas_out))
-        live = mesh.dp_replicas - len(self.replicas_out) - len(lost)
-        if not lost or live < 1:
-            return False
-        self.events.add(now, self.attempt, EventKind.FAILURE_DETECTED, cause=failure.cause.value, nodes=list(failure.nodes),
-                        ranks=list(failure.ranks), message=failure.message, step=self.progress.step, replicas=lost)
-        self._last_failure = failure
-        self.failures.append(failure)
-        state = NodeState.QUARANTINED if failure.cause.quarantines else NodeState.LOST
-        self.topology = self.topology.with_states({n: state for n in failure.nodes})
-        if failure.cause.quarantines:
-            self._quarantine_contained(now, failure)
-        nodes_of = {replica: tuple(sorted({self.placement.node_of_rank[r] for r in range(replica * per, (replica + 1) * per)}
-                                          & set(failure.nodes))) for replica in lost}
-        for replica in lost:
-            self.replicas_out[replica] = nodes_of[replica]
-        self.events.add(now, self.attempt, EventKind.DECISION, action=Action.HEAL_REPLICA.value, code="replica_out",
-                        reason=f"{failure.cause.value} on {list(failure.nodes) or list(failure.ranks)}: replica(s) {lost} "
-                               f"stop, {live} of {mesh.dp_replicas} train on ({self.spec.elastic.batch_while_healing} "
-                               "the global batch) and the lost ones are formed again", mesh=mesh.axes(),
-                        dp_replicas=mesh.dp_replicas)
-        self.events.add(now, self.attempt, EventKind.REPLICA_LOST, replicas=lost, nodes=list(failure.nodes), live=live,
-                        of=mesh.dp_replicas, batch=self.spec.elastic.batch_while_healing)
-        assert self.watch is not None
-        self.watch.contained(ranks | {r for replica in lost for r in range(replica * per, (replica + 1) * per)})
-        with self.outside_lock():
-            lose(lost, tuple(failure.nodes))
-        self._survivors_since = now
-        self._form_replicas(now)
-        return True
-
-    def _quarantine_contained(self, now: float, failure: FailureEvent) -> None:
-        """A contained SDC: its nodes get no rank again (the replica forms on others), and commits
-        after the last step the replicas agreed on are not loaded again (the suspect may have saved)."""
-        for node in failure.nodes:
-            detail = {"node": node, "reason": failure.cause.value, "ranks": list(failure.ranks),
-                      "message": failure.message, "evidence": dict(failure.evidence)}
-            self.events.add(now, self.attempt, EventKind.QUARANTINED, **detail)
-            self.quarantined.append({"node": node, "reason": detail["reason"], "evidence": detail["evidence"], "time": now})
-        through = self.watch.take_rollback() if self.watch is not None else None
-        if through is not None:
-            with self.outside_lock():
-                self._discarded(now, self.checkpoints.roll_back(through))
+        return replicas.contain(self, now, failure)
 
     def _form_replicas(self, now: float) -> None:
-        """Form the replicas that are out again, once spares (or their own nodes, back) can take the
-        places of the nodes they lost; the live replicas stay where they are."""
-        waiting = sorted(set(self.replicas_out) - self._forming)
-        form = getattr(self.worker_group, "form_replicas", None)
-        if not waiting or form is None or self.placement is None:
-            return
-        if self.topology_source is not None:
-            self.topology = merge_returned(self.topology, self.topology_source())
-        needed = [n for replica in waiting for n in self.replicas_out[replica]]
-        healthy = self.topology.names_in(NodeState.HEALTHY)
-        missing = [n for n in needed if n not in healthy]
-        used = self.placement.rack_of_node
-        # spares first, then healthy nodes the run does not use (repaired ones, or a replaced node back)
-        spares = [s.name for s in self.topology.spares()]
-        if len(spares) < len(missing):
-            spares += self.topology.in_node_order(healthy - used.keys())[:len(missing) - len(spares)]
-        if len(spares) < len(missing):
-            return  # degraded until a spare or a repaired node can take them
-        swaps = dict(zip(missing, spares))
-        self.topology = self.topology.with_states({s: NodeState.HEALTHY for s in swaps.values()})
-        self.placement = swap_nodes(self.placement, swaps, self.topology)
-        assert self.watch is not None
-        self.watch.moved(self.placement.node_of_rank)
-        self._forming |= set(waiting)
-        try:
-            with self.outside_lock():
-                form(waiting, self.placement)
-        except Exception as e:  # noqa: BLE001 - they cannot be formed here: the world path takes over
-            failure = FailureEvent(time=now, cause=FailureCause.WORKER_ERROR, message=(
-                f"replica(s) {waiting} could not be formed again: {type(e).__name__}: {e}"))
-            self._recover(now, failure, contain=False)
+        replicas.form_replicas(self, now)
 
     def _recover(self, now: float, failure: FailureEvent, *, contain: bool = True) -> None:
         assert self.config is not None

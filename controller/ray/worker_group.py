@@ -19,7 +19,6 @@ of a re-fork on this machine); only the failed part is replaced.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import socket
 import threading
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
+from controller.ray import replicas as ray_replicas
 from controller.ray.rank_actor import UNRESPONSIVE_S, RankActor, RankProcessDied
 from trainer.worker import WorkerArgs
 
@@ -77,7 +77,7 @@ class RayWorkerGroup:
         self._peer_key: str | None = None
         """The folder of the run's peer snapshots on the nodes (checkpointing.peer.run_key), once known."""
         self._attempt: AttemptSpec | None = None
-        self._replicas: ReplicaTracking | None = None
+        self._replicas: ray_replicas.ReplicaTracking | None = None
         """failure_domain replica: the attempt's membership and the replicas being formed again."""
 
     def abort(self) -> None:
@@ -132,7 +132,7 @@ class RayWorkerGroup:
         if attempt.failure_domain == "replica" and placement.mesh.dp_replicas > 1:
             from trainer.replica import Membership, MembershipBoard
 
-            self._replicas = ReplicaTracking(MembershipBoard(dist.PrefixStore(prefix, self._store)),
+            self._replicas = ray_replicas.ReplicaTracking(MembershipBoard(dist.PrefixStore(prefix, self._store)),
                                              placement.mesh.dp_replicas, world)
             self._replicas.board.publish(Membership(0, tuple(range(placement.mesh.dp_replicas))))
         taken: dict[str, int] = {}
@@ -169,63 +169,10 @@ class RayWorkerGroup:
         return self._replicas is not None
 
     def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...]) -> None:
-        """The controller's word: these replicas are out. Their training processes on live nodes end
-        (a node loss ended the others), and the next membership epoch, without them, lets the
-        survivors go on."""
-        import ray
-
-        r = self._replicas
-        assert r is not None and self._attempt is not None
-        ranks = [rank for replica in replicas for rank in r.ranks(replica)]
-        stops = [self.actors[rank].stop.remote() for rank in ranks if self.actors[rank] is not None]
-        ray.wait(stops, num_returns=len(stops), timeout=15)
-        r.out |= set(ranks)
-        self._failed -= set(ranks)
-        self._nodes = {node for rank, node in enumerate(self._node_of_rank) if rank not in r.out}
-        for rank in ranks:
-            self._drains.pop(rank, None)
-        r.publish(live=r.live - set(replicas))
+        ray_replicas.lose_replicas(self, replicas, nodes)
 
     def form_replicas(self, replicas: list[int], placement: Any) -> None:
-        """Form `replicas` again where `placement` puts them: a training process per rank, forked from
-        a warm actor of its (new) node; once every one has built its replica's world, the next epoch
-        lists them as joining and a live replica gives them its state (`poll` publishes it)."""
-        r = self._replicas
-        assert r is not None and self._attempt is not None
-        self._attempt = dataclasses.replace(self._attempt, placement=placement)
-        self._node_of_rank = tuple(placement.node_of_rank)
-        self._nodes = set(placement.node_of_rank)
-        busy = {id(a) for rank, a in enumerate(self.actors) if rank not in r.out and a is not None}
-        for replica in replicas:
-            incarnation = r.incarnation.get(replica, 0) + 1
-            r.incarnation[replica] = incarnation
-            for rank in r.ranks(replica):
-                node = placement.node_of_rank[rank]
-                actor = next((a for a in self._pool.get(node, []) if id(a) not in busy), None)
-                if actor is None:
-                    raise RuntimeError(f"no idle warm actor on {node} for rank {rank} of replica {replica}")
-                busy.add(id(actor))
-                self.actors[rank] = actor
-                self._runs[rank] = actor.run.remote(self._worker_args(self._attempt, rank, incarnation))
-                self._finished.discard(rank)
-                r.out.discard(rank)
-            r.forming[replica] = incarnation
-
-    def _forming_ranks(self) -> set[int]:
-        r = self._replicas
-        return {rank for replica in r.forming for rank in r.ranks(replica)} if r is not None else set()
-
-    def _publish_joining(self) -> None:
-        """Replicas formed again whose every rank has built its world join at the next epoch."""
-        r = self._replicas
-        if r is None or not r.forming:
-            return
-        ready = [k for k, inc in r.forming.items()
-                 if r.board.store.check([f"ready/{k}/{inc}/{local}" for local in range(r.per)])]
-        if ready:
-            for k in ready:
-                del r.forming[k]
-            r.publish(live=r.live | set(ready), joining=set(ready))
+        ray_replicas.form_replicas(self, replicas, placement)
 
     def _grow_pool(self, wanted: dict[str, int]) -> list[tuple[str, Any]]:
         """Start actors until each node has `wanted` of them; (node, warm() ref) of the new ones. Their
@@ -303,7 +250,7 @@ class RayWorkerGroup:
 
         result = PollResult(GroupStatus.RUNNING)
         out = self._replicas.out if self._replicas is not None else set()
-        self._publish_joining()
+        ray_replicas.publish_joining(self)
         ready, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
         ready_ids = {r.hex() for r in ready}
         for rank, ref in enumerate(self._runs):
@@ -332,7 +279,7 @@ class RayWorkerGroup:
         self._failed |= set(result.errors) | result.dead_ranks
         if self._failed or result.dead_nodes:  # failed stays failed: later polls must not read "finished"
             result.status = GroupStatus.FAILED
-        elif self._finished >= set(range(len(self._runs))) - out - self._forming_ranks():
+        elif self._finished >= set(range(len(self._runs))) - out - ray_replicas.forming_ranks(self):
             result.status = GroupStatus.FINISHED  # (a replica still forming when the others are done has nothing to join)
         return result
 
@@ -542,31 +489,6 @@ class RayWorkerGroup:
         self._nodes = set(attempt.placement.node_of_rank)
         self._node_of_rank = tuple(attempt.placement.node_of_rank)
         return True
-
-
-class ReplicaTracking:
-    """An attempt's replicas under failure_domain replica: the membership epochs published, the ranks
-    out (their replica lost and not yet formed again), each replica's incarnation, and the replicas
-    being formed (replica -> incarnation) until all their ranks are ready."""
-
-    def __init__(self, board: Any, replicas: int, world: int) -> None:
-        self.board = board
-        self.per = world // replicas
-        self.live: set[int] = set(range(replicas))
-        self.epoch = 0
-        self.out: set[int] = set()
-        self.incarnation: dict[int, int] = {}
-        self.forming: dict[int, int] = {}
-
-    def ranks(self, replica: int) -> range:
-        return range(replica * self.per, (replica + 1) * self.per)
-
-    def publish(self, *, live: set[int], joining: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-        from trainer.replica import Membership
-
-        self.epoch += 1
-        self.live = set(live)
-        self.board.publish(Membership(self.epoch, tuple(sorted(live)), tuple(sorted(joining))))
 
 
 def _reservation_node(group: Any, prefix: str) -> str | None:

@@ -1,0 +1,100 @@
+"""failure_domain replica on Ray (controller/replicas.py decides, this acts): the attempt's membership
+epochs in the run's store, a lost replica's training processes ended and forked again from warm
+actors of the nodes that take its place, and the epoch that lets it join published once every one
+of its ranks has built its replica's world. Functions of the RayWorkerGroup they act for."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from controller.ray.worker_group import RayWorkerGroup
+
+
+def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str, ...]) -> None:
+    """The controller's word: these replicas are out. Their training processes on live nodes end
+    (a node loss ended the others), and the next membership epoch, without them, lets the
+    survivors go on."""
+    import ray
+
+    r = group._replicas
+    assert r is not None and group._attempt is not None
+    ranks = [rank for replica in replicas for rank in r.ranks(replica)]
+    stops = [group.actors[rank].stop.remote() for rank in ranks if group.actors[rank] is not None]
+    ray.wait(stops, num_returns=len(stops), timeout=15)
+    r.out |= set(ranks)
+    group._failed -= set(ranks)
+    group._nodes = {node for rank, node in enumerate(group._node_of_rank) if rank not in r.out}
+    for rank in ranks:
+        group._drains.pop(rank, None)
+    r.publish(live=r.live - set(replicas))
+
+
+def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) -> None:
+    """Form `replicas` again where `placement` puts them: a training process per rank, forked from
+    a warm actor of its (new) node; once every one has built its replica's world, the next epoch
+    lists them as joining and a live replica gives them its state (`poll` publishes it)."""
+    r = group._replicas
+    assert r is not None and group._attempt is not None
+    group._attempt = dataclasses.replace(group._attempt, placement=placement)
+    group._node_of_rank = tuple(placement.node_of_rank)
+    group._nodes = set(placement.node_of_rank)
+    busy = {id(a) for rank, a in enumerate(group.actors) if rank not in r.out and a is not None}
+    for replica in replicas:
+        incarnation = r.incarnation.get(replica, 0) + 1
+        r.incarnation[replica] = incarnation
+        for rank in r.ranks(replica):
+            node = placement.node_of_rank[rank]
+            actor = next((a for a in group._pool.get(node, []) if id(a) not in busy), None)
+            if actor is None:
+                raise RuntimeError(f"no idle warm actor on {node} for rank {rank} of replica {replica}")
+            busy.add(id(actor))
+            group.actors[rank] = actor
+            group._runs[rank] = actor.run.remote(group._worker_args(group._attempt, rank, incarnation))
+            group._finished.discard(rank)
+            r.out.discard(rank)
+        r.forming[replica] = incarnation
+
+
+def forming_ranks(group: "RayWorkerGroup") -> set[int]:
+    r = group._replicas
+    return {rank for replica in r.forming for rank in r.ranks(replica)} if r is not None else set()
+
+
+def publish_joining(group: "RayWorkerGroup") -> None:
+    """Replicas formed again whose every rank has built its world join at the next epoch."""
+    r = group._replicas
+    if r is None or not r.forming:
+        return
+    ready = [k for k, inc in r.forming.items()
+             if r.board.store.check([f"ready/{k}/{inc}/{local}" for local in range(r.per)])]
+    if ready:
+        for k in ready:
+            del r.forming[k]
+        r.publish(live=r.live | set(ready), joining=set(ready))
+
+
+class ReplicaTracking:
+    """An attempt's replicas under failure_domain replica: the membership epochs published, the ranks
+    out (their replica lost and not yet formed again), each replica's incarnation, and the replicas
+    being formed (replica -> incarnation) until all their ranks are ready."""
+
+    def __init__(self, board: Any, replicas: int, world: int) -> None:
+        self.board = board
+        self.per = world // replicas
+        self.live: set[int] = set(range(replicas))
+        self.epoch = 0
+        self.out: set[int] = set()
+        self.incarnation: dict[int, int] = {}
+        self.forming: dict[int, int] = {}
+
+    def ranks(self, replica: int) -> range:
+        return range(replica * self.per, (replica + 1) * self.per)
+
+    def publish(self, *, live: set[int], joining: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        from trainer.replica import Membership
+
+        self.epoch += 1
+        self.live = set(live)
+        self.board.publish(Membership(self.epoch, tuple(sorted(live)), tuple(sorted(joining))))
