@@ -27,7 +27,7 @@ and its buddy's copy on the buddy's, except on nodes lost since, and no buddy co
 failure struck while they were being rewritten (then the recovery falls back to the store); each
 node answers with one `Held` record naming the ranks it keeps, as a Ray node does.
 
-Replica failure domain (`failure_domain: replica` on the attempt): a lost node pauses the survivors
+Replica failure domain (`failure_domain: replica` on the attempt; controller/sim/replicas.py): a lost node pauses the survivors
 at its time (the step in flight is discarded) and shows up after `replica_detection_s` as a dead
 node; the controller's `lose_replicas` lets them go on after one cross-replica init, at D-1 of D
 replicas' throughput (keeping the batch: longer steps; shrinking it: fewer tokens per step);
@@ -42,7 +42,6 @@ make a 54-day simulation take days.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
 from controller.placement import rank_index, ranks_on
 from controller.sim.model import CostModel, Incident
+from controller.sim.replicas import SimReplicas
 from controller.topology import Topology
 from health.straggler import StragglerConfig
 from trainer.config import state_fingerprint
@@ -123,7 +123,7 @@ class _Signal:
     events: list[tuple[int, str, dict]] = field(default_factory=list)
 
 
-class SimWorkerGroup:
+class SimWorkerGroup(SimReplicas):
     def __init__(self, clock: Callable[[], float], cost: CostModel, store: MemoryStore, *, total_steps: int,
                  slow_nodes: Callable[[float], dict[str, float]] | None = None) -> None:
         self.clock = clock
@@ -334,62 +334,6 @@ class SimWorkerGroup:
                 "ranks": [first], "step": clean + 1, "clean_through_step": clean, "check": "anomaly",
                 "evidence": {"simulated": True}, "contained": contained})]))
         return True
-
-    # -- failure_domain replica ----------------------------------------------------------------------------
-    def _replica_domain(self) -> bool:
-        a = self.attempt
-        return a is not None and a.failure_domain == "replica" and a.config.mesh.dp_replicas > 1
-
-    def _replicas_on(self, node: str) -> set[int]:
-        assert self.attempt is not None
-        mesh = self.attempt.config.mesh
-        per = mesh.world_size // mesh.dp_replicas
-        return {r // per for r in ranks_on(self.attempt.placement.node_of_rank, (node,))}
-
-    def contains_replicas(self) -> bool:
-        return self._replica_domain()
-
-    def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...]) -> None:
-        """The controller's word: the survivors go on without `replicas` after one cross-replica init."""
-        assert self.attempt is not None
-        now = self.clock()
-        self.out |= set(replicas)
-        self.signals = [s for s in self.signals if not (s.dead_nodes & set(nodes))]
-        live = self.attempt.config.mesh.dp_replicas - len(self.out)
-        stall = self.cost.replica_stall_s if self.cost.replica_stall_s is not None else self.cost.regroup_s(live)
-        self.next_start = max(self.next_start, now) + stall
-        self.stop_at = None
-
-    def form_replicas(self, replicas: list[int], placement: Any) -> None:
-        """Form `replicas` again where `placement` puts them: ready after a warm start of their ranks."""
-        assert self.attempt is not None
-        self.attempt = dataclasses.replace(self.attempt, placement=placement)
-        self.nodes = placement.rack_of_node
-        self.forming.append((self.clock() + self.cost.replica_start_s(), tuple(replicas)))
-
-    def _batch_share(self) -> float:
-        """Of the global batch, the share a step trains now (less while replicas are out under `shrink`)."""
-        a = self.attempt
-        if a is None or not self.out or a.batch_while_healing == "keep":
-            return 1.0
-        return 1.0 - len(self.out) / a.config.mesh.dp_replicas
-
-    def _rejoin(self, boundary: float) -> float:
-        """At a step boundary: the formed replicas that are ready receive their state and join; the
-        survivors' stall for it (0 when none is ready)."""
-        ready = [f for f in self.forming if f[0] <= boundary]
-        if not ready or self.attempt is None:
-            return 0.0
-        joining = sorted(r for _, replicas in ready for r in replicas)
-        self.forming = [f for f in self.forming if f[0] > boundary]
-        self.out -= set(joining)
-        live = self.attempt.config.mesh.dp_replicas - len(self.out)
-        stall = self.cost.regroup_s(live) + self.cost.replica_transfer_s
-        source = min(set(range(self.attempt.config.mesh.dp_replicas)) - self.out - set(joining))
-        self.pending_events.append((0, EventKind.REPLICA_REJOINED, {
-            "replicas": joining, "at": boundary + stall, "step": self.step, "source": source,
-            "seconds": stall}))
-        return stall
 
     def next_wake(self, now: float) -> float:
         """When a poll next has something to say."""
