@@ -51,3 +51,31 @@ def test_a_lost_node_stops_its_replica_only_and_it_rejoins_with_the_survivors_by
     # step once, and every committed checkpoint's cursor is step x global batch.
     assert [h["step"] for h in c.progress.history] == list(range(1, 25))
     check_cursor_accounting(tmp_path, "replicas")
+
+
+def test_a_flipped_bit_quarantines_its_node_and_heals_only_its_replica_from_the_vouched_one(
+        ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
+    """The same mesh; a bit flips at rest in rank 7's parameters (replica 1, node-3) after step 6. Its
+    replica's probes find it before that replica's gradient meets replica 0's, so replica 0's state is
+    vouched: node-3 is quarantined, replica 1 is formed again on the spare from replica 0's state, in
+    the same attempt, and both replicas end with the same bytes."""
+    s = spec("replica-sdc", tmp_path, nodes=5, spares=1, drills=[{"kind": "bitflip", "at_step": 6, "target": "7"}],
+             steps=16, elastic={"failure_domain": "replica"})
+    s = s.model_copy(update={"parallelism": s.parallelism.model_copy(update={"dp_replicas": 2}),
+                             "health": s.health.model_copy(update={"sdc_every_steps": 4})})
+    c = drive(s, ray_cluster)
+    assert c.state is RunState.SUCCEEDED, c.error
+    assert len(c.events.of_kind("attempt_started")) == 1, "the run stopped the world for one replica's bit"
+    (report,) = c.to_dict(0)["drills"]
+    assert report["cause"] == "sdc" and report["decision"] == "heal_replica", report
+    assert report["outcome"] == "recovered" and report["restored_from"] == "replica", report
+    (suspect,) = [e.detail for e in c.events.of_kind("sdc_suspect")]
+    assert suspect["contained"] and suspect["ranks"] == [7], suspect
+    assert [q["node"] for q in c.quarantined] == ["node-3"] and c.quarantined[0]["reason"] == "sdc"
+    (rejoined,) = [e.detail for e in c.events.of_kind("replica_rejoined")]
+    assert rejoined["replicas"] == [1] and rejoined["source"] == 0, rejoined
+    assert "node-3" not in c.placement.node_of_rank and "node-4" in c.placement.node_of_rank
+    sums = [e.detail for e in c.events.of_kind("replica_checksums")]
+    assert len(sums) == 4 and all(d["agree"] and d["replicas"] == [0, 1] for d in sums), sums
+    assert [h["step"] for h in c.progress.history] == list(range(1, 17))
+    check_cursor_accounting(tmp_path, "replica-sdc")
