@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import threading
 
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -155,6 +156,7 @@ def _build(node_of_rank: tuple[str, ...]) -> dict[str, list[int]]:
 
 _INDEXES: dict[int, tuple[tuple[str, ...], RankIndex]] = {}
 _INDEXES_KEPT = 8
+_INDEXES_LOCK = threading.Lock()
 
 
 def rank_index(node_of_rank: tuple[str, ...]) -> RankIndex:
@@ -168,9 +170,10 @@ def rank_index(node_of_rank: tuple[str, ...]) -> RankIndex:
 
 
 def _remember(node_of_rank: tuple[str, ...], index: RankIndex) -> RankIndex:
-    if len(_INDEXES) >= _INDEXES_KEPT:
-        del _INDEXES[next(iter(_INDEXES))]  # the oldest (insertion order)
-    _INDEXES[id(node_of_rank)] = (node_of_rank, index)  # the tuple is held, so its id is not reused
+    with _INDEXES_LOCK:  # (a service's runs and its API threads place and ask at once)
+        while len(_INDEXES) >= _INDEXES_KEPT:
+            del _INDEXES[next(iter(_INDEXES))]  # the oldest (insertion order)
+        _INDEXES[id(node_of_rank)] = (node_of_rank, index)  # the tuple is held, so its id is not reused
     return index
 
 
