@@ -4,7 +4,9 @@ so `goodput --help` is instant; every command takes --json and fails with one cl
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -315,6 +317,8 @@ def cmd_tokenize(opts: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack to stderr (a stuck controller)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     opts = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = opts.func
     try:
