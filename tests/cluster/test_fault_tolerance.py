@@ -308,7 +308,7 @@ def test_twenty_kill_node_drills_at_random_offsets_all_heal_from_peers(ray_clust
     from controller.ray.drills import RayDrillInjector
     from controller.ray.worker_group import RayWorkerGroup
 
-    s = spec("random-kills", tmp_path, nodes=5, spares=0, steps=400, every=1000, peer_every=1, drills=[],
+    s = spec("random-kills", tmp_path, nodes=5, spares=0, steps=1000, every=1000, peer_every=1, drills=[],
              elastic={"max_failures": 25}, tp=1)
     group = RayWorkerGroup(collective_timeout_s=s.health.collective_timeout_s)
 
