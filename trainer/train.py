@@ -29,7 +29,8 @@ from trainer.optim import clip_to, global_grad_norm, set_learning_rate
 from trainer.parallel import DeviceChoice, build_model_parts
 from trainer.provider import load_provider
 from trainer.probes import ComputeClock, Probes, spin
-from trainer.replica import CrossReplica, Membership, StepDiscarded, disagreement, state_fingerprint, state_tensors
+from trainer.replica import CrossReplica, Membership, StepDiscarded, state_tensors
+from trainer.replica_sdc import disagreement, state_fingerprint
 from trainer.report import ReportSink, StepReport
 from trainer.switches import DrillSwitches
 
