@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import io
 import os
 import signal
 import sys
@@ -316,9 +317,23 @@ def cmd_tokenize(opts: argparse.Namespace) -> int:
     return 0
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's stack to the process's stderr (a stuck controller).
+
+    faulthandler writes to a file descriptor, so it takes the process's own stderr, not whatever
+    ``sys.stderr`` is now (an embedding program or a test may have swapped it for an object with none).
+    """
+    stream = sys.__stderr__
+    if not hasattr(signal, "SIGUSR1") or stream is None:
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return  # no descriptor to write to (stderr closed or detached): nothing to dump to
+
+
 def main(argv: list[str] | None = None) -> None:
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack to stderr (a stuck controller)
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    dump_stacks_on_sigusr1()
     opts = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = opts.func
     try:

@@ -149,3 +149,20 @@ def test_an_event_with_brackets_prints_as_written(capsys: pytest.CaptureFixture[
     captured = capsys.readouterr()
     out = " ".join((captured.out + captured.err).split())  # as wrapped to the width
     assert "[/__w/pytorch/gloo/pair.cc:537] Connection closed" in out and "[/__w/x.cc:1] closed" in out
+
+
+def test_sigusr1_dumps_the_stacks_to_the_real_stderr_even_when_sys_stderr_is_swapped(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from controller.cli.main import dump_stacks_on_sigusr1
+
+    dump_stacks_on_sigusr1()  # under capsys sys.stderr has no descriptor: must not raise (CI broke on it)
+    script = ("import io, os, signal, sys, time\n"
+              "from controller.cli.main import dump_stacks_on_sigusr1\n"
+              "sys.stderr = io.StringIO()\n"
+              "dump_stacks_on_sigusr1()\n"
+              "os.kill(os.getpid(), signal.SIGUSR1)\n"
+              "time.sleep(0.2)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "most recent call first" in proc.stderr and "<module>" in proc.stderr, proc.stderr
