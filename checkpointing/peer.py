@@ -207,6 +207,22 @@ def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, s
     return best[2].tolist() if best is not None else None
 
 
+def replica_buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, str],
+                    replicas: int) -> list[int] | None:
+    """failure_domain replica: each replica's ranks (rank // (world / replicas)) keep each other's
+    copies, since a replica's snapshots travel on its own world's group: global rank -> the local rank
+    (within its replica) whose node keeps its copy, `buddies` within each replica. None when a replica
+    lies on one node (no copy of it could survive that node)."""
+    per = len(node_of_rank) // replicas
+    out: list[int] = []
+    for k in range(replicas):
+        local = buddies(node_of_rank[k * per:(k + 1) * per], rack_of_node)
+        if local is None:
+            return None
+        out.extend(local)
+    return out
+
+
 class Held(NamedTuple):
     """What one node holds of one snapshot step: the ranks of attempt `attempt` whose complete copy at
     `step` it keeps, its own ranks' and its buddies' alike (a tuple: cheap to make, to send and to
@@ -306,6 +322,23 @@ def peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, nodes: set[
     missing = _missing(parts[newest], world)[:8].tolist()
     return None, (f"the newest peer snapshot (step {newest[1]}) lacks the copies of rank(s) {missing} of "
                   f"{world}: they and their buddies' copies were lost together")
+
+
+def replica_peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, replica_nodes: Sequence[set[str]],
+                       excluded: Sequence[tuple[int, int]] = ()) -> tuple[PeerPoint | None, tuple[int, ...], str]:
+    """failure_domain replica: the newest snapshot step some replica of the new attempt can load from
+    its own nodes (a replica loads over its own world's group, so only the copies its nodes hold
+    count), and the replicas that can (`replica_nodes[k]`: the nodes replica k runs on). The others
+    join at the launch and receive a loading replica's state (trainer.replica.CrossReplica.sync).
+    Replicas hold the same bytes at the same step (a step commits on every replica or none), so the
+    copies a node holds count whichever replica took them."""
+    found = [peer_point(held, identity=identity, nodes=nodes, excluded=excluded) for nodes in replica_nodes]
+    points = [(k, point) for k, (point, _) in enumerate(found) if point is not None]
+    if not points:
+        return None, (), "; ".join(dict.fromkeys(why for _, why in found if why)) or "no replica's nodes hold a peer snapshot"
+    best = max((point for _, point in points), key=lambda p: (p.step, p.attempt))
+    loaders = tuple(k for k, point in points if (point.attempt, point.step) == (best.attempt, best.step))
+    return best, loaders, ""
 
 
 def _missing(parts: list[tuple[int, ...]], world: int) -> np.ndarray:

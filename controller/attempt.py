@@ -46,9 +46,13 @@ class AttemptSpec:
     peer_every: int = 0
     """Steps between peer snapshots (0: none)."""
     peer_buddy: tuple[int, ...] | None = None
-    """rank -> the rank on another node that keeps its snapshot's copy."""
+    """rank -> the rank on another node that keeps its snapshot's copy (failure_domain replica: the
+    local rank within the same replica, whose world the copies travel on)."""
     peer_restore: PeerPoint | None = None
     """Load this peer snapshot step (from the nodes' host memory) instead of `resume_step`."""
+    peer_replicas: tuple[int, ...] | None = None
+    """failure_domain replica: the replicas that load `peer_restore` from their own nodes; the others
+    join at epoch 0 and receive a loading replica's state (None: every rank loads it)."""
     peer_key: str | None = None
     """The run's snapshot folder on every node (checkpointing.peer.run_key); None: `run_id`."""
     failure_domain: str = "world"

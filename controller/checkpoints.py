@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointing.manifest import Discards, resume_point
-from checkpointing.peer import Held, PeerPoint, buddies, peer_point, run_key
+from checkpointing.peer import Held, PeerPoint, buddies, peer_point, replica_buddies, replica_peer_point, run_key
 from checkpointing.schedule import observed_mtbf_s
 from checkpointing.store import ObjectStore, StoreOutage
 from controller.events import EventKind
@@ -38,6 +38,9 @@ class LoadPoint:
     """The peer snapshot step to load instead of the store's (then `start_step` is its step)."""
     peer_unusable: str = ""
     """Why no peer snapshot could be used, when peer snapshots are on."""
+    peer_replicas: tuple[int, ...] | None = None
+    """failure_domain replica: the replicas whose own nodes hold every copy of `peer` (they load it;
+    the others receive their state at the launch); None: every rank loads it."""
 
     @property
     def source(self) -> str | None:
@@ -75,20 +78,28 @@ class RunCheckpoints:
         self.adopted = any(e["kind"] == EventKind.RESUME_REQUESTED for e in events)
 
     def load_point(self, spec: RunSpec, held: dict[str, list[Held]] | None = None,
-                   nodes: set[str] | None = None) -> LoadPoint:
+                   nodes: set[str] | None = None, replica_nodes: list[set[str]] | None = None) -> LoadPoint:
         """Where the next attempt starts, after the discards still owed (a resume to an older step, an
         SDC rollback): the store's latest usable step, or a newer (or as new) peer snapshot step that
-        every rank has a copy of on `nodes` (`held`: what each node holds). Store I/O: StoreError when
-        the store cannot be reached (nothing is decided from an outage), IdentityMismatch /
-        ForeignCheckpoints when what is there cannot be this run's."""
+        every rank has a copy of on `nodes` (`held`: what each node holds). An attempt whose replicas
+        are their own worlds (`replica_nodes`: each one's nodes) needs it whole on one replica's nodes
+        only (`replica_peer_point`). Store I/O: StoreError when the store cannot be reached (nothing is
+        decided from an outage), IdentityMismatch / ForeignCheckpoints when what is there cannot be
+        this run's."""
         point = self._store_point(spec)
         if held is None:
             return point
-        peer, why = peer_point(held, identity=state_fingerprint(spec.to_model_config()), nodes=nodes or set(),
-                               excluded=self.peer_excluded)
+        identity = state_fingerprint(spec.to_model_config())
+        loaders: tuple[int, ...] | None = None
+        if replica_nodes is not None:
+            peer, loaders, why = replica_peer_point(held, identity=identity, replica_nodes=replica_nodes,
+                                                    excluded=self.peer_excluded)
+        else:
+            peer, why = peer_point(held, identity=identity, nodes=nodes or set(), excluded=self.peer_excluded)
         if peer is None or peer.step < point.start_step:
             return dataclasses.replace(point, peer_unusable=why or f"the store's step {point.start_step} is newer")
-        return dataclasses.replace(point, start_step=peer.step, cursor=peer.cursor, resume_step=None, peer=peer)
+        return dataclasses.replace(point, start_step=peer.step, cursor=peer.cursor, resume_step=None, peer=peer,
+                                   peer_replicas=loaders)
 
     def exclude_peers(self, attempt: int, after_step: int) -> None:
         """Attempt `attempt`'s peer snapshots after `after_step` are never loaded."""
@@ -133,9 +144,16 @@ class RunCheckpoints:
                     store_retry_budget_s=c.retry_budget_s,
                     mtbf_s=observed_mtbf_s(run_s, failures, c.mtbf_hours * 3600 if c.mtbf_hours else None))
 
-    def peer_settings(self, spec: RunSpec, placement: Placement, point: LoadPoint) -> dict[str, Any]:
-        """The peer snapshot fields of the next AttemptSpec: how often, who keeps whose copy, what to load."""
+    def peer_settings(self, spec: RunSpec, placement: Placement, point: LoadPoint, *,
+                      replicas: bool = False) -> dict[str, Any]:
+        """The peer snapshot fields of the next AttemptSpec: how often, who keeps whose copy (within
+        each replica when `replicas`: each is its own world), what to load and which replicas load it."""
         every = spec.checkpoint.peer_every_steps
-        buddy = buddies(placement.node_of_rank, placement.rack_of_node) if every else None
+        if not every:
+            buddy = None
+        elif replicas:
+            buddy = replica_buddies(placement.node_of_rank, placement.rack_of_node, placement.mesh.dp_replicas)
+        else:
+            buddy = buddies(placement.node_of_rank, placement.rack_of_node)
         return dict(peer_every=every, peer_buddy=tuple(buddy) if buddy else None, peer_restore=point.peer,
-                    peer_key=self.peer_key)
+                    peer_replicas=point.peer_replicas, peer_key=self.peer_key)

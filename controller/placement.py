@@ -81,6 +81,11 @@ class Placement:
     def ranks_on(self, node: str) -> list[int]:
         return ranks_on(self.node_of_rank, (node,))
 
+    def replica_nodes(self) -> list[set[str]]:
+        """The nodes each data-parallel replica runs on (replica k: ranks k*R .. (k+1)*R - 1)."""
+        per = self.mesh.world_size // self.mesh.dp_replicas
+        return [set(self.node_of_rank[k * per:(k + 1) * per]) for k in range(self.mesh.dp_replicas)]
+
 
 def ranks_on(node_of_rank: tuple[str, ...], nodes: "Iterable[str]") -> list[int]:
     """The ranks on these nodes, in order, from an index of the placement's ranks by node built once per

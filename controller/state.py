@@ -258,10 +258,12 @@ class RunController:
         assert self.config is not None and self.placement is not None
         if not self.checkpoints.outage.due(now):
             return
+        domain = self.spec.elastic.failure_domain if self.config.mesh.dp_replicas > 1 else "world"
         try:
             with self.outside_lock():
                 nodes = self.placement.nodes()
-                point = self.checkpoints.load_point(self.spec, self._peer_copies(nodes), nodes)
+                point = self.checkpoints.load_point(self.spec, self._peer_copies(nodes), nodes,
+                                                    replica_nodes=self.placement.replica_nodes() if domain == "replica" else None)
         except StoreError as e:  # back off; past `checkpoint.retry_budget_s`, say so in the timeline (once)
             if (detail := self.checkpoints.unreachable(now, e)) is not None:
                 self.events.add(now, max(self.attempt, 0), EventKind.STORE_UNAVAILABLE, **detail)
@@ -283,8 +285,8 @@ class RunController:
             run_id=self.run_id, attempt=self.attempt, config=self.config, placement=self.placement,
             start_step=start_step, cursor=point.cursor, resume_step=point.resume_step,
             **self.checkpoints.attempt_settings(self.spec, run_s=now - self.created_at, failures=len(self.failures)),
-            **self.checkpoints.peer_settings(self.spec, self.placement, point),
-            failure_domain=self.spec.elastic.failure_domain if self.config.mesh.dp_replicas > 1 else "world",
+            **self.checkpoints.peer_settings(self.spec, self.placement, point, replicas=domain == "replica"),
+            failure_domain=domain,
             batch_while_healing=self.spec.elastic.batch_while_healing)
         self._track_attempt(now)
         try:
@@ -302,6 +304,7 @@ class RunController:
                         placement=self.placement.columns(), spares=list(self.placement.spares),
                         start_step=start_step, resume_step=point.resume_step, cursor=point.cursor,
                         restore_from=point.source, **({"reports_from_snapshot": unheard} if unheard else {}),
+                        **({"peer_replicas": list(point.peer_replicas)} if point.peer_replicas is not None else {}),
                         **({"peer_unusable": point.peer_unusable} if point.peer_unusable and self.attempt > 0 else {}))
         self.progress.committed = start_step
         if start_step >= self.spec.train.steps:

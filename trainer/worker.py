@@ -171,10 +171,10 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                                            "seconds": time.perf_counter() - t0})
         if cross is not None:
             _join_replicas(trainer, cross, args, sink, replica_log)
-        if args.peer_every > 0 and folder is not None and cross is None:  # (a replica heals from a live one)
+        if args.peer_every > 0 and folder is not None:
             peers = PeerSnapshots(folder=folder, run_id=args.run_id, attempt=args.attempt,
-                                  buddy=list(args.peer_buddy) if args.peer_buddy else None, sink=sink,
-                                  identity=state_fingerprint(args.config.model), mesh=args.config.mesh.axes(),
+                                  buddy=_buddy_in_world(args), sink=sink,
+                                  identity=state_fingerprint(args.config.model), mesh=config.mesh.axes(),
                                   keep=((args.peer_restore.attempt, args.peer_restore.step)
                                         if args.peer_restore else None),
                                   on_phase=on_snapshot_phase)
@@ -234,6 +234,19 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         dist.destroy_process_group()
 
 
+def _buddy_in_world(args: WorkerArgs) -> list[int] | None:
+    """This rank's world's buddy permutation: the attempt's, or under failure_domain replica its
+    replica's (a replica's snapshots travel on its own world, named by local rank, laid out on its
+    own mesh: any replica's copies at a step are the state every replica holds then)."""
+    if not args.peer_buddy:
+        return None
+    if not args.replica_domain:
+        return list(args.peer_buddy)
+    per = args.world_size // args.config.mesh.dp_replicas
+    start = args.rank // per * per
+    return list(args.peer_buddy[start:start + per])
+
+
 def replica_config(config: TrainerConfig) -> TrainerConfig:
     """What one data-parallel replica trains: the run's config with its own mesh (dp_shard x pp x tp)."""
     m = config.mesh
@@ -247,7 +260,12 @@ def _join_replicas(trainer: Any, cross: Any, args: WorkerArgs, sink: ReportSink,
 
     wait_s = max(args.collective_timeout_s, 60.0)
     if args.incarnation == 0:
-        switch_to(trainer, cross.board.get(0), wait_s=wait_s, log=log)
+        first = cross.board.get(0)
+        switch_to(trainer, first, wait_s=wait_s, log=log)
+        if cross.replica in first.joining:  # its nodes held no copy of the peer step the others loaded
+            done = log[-1]
+            sink.event("restored", {"source": "replica", "replica": done["source"], "step": trainer.step,
+                                    "cursor": trainer.cursor, "bytes_read": 0, "seconds": done["seconds"]})
         return
     first = args.rank % (args.world_size // args.config.mesh.dp_replicas) == 0
     if first:

@@ -126,7 +126,7 @@ class RankActor:
         return holdings(held_copies(self._peer_folder() / peer_key))
 
     def drop_peer_copies(self, peer_key: str) -> None:
-        """The run has ended: its snapshots leave this node's memory."""
+        """The run has ended, or this node's replica was lost: the run's snapshots leave this node's memory."""
         forget_run(self._peer_folder() / peer_key)
 
     def wait_done(self) -> WorkerSummary:

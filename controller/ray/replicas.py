@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str, ...]) -> None:
     """The controller's word: these replicas are out. Their training processes on live nodes end
-    (a node loss ended the others), and the next membership epoch, without them, lets the
-    survivors go on."""
+    (a node loss ended the others), the next membership epoch, without them, lets the survivors go
+    on, and their peer snapshots on live nodes go."""
     import ray
 
     r = group._replicas
@@ -29,6 +29,12 @@ def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str
     for rank in ranks:
         group._drains.pop(rank, None)
     r.publish(live=r.live - set(replicas))
+    # Their peer snapshots on the nodes left are dropped: a replica lost to a suspected corruption may
+    # have snapshotted it, and a replica formed again takes a live one's state and snapshots anew.
+    left = {group._node_of_rank[rank] for rank in ranks} - set(nodes)
+    if group._attempt.peer_every and group._peer_key is not None and left:
+        drops = [group._pool[node][0].drop_peer_copies.remote(group._peer_key) for node in left if group._pool.get(node)]
+        ray.wait(drops, num_returns=len(drops), timeout=15)
 
 
 def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) -> None:

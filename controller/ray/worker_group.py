@@ -134,7 +134,11 @@ class RayWorkerGroup:
 
             self._replicas = ray_replicas.ReplicaTracking(MembershipBoard(dist.PrefixStore(prefix, self._store)),
                                              placement.mesh.dp_replicas, world)
-            self._replicas.board.publish(Membership(0, tuple(range(placement.mesh.dp_replicas))))
+            # replicas whose nodes do not hold the peer snapshot loaded join at epoch 0: a loading one gives them its state
+            receiving = tuple(k for k in range(placement.mesh.dp_replicas)
+                              if attempt.peer_restore is not None and attempt.peer_replicas is not None
+                              and k not in attempt.peer_replicas)
+            self._replicas.board.publish(Membership(0, tuple(range(placement.mesh.dp_replicas)), receiving))
         taken: dict[str, int] = {}
         self.actors = []
         for node in placement.node_of_rank:
@@ -157,10 +161,22 @@ class RayWorkerGroup:
             checkpoint_every=attempt.checkpoint_every, checkpoint_auto=attempt.checkpoint_auto,
             checkpoint_keep=attempt.checkpoint_keep, mtbf_s=attempt.mtbf_s,
             store_retry_budget_s=attempt.store_retry_budget_s, peer_every=attempt.peer_every,
-            peer_buddy=attempt.peer_buddy, peer_restore=attempt.peer_restore if incarnation == 0 else None,
+            peer_buddy=attempt.peer_buddy, peer_restore=self._peer_restore(attempt, rank, incarnation),
             peer_key=attempt.peer_key, replica_domain=self._replicas is not None, incarnation=incarnation,
             batch_while_healing=attempt.batch_while_healing,
         )
+
+    @staticmethod
+    def _peer_restore(attempt: AttemptSpec, rank: int, incarnation: int) -> Any:
+        """The peer snapshot step this rank loads at its start: none for a replica formed again (it
+        receives a live one's state) or one whose nodes do not hold the step (it joins at epoch 0)."""
+        if incarnation or attempt.peer_restore is None:
+            return None
+        if attempt.peer_replicas is not None:
+            per = attempt.placement.mesh.world_size // attempt.placement.mesh.dp_replicas
+            if rank // per not in attempt.peer_replicas:
+                return None
+        return attempt.peer_restore
 
     # -- failure_domain replica ---------------------------------------------------------------------
     def contains_replicas(self) -> bool:

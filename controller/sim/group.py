@@ -230,6 +230,9 @@ class SimWorkerGroup(SimReplicas):
         mesh = attempt.config.mesh
         a, world, cursor = attempt.attempt, mesh.world_size, step * attempt.config.train.global_batch
         axes, identity = mesh.axes(), state_fingerprint(attempt.config.model)
+        if attempt.failure_domain == "replica":  # each replica's copies, named and laid out as its own world's
+            world //= mesh.dp_replicas
+            axes = {**axes, "dp": mesh.dp // mesh.dp_replicas}
         lost = self.memory_lost
         return {n: [Held(a, step, cursor, world, axes, identity, holds[n])] for n in nodes
                 if n in holds and lost.get(n, -math.inf) < taken}
@@ -244,9 +247,15 @@ class SimWorkerGroup(SimReplicas):
         world = len(placement.node_of_rank)
         node = np.fromiter(map(index.__getitem__, placement.node_of_rank), dtype=np.int64, count=world)
         ranks = np.arange(world)
-        if own_only or not buddy:
+        keeper_rank = np.fromiter(buddy, dtype=np.int64, count=world) if buddy else None
+        if attempt.failure_domain == "replica":  # local ranks; a buddy is a local rank of the same replica
+            per = world // attempt.config.mesh.dp_replicas
+            start = ranks // per * per
+            ranks = ranks - start
+            keeper_rank = keeper_rank + start if keeper_rank is not None else None
+        if own_only or keeper_rank is None:
             return _grouped(names, node, ranks)
-        keeper = node[np.fromiter(buddy, dtype=np.int64, count=world)]  # rank r's copy is also on buddy[r]'s node
+        keeper = node[keeper_rank]  # rank r's copy is also on its buddy's node
         return _grouped(names, np.concatenate([node, keeper]), np.concatenate([ranks, ranks]))
 
     # -- what the simulation does to it --------------------------------------------------------------------

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from checkpointing.peer import (
-    Copy, Held, PeerPoint, buddies, drop_marker, forget_attempts_before, held_copies, holdings, peer_point, run_key,
-    sender_of, words_checksum, write_marker,
+    Copy, Held, PeerPoint, buddies, drop_marker, forget_attempts_before, held_copies, holdings, peer_point,
+    replica_buddies, replica_peer_point, run_key, sender_of, words_checksum, write_marker,
 )
 from controller.placement import place
 from controller.topology import Topology
@@ -49,6 +49,49 @@ def test_buddies_need_two_nodes_and_prefer_another_rack() -> None:
     assert all(nodes[buddy[r]] != nodes[r] for r in range(6))
     # Four of six ranks sit in r0: at least two pairs must stay in it, and no more than that do.
     assert sum(racks[nodes[buddy[r]]] == racks[nodes[r]] for r in range(6)) == 2
+
+
+def test_replica_buddies_stay_inside_their_replica_on_another_node() -> None:
+    """failure_domain replica: a replica's snapshots travel on its own world, so its ranks keep each
+    other's copies: local ranks, a permutation per replica, never on the rank's own node."""
+    topology = Topology.from_local(nodes=5, gpus_per_node=2, racks=2, spares=1)
+    mesh = MeshShape(dp=2, pp=2, tp=2, dp_replicas=2)
+    p = place(mesh, topology)
+    buddy = replica_buddies(p.node_of_rank, p.rack_of_node, 2)
+    assert buddy is not None and len(buddy) == 8
+    for k in range(2):
+        local = buddy[4 * k:4 * k + 4]
+        assert sorted(local) == [0, 1, 2, 3]
+        for r, keeper in enumerate(local):
+            assert p.node_of_rank[4 * k + keeper] != p.node_of_rank[4 * k + r]
+            assert {p.node_of_rank[4 * k + keeper]} <= set(p.node_of_rank[4 * k:4 * k + 4])
+    # a replica on one node has no copy that could outlive it
+    assert replica_buddies(["a", "a", "b", "b"], {"a": "r0", "b": "r0"}, 2) is None
+
+
+def test_a_replica_loads_the_peer_step_only_from_its_own_nodes_and_the_others_receive_it() -> None:
+    """Copies named by local rank, world 2 per replica. Replica 0 runs on n0+n1 (both alive, step 7
+    whole there); replica 1 on n2+n4: n2 holds its copies of step 7 whole (its own and n3's, lost),
+    n4 (the spare) nothing. A third replica on fresh nodes loads nothing: it receives the state."""
+    def copies(rank: int, keeper_of: int, step: int = 7) -> list[Copy]:
+        return [_copy(rank, world=2, step=step), _copy(keeper_of, world=2, step=step, role="buddy")]
+
+    held = _reported({"n0": copies(0, 1), "n1": copies(1, 0), "n2": copies(0, 1), "n3": copies(1, 0),
+                      "n6": [_copy(0, world=2, step=9)]})
+    point, loaders, why = replica_peer_point(held, identity="id", replica_nodes=[{"n0", "n1"}, {"n2", "n4"}, {"n5", "n7"}])
+    assert point is not None and (point.step, point.world_size) == (7, 2) and loaders == (0, 1), why
+    # only what a replica's own nodes hold counts: n6's step 9 lacks local rank 1 (its copies were lost)
+    point, loaders, _ = replica_peer_point(held, identity="id", replica_nodes=[{"n6", "n5"}, {"n2"}])
+    assert point is not None and point.step == 7 and loaders == (1,)
+    point, loaders, why = replica_peer_point(held, identity="id", replica_nodes=[{"n6"}, {"n5"}])
+    assert point is None and loaders == () and "rank(s) [1]" in why
+    # a newer step whole on one replica's nodes wins; the replicas holding only older ones receive it
+    held["n5"] = holdings(copies(0, 1, step=9) + copies(1, 0, step=9))
+    point, loaders, _ = replica_peer_point(held, identity="id", replica_nodes=[{"n0", "n1"}, {"n5"}])
+    assert point is not None and point.step == 9 and loaders == (1,)
+    # an SDC rollback's exclusion holds per replica as it does for the world
+    point, loaders, _ = replica_peer_point(held, identity="id", replica_nodes=[{"n0", "n1"}, {"n5"}], excluded=[(0, 7)])
+    assert point is not None and point.step == 7 and loaders == (0,)
 
 
 def test_the_agreed_step_needs_every_ranks_copy_on_a_node_of_the_new_attempt() -> None:

@@ -22,7 +22,8 @@ KILL_AT_25 = [{"kind": "kill-node", "at_step": 25}]
 def replica_spec(**changes: Any) -> Any:
     elastic = {"max_failures": 1000, "failure_domain": "replica", **changes.pop("elastic", {})}
     changes.setdefault("drills", KILL_AT_25)
-    return spec(parallelism=REPLICAS, elastic=elastic, **changes)
+    changes.setdefault("parallelism", REPLICAS)
+    return spec(elastic=elastic, **changes)
 
 
 def kinds(result: dict[str, Any], *wanted: str) -> list[Any]:
@@ -131,3 +132,28 @@ def test_a_bitflip_found_at_rest_quarantines_its_node_and_heals_only_its_replica
     assert c.placement is not None and "node-1" not in c.placement.node_of_rank
     world = simulate(spec(parallelism=REPLICAS, drills=[{"kind": "bitflip", "at_step": 25, "target": "1"}]), days=1)
     assert world["attempts"] == 2
+
+
+def test_the_world_path_of_a_replica_run_restores_from_each_replicas_own_peer_snapshots(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peer snapshots per replica (each replica's ranks keep each other's copies, named by local rank):
+    when the run falls back to the world path (here: the lost replica cannot be formed again), the next
+    attempt loads the last step from the replicas' own nodes' host memory, not from the store."""
+    from controller.sim.group import SimWorkerGroup
+
+    def refuse(self: SimWorkerGroup, replicas: list[int], placement: Any) -> None:
+        raise RuntimeError("no idle warm actor on node-4")
+
+    monkeypatch.setattr(SimWorkerGroup, "form_replicas", refuse)
+    raw = dict(parallelism={"dp": 4, "tp": 1, "pp": 1, "dp_replicas": 2},
+               cluster={"simulated": {"nodes": 5, "gpus_per_node": 1, "racks": 1, "spares": 1}},
+               checkpoint={"peer_every_steps": 1})
+    result = simulate(replica_spec(**raw), days=1)
+    assert result["state"] == "succeeded" and result["steps"] == 100 and result["attempts"] == 2
+    started = kinds(result, EventKind.ATTEMPT_STARTED)
+    assert started[0].detail["restore_from"] is None
+    again = started[1].detail
+    assert again["restore_from"] == "peer" and again["start_step"] == 25, again
+    assert again["peer_replicas"], "no replica's nodes held the step whole"
+    store = simulate(replica_spec(**{**raw, "checkpoint": {"peer_every_steps": 0}}), days=1)
+    assert kinds(store, EventKind.ATTEMPT_STARTED)[1].detail["restore_from"] == "store"
