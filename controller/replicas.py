@@ -60,7 +60,7 @@ def contain(c: "RunController", now: float, failure: FailureEvent) -> bool:
     assert c.watch is not None
     c.watch.contained(ranks | {r for replica in lost for r in range(replica * per, (replica + 1) * per)})
     with c.outside_lock():
-        lose(lost, tuple(failure.nodes))
+        lose(lost, tuple(failure.nodes), suspect=failure.cause is FailureCause.SDC)
     c._survivors_since = now
     form_replicas(c, now)
     return True

@@ -12,10 +12,13 @@ if TYPE_CHECKING:
     from controller.ray.worker_group import RayWorkerGroup
 
 
-def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str, ...]) -> None:
+def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str, ...], *,
+                  suspect: bool = False) -> None:
     """The controller's word: these replicas are out. Their training processes on live nodes end
-    (a node loss ended the others), the next membership epoch, without them, lets the survivors go
-    on, and their peer snapshots on live nodes go."""
+    (a node loss ended the others), and the next membership epoch, without them, lets the survivors
+    go on. `suspect` (a contained SDC): their peer snapshots on their nodes go too, since they may hold
+    the corruption; a lost replica's snapshots are otherwise the state every replica held at their
+    step, kept for the world path's fallback."""
     import ray
 
     r = group._replicas
@@ -29,11 +32,9 @@ def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str
     for rank in ranks:
         group._drains.pop(rank, None)
     r.publish(live=r.live - set(replicas))
-    # Their peer snapshots on the nodes left are dropped: a replica lost to a suspected corruption may
-    # have snapshotted it, and a replica formed again takes a live one's state and snapshots anew.
-    left = {group._node_of_rank[rank] for rank in ranks} - set(nodes)
-    if group._attempt.peer_every and group._peer_key is not None and left:
-        drops = [group._pool[node][0].drop_peer_copies.remote(group._peer_key) for node in left if group._pool.get(node)]
+    if suspect and group._attempt.peer_every and group._peer_key is not None:  # (an SDC's nodes are alive)
+        held_by = {group._node_of_rank[rank] for rank in ranks}
+        drops = [group._pool[node][0].drop_peer_copies.remote(group._peer_key) for node in held_by if group._pool.get(node)]
         ray.wait(drops, num_returns=len(drops), timeout=15)
 
 

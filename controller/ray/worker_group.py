@@ -184,8 +184,8 @@ class RayWorkerGroup:
         restarted controller re-attached to has no membership to go on with)."""
         return self._replicas is not None
 
-    def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...]) -> None:
-        ray_replicas.lose_replicas(self, replicas, nodes)
+    def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...], *, suspect: bool = False) -> None:
+        ray_replicas.lose_replicas(self, replicas, nodes, suspect=suspect)
 
     def form_replicas(self, replicas: list[int], placement: Any) -> None:
         ray_replicas.form_replicas(self, replicas, placement)

@@ -45,7 +45,7 @@ class SimReplicas:
     def contains_replicas(self) -> bool:
         return self._replica_domain()
 
-    def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...]) -> None:
+    def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...], *, suspect: bool = False) -> None:
         """The controller's word: the survivors go on without `replicas` after one cross-replica init."""
         assert self.attempt is not None
         now = self.clock()

@@ -79,3 +79,35 @@ def test_a_flipped_bit_quarantines_its_node_and_heals_only_its_replica_from_the_
     assert len(sums) == 4 and all(d["agree"] and d["replicas"] == [0, 1] for d in sums), sums
     assert [h["step"] for h in c.progress.history] == list(range(1, 17))
     check_cursor_accounting(tmp_path, "replica-sdc")
+
+
+def test_every_replica_losing_a_node_falls_back_to_the_replicas_own_peer_snapshots(
+        ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
+    """Peer snapshots on (every step), taken inside each replica. node-2 (replica 0's) and node-3
+    (replica 1's) are killed at once: no replica is left to heal from, so the run takes the world
+    path; three nodes are left, so it shrinks to one replica, which loads the last step from the
+    copies its nodes kept of their lost partners' ranks (local ranks, the replica's own layout),
+    reading nothing from the store, and finishes with every step once. (Replica 0 is placed on
+    node-0 and node-2, replica 1 on node-1 and node-3: each stage in another rack.)"""
+    s = spec("replica-peers", tmp_path, nodes=5, spares=1, steps=12, peer_every=1,
+             drills=[{"kind": "kill-node", "at_step": 6, "target": "node-2"},
+                     {"kind": "kill-node", "at_step": 6, "target": "node-3"}],
+             elastic={"failure_domain": "replica"})
+    s = s.model_copy(update={"parallelism": s.parallelism.model_copy(update={"dp_replicas": 2})})
+    try:
+        c = drive(s, ray_cluster)
+    finally:
+        restore_node(ray_cluster, "node-2")
+        restore_node(ray_cluster, "node-3")
+    assert c.state is RunState.SUCCEEDED, c.error
+    assert c.events.of_kind("attempt_started")[0].detail["placement"]["node"] == ("node-0", "node-2", "node-1", "node-3")
+    started = [e.detail for e in c.events.of_kind("attempt_started")]
+    assert len(started) == 2 and started[1]["dp_replicas"] == 1, started
+    assert started[1]["restore_from"] == "peer", started[1].get("peer_unusable")
+    assert started[1]["start_step"] >= 6, started[1]
+    restored = [e.detail for e in c.events.of_kind("restored") if e.attempt == 1]
+    assert len(restored) == 4 and all(d["source"] == "peer" and d["bytes_read"] == 0 for d in restored), restored
+    assert all(d["how"] == "same mesh" and d["saved_on_mesh"] == {"dp": 1, "pp": 2, "tp": 2} for d in restored), restored
+    assert [r["restored_from"] for r in c.to_dict(0)["drills"]] == ["peer", "peer"]
+    assert [h["step"] for h in c.progress.history] == list(range(1, 13))
+    check_cursor_accounting(tmp_path, "replica-peers")
