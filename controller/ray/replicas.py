@@ -64,11 +64,10 @@ def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) 
         r.forming[replica] = incarnation
 
 
-def collective_reach(group: "RayWorkerGroup", ranks: set[int]) -> set[int]:
+def replica_mates(group: "RayWorkerGroup", ranks: set[int]) -> set[int]:
     """`ranks` and, under failure_domain replica, every rank of their replicas: a rank whose replica's
-    collective failed names no node (a pipeline or tensor-parallel peer went), so the controller
-    probes the raylets of all its replica's nodes. (Over a world, probing every node at each rank
-    error made a shrink-then-grow run fail again and again: left to the failed ranks' own nodes.)"""
+    collective failed (a pipeline or tensor-parallel peer gone) names no node, so the controller
+    probes the raylets of all its replica's nodes."""
     r = group._replicas
     if r is None or not ranks:
         return set(ranks)

@@ -302,10 +302,10 @@ class RayWorkerGroup:
         discarded = any(kind == EventKind.REPLICA_STEP_DISCARDED for _, kind, _ in result.events)
         result.dead_nodes, result.suspect_nodes = self._node_states(
             self._failed | result.dead_ranks | set(result.errors) | self._unanswered, every=discarded)
-        # The data plane and the probe agree (a rank failed, its actor no longer answers, or a
-        # survivor's cross-replica collective failed, and a raylet refuses): that node's ranks are gone
-        # with it (a raylet's workers end with it), without waiting for Ray's health checks.
-        if result.suspect_nodes:
+        # The data plane and the probe agree (a survivor's failed collective; a rank of the replica
+        # whose pipeline or tensor-parallel peer went, or whose actor no longer answers: its replica's
+        # nodes were probed): that node's ranks are gone with it.
+        if discarded or ((result.errors or self._unanswered) and self._replicas is not None):
             out_now = self._replicas.out if self._replicas is not None else set()
             result.dead_ranks |= {r for r, node in enumerate(self._node_of_rank)
                                   if node in result.suspect_nodes and r not in out_now}
@@ -353,30 +353,28 @@ class RayWorkerGroup:
 
     def _node_states(self, failed: set[int], every: bool = False) -> tuple[set[str], set[str]]:
         """(dead, suspect) among this attempt's nodes. Dead: no alive Ray node carries its `node` label.
-        Suspect, looked at only once some node is dead or some rank has failed or stopped answering
-        (on its node, and its replica's nodes under failure_domain replica; or on every node with
-        `every`): Ray still shows it alive but its raylet refuses
-        connections (once one such is found, every node is asked).
-        Ray declares a node dead after a few missed health checks (~30 s by default), so nodes lost
-        together are declared a moment apart; the probe confirms them at once."""
+        Suspect, looked at only once some node is dead or some rank has failed (on the nodes of the
+        failed ranks, then - of their whole replicas under failure_domain replica, where a rank's
+        collectives reach only its replica's nodes - or on every node with `every`): Ray still shows
+        it alive but its raylet refuses connections. Ray declares
+        a node dead after a few missed health checks (~30 s by default), so nodes lost together are
+        declared a moment apart, and a node whose ranks all died is confirmed at once by the probe."""
         import ray
 
-        alive: dict[str, list[tuple[str, int]]] = {}
+        alive: dict[str, tuple[str, int]] = {}
         seen = set()
         for info in ray.nodes():
             name = (info.get("Labels") or {}).get("node")
             if name in self._nodes:
                 seen.add(name)
-                if info.get("Alive"):  # (a node started again under its name: its old raylet may still be listed)
-                    alive.setdefault(name, []).append((info["NodeManagerAddress"], int(info["NodeManagerPort"])))
+                if info.get("Alive"):
+                    alive[name] = (info["NodeManagerAddress"], int(info["NodeManagerPort"]))
         dead = seen - set(alive)
         for node in dead:
             self._forget_node(node)  # its actors died with it
         if not dead and not every:
-            asked = {self._node_of_rank[r] for r in ray_replicas.collective_reach(self, failed)}
-            if not _refusing({name: address for name, address in alive.items() if name in asked}):
-                return dead, set()
-            # one is gone: every node is asked, so that nodes lost together are decided on together
+            asked = {self._node_of_rank[r] for r in ray_replicas.replica_mates(self, failed)}
+            alive = {name: address for name, address in alive.items() if name in asked}
         return dead, _refusing(alive)
 
     def rank_actor(self, rank: int) -> Any:
@@ -549,10 +547,9 @@ def _alive_names() -> set[str]:
     return {name for info in ray.nodes() if info.get("Alive") and (name := (info.get("Labels") or {}).get("node"))}
 
 
-def _refusing(addresses: dict[str, list[tuple[str, int]]]) -> set[str]:
-    """The names every (host, port) of which refuses a TCP connection: nothing listens there. A
-    timeout or an unreachable network says nothing (a firewall may drop what a controller outside the
-    cluster sends)."""
+def _refusing(addresses: dict[str, tuple[str, int]]) -> set[str]:
+    """The names whose (host, port) refuses a TCP connection: nothing listens there. A timeout or an
+    unreachable network says nothing (a firewall may drop what a controller outside the cluster sends)."""
     if not addresses:
         return set()
 
@@ -565,7 +562,6 @@ def _refusing(addresses: dict[str, list[tuple[str, int]]]) -> set[str]:
             return False
         return False
 
-    pairs = [(name, address) for name, listed in addresses.items() for address in listed]
-    with ThreadPoolExecutor(max_workers=min(16, len(pairs))) as pool:
-        answers = list(pool.map(refused, [address for _, address in pairs]))
-    return {name for name in addresses if all(no for (n, _), no in zip(pairs, answers) if n == name)}
+    with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
+        answers = dict(zip(addresses, pool.map(refused, addresses.values())))
+    return {name for name, no in answers.items() if no}
