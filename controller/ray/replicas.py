@@ -64,16 +64,6 @@ def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) 
         r.forming[replica] = incarnation
 
 
-def replica_mates(group: "RayWorkerGroup", ranks: set[int]) -> set[int]:
-    """`ranks` and, under failure_domain replica, every rank of their replicas: a rank whose replica's
-    collective failed (a pipeline or tensor-parallel peer gone) names no node, so the controller
-    probes the raylets of all its replica's nodes."""
-    r = group._replicas
-    if r is None or not ranks:
-        return set(ranks)
-    return set(ranks) | {mate for replica in {rank // r.per for rank in ranks} for mate in r.ranks(replica)}
-
-
 def forming_ranks(group: "RayWorkerGroup") -> set[int]:
     r = group._replicas
     return {rank for replica in r.forming for rank in r.ranks(replica)} if r is not None else set()

@@ -32,16 +32,6 @@ from controller.ray.rank_actor import UNRESPONSIVE_S, RankActor, RankProcessDied
 from trainer.worker import WorkerArgs
 
 
-DRAIN_WAIT_S = 0.1
-"""How long a poll waits for the ranks' drains. A drain to a dead node's actor is failed by Ray only
-later: a poll that waited 0.5 s for it held up the next one, which reads the survivors' first
-signals (the replica cluster test, n = 1 each: node killed -> detected 0.93 s with 0.5, 0.52 s with
-0.1; the survivors' discard report came 0.37-0.40 s after the kill)."""
-
-SETTLE_WAIT_S = 0.5
-"""How long the poll that ends an attempt waits for the drains still out (its last steps' reports)."""
-
-
 class LaunchAborted(Exception):
     """A start given up because the run was cancelled."""
 
@@ -75,8 +65,6 @@ class RayWorkerGroup:
         self._finished: set[int] = set()
         self._failed: set[int] = set()
         self._drains: dict[int, tuple[Any, float]] = {}
-        self._unanswered: set[int] = set()
-        """Ranks whose actor's drain failed in this poll (its process gone, or its node)."""
         self._nodes: set[str] = set()
         self._node_of_rank: tuple[str, ...] = ()
         self._abort = threading.Event()
@@ -295,17 +283,12 @@ class RayWorkerGroup:
                 self._forget(self.actors[rank])
             except Exception as e:  # noqa: BLE001 - the rank's own error, reported as is
                 result.errors[rank] = f"{type(e).__name__}: {e}"
-        self._unanswered = set()
         self._collect(result)
         # A survivor's failed cross-replica collective (reported at once) says a peer replica is gone
         # before Ray does: every node of the attempt gets the raylet probe, not only failed ranks' nodes.
         discarded = any(kind == EventKind.REPLICA_STEP_DISCARDED for _, kind, _ in result.events)
-        result.dead_nodes, result.suspect_nodes = self._node_states(
-            self._failed | result.dead_ranks | set(result.errors) | self._unanswered, every=discarded)
-        # The data plane and the probe agree (a survivor's failed collective; a rank of the replica
-        # whose pipeline or tensor-parallel peer went, or whose actor no longer answers: its replica's
-        # nodes were probed): that node's ranks are gone with it.
-        if discarded or ((result.errors or self._unanswered) and self._replicas is not None):
+        result.dead_nodes, result.suspect_nodes = self._node_states(self._failed | result.dead_ranks, every=discarded)
+        if discarded:  # the data plane and the probe agree: that node's ranks are gone with it
             out_now = self._replicas.out if self._replicas is not None else set()
             result.dead_ranks |= {r for r, node in enumerate(self._node_of_rank)
                                   if node in result.suspect_nodes and r not in out_now}
@@ -314,16 +297,12 @@ class RayWorkerGroup:
             result.status = GroupStatus.FAILED
         elif self._finished >= set(range(len(self._runs))) - out - ray_replicas.forming_ranks(self):
             result.status = GroupStatus.FINISHED  # (a replica still forming when the others are done has nothing to join)
-        if result.status is not GroupStatus.RUNNING and self._drains:  # the attempt ends: what the ranks still had to say
-            self._collect(result, wait_s=SETTLE_WAIT_S)
         return result
 
-    def _collect(self, result: PollResult, wait_s: float = DRAIN_WAIT_S) -> None:
-        """Drain every live rank's reports, waiting `wait_s` at most for the answers (a drain not
-        answered by then is read at a later poll: a dead node's actors may take Ray a while to fail,
-        and the next poll must not wait on them). A rank is unresponsive when its drain is unanswered
-        after UNRESPONSIVE_S (a stopped actor) or its training process has been quiet that long (a
-        stopped process). One drain in flight per rank."""
+    def _collect(self, result: PollResult) -> None:
+        """Drain every live rank's reports. A rank is unresponsive when its drain is unanswered after
+        UNRESPONSIVE_S (a stopped actor) or its training process has been quiet that long (a stopped
+        process). One drain in flight per rank."""
         import ray
 
         now = time.monotonic()
@@ -332,7 +311,7 @@ class RayWorkerGroup:
             if rank not in self._drains and rank not in result.dead_ranks and rank not in out:
                 self._drains[rank] = (actor.drain.remote(), now)
         refs = [ref for ref, _ in self._drains.values()]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
         done_ids = {r.hex() for r in done}
         for rank, (ref, issued) in list(self._drains.items()):
             if ref.hex() not in done_ids:
@@ -343,7 +322,6 @@ class RayWorkerGroup:
             try:
                 reports, events, quiet_s = ray.get(ref)
             except Exception:  # noqa: BLE001 - a dead actor has nothing left to say
-                self._unanswered.add(rank)  # (its node's raylet is probed in this poll)
                 continue
             if quiet_s is not None and quiet_s > UNRESPONSIVE_S and rank not in self._finished:
                 result.unresponsive.add(rank)
@@ -354,9 +332,8 @@ class RayWorkerGroup:
     def _node_states(self, failed: set[int], every: bool = False) -> tuple[set[str], set[str]]:
         """(dead, suspect) among this attempt's nodes. Dead: no alive Ray node carries its `node` label.
         Suspect, looked at only once some node is dead or some rank has failed (on the nodes of the
-        failed ranks, then - of their whole replicas under failure_domain replica, where a rank's
-        collectives reach only its replica's nodes - or on every node with `every`): Ray still shows
-        it alive but its raylet refuses connections. Ray declares
+        failed ranks, then, or on every node with `every`): Ray still shows it alive but its raylet
+        refuses connections. Ray declares
         a node dead after a few missed health checks (~30 s by default), so nodes lost together are
         declared a moment apart, and a node whose ranks all died is confirmed at once by the probe."""
         import ray
@@ -373,7 +350,7 @@ class RayWorkerGroup:
         for node in dead:
             self._forget_node(node)  # its actors died with it
         if not dead and not every:
-            asked = {self._node_of_rank[r] for r in ray_replicas.replica_mates(self, failed)}
+            asked = {self._node_of_rank[r] for r in failed}
             alive = {name: address for name, address in alive.items() if name in asked}
         return dead, _refusing(alive)
 
