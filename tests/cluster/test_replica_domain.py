@@ -6,24 +6,30 @@ at the end both replicas hold the same bytes."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from controller.ray.cluster import LocalRayCluster
 from controller.ray.runner import drive
+from controller.spec import RunSpec
 from controller.state import RunState
 from tests.cluster.test_fault_tolerance import check_cursor_accounting, restore_node, spec
 
 pytestmark = pytest.mark.cluster
 
 
+def replica_spec(name: str, root: Path, **kwargs: Any) -> RunSpec:
+    """`spec` of test_fault_tolerance (five nodes, one a spare) as two replicas, each its own failure domain."""
+    s = spec(name, root, nodes=5, spares=1, elastic={"failure_domain": "replica"}, **kwargs)
+    return s.model_copy(update={"parallelism": s.parallelism.model_copy(update={"dp_replicas": 2})})
+
+
 def test_a_lost_node_stops_its_replica_only_and_it_rejoins_with_the_survivors_bytes(
         ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
     """dp2 (two replicas of pp2 x tp2, each on two nodes of 2 GPUs) and a spare; node-3 (replica 1's)
     is killed after step 6."""
-    s = spec("replicas", tmp_path, nodes=5, spares=1, drills=[{"kind": "kill-node", "at_step": 6}], steps=24,
-             elastic={"failure_domain": "replica"})
-    s = s.model_copy(update={"parallelism": s.parallelism.model_copy(update={"dp_replicas": 2})})
+    s = replica_spec("replicas", tmp_path, drills=[{"kind": "kill-node", "at_step": 6}], steps=24)
     try:
         c = drive(s, ray_cluster)
     finally:
@@ -59,10 +65,8 @@ def test_a_flipped_bit_quarantines_its_node_and_heals_only_its_replica_from_the_
     replica's probes find it before that replica's gradient meets replica 0's, so replica 0's state is
     vouched: node-3 is quarantined, replica 1 is formed again on the spare from replica 0's state, in
     the same attempt, and both replicas end with the same bytes."""
-    s = spec("replica-sdc", tmp_path, nodes=5, spares=1, drills=[{"kind": "bitflip", "at_step": 6, "target": "7"}],
-             steps=16, elastic={"failure_domain": "replica"})
-    s = s.model_copy(update={"parallelism": s.parallelism.model_copy(update={"dp_replicas": 2}),
-                             "health": s.health.model_copy(update={"sdc_every_steps": 4})})
+    s = replica_spec("replica-sdc", tmp_path, drills=[{"kind": "bitflip", "at_step": 6, "target": "7"}], steps=16)
+    s = s.model_copy(update={"health": s.health.model_copy(update={"sdc_every_steps": 4})})
     c = drive(s, ray_cluster)
     assert c.state is RunState.SUCCEEDED, c.error
     assert len(c.events.of_kind("attempt_started")) == 1, "the run stopped the world for one replica's bit"
@@ -89,11 +93,9 @@ def test_every_replica_losing_a_node_falls_back_to_the_replicas_own_peer_snapsho
     copies its nodes kept of their lost partners' ranks (local ranks, the replica's own layout),
     reading nothing from the store, and finishes with every step once. (Replica 0 is placed on
     node-0 and node-2, replica 1 on node-1 and node-3: each stage in another rack.)"""
-    s = spec("replica-peers", tmp_path, nodes=5, spares=1, steps=12, peer_every=1,
-             drills=[{"kind": "kill-node", "at_step": 6, "target": "node-2"},
-                     {"kind": "kill-node", "at_step": 6, "target": "node-3"}],
-             elastic={"failure_domain": "replica"})
-    s = s.model_copy(update={"parallelism": s.parallelism.model_copy(update={"dp_replicas": 2})})
+    s = replica_spec("replica-peers", tmp_path, steps=12, peer_every=1,
+                     drills=[{"kind": "kill-node", "at_step": 6, "target": "node-2"},
+                             {"kind": "kill-node", "at_step": 6, "target": "node-3"}])
     try:
         c = drive(s, ray_cluster)
     finally:
