@@ -9,6 +9,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from controller.attempt import AttemptSpec
     from controller.ray.worker_group import RayWorkerGroup
 
 
@@ -62,6 +63,18 @@ def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) 
             group._finished.discard(rank)
             r.out.discard(rank)
         r.forming[replica] = incarnation
+
+
+def peer_restore(attempt: "AttemptSpec", rank: int, incarnation: int) -> Any:
+    """The peer snapshot step this rank loads at its start: none for a replica formed again (it
+    receives a live one's state) or one whose nodes do not hold the step (it joins at epoch 0)."""
+    if incarnation or attempt.peer_restore is None:
+        return None
+    if attempt.peer_replicas is not None:
+        per = attempt.placement.mesh.world_size // attempt.placement.mesh.dp_replicas
+        if rank // per not in attempt.peer_replicas:
+            return None
+    return attempt.peer_restore
 
 
 def forming_ranks(group: "RayWorkerGroup") -> set[int]:

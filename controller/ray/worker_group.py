@@ -19,25 +19,20 @@ of a re-fork on this machine); only the failed part is replaced.
 from __future__ import annotations
 
 import collections
-import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
 from controller.ray import replicas as ray_replicas
+from controller.ray.liveness import refusing as _refusing
 from controller.ray.rank_actor import UNRESPONSIVE_S, RankActor, RankProcessDied
 from trainer.worker import WorkerArgs
 
 
 class LaunchAborted(Exception):
     """A start given up because the run was cancelled."""
-
-
-RAYLET_PROBE_S = 0.3
-"""How long a probe of a node's raylet waits for its connection (suspect nodes, `_node_states`)."""
 
 
 NAMESPACE = "goodput"
@@ -161,22 +156,10 @@ class RayWorkerGroup:
             checkpoint_every=attempt.checkpoint_every, checkpoint_auto=attempt.checkpoint_auto,
             checkpoint_keep=attempt.checkpoint_keep, mtbf_s=attempt.mtbf_s,
             store_retry_budget_s=attempt.store_retry_budget_s, peer_every=attempt.peer_every,
-            peer_buddy=attempt.peer_buddy, peer_restore=self._peer_restore(attempt, rank, incarnation),
+            peer_buddy=attempt.peer_buddy, peer_restore=ray_replicas.peer_restore(attempt, rank, incarnation),
             peer_key=attempt.peer_key, replica_domain=self._replicas is not None, incarnation=incarnation,
             batch_while_healing=attempt.batch_while_healing,
         )
-
-    @staticmethod
-    def _peer_restore(attempt: AttemptSpec, rank: int, incarnation: int) -> Any:
-        """The peer snapshot step this rank loads at its start: none for a replica formed again (it
-        receives a live one's state) or one whose nodes do not hold the step (it joins at epoch 0)."""
-        if incarnation or attempt.peer_restore is None:
-            return None
-        if attempt.peer_replicas is not None:
-            per = attempt.placement.mesh.world_size // attempt.placement.mesh.dp_replicas
-            if rank // per not in attempt.peer_replicas:
-                return None
-        return attempt.peer_restore
 
     # -- failure_domain replica ---------------------------------------------------------------------
     def contains_replicas(self) -> bool:
@@ -522,23 +505,3 @@ def _alive_names() -> set[str]:
     import ray
 
     return {name for info in ray.nodes() if info.get("Alive") and (name := (info.get("Labels") or {}).get("node"))}
-
-
-def _refusing(addresses: dict[str, tuple[str, int]]) -> set[str]:
-    """The names whose (host, port) refuses a TCP connection: nothing listens there. A timeout or an
-    unreachable network says nothing (a firewall may drop what a controller outside the cluster sends)."""
-    if not addresses:
-        return set()
-
-    def refused(address: tuple[str, int]) -> bool:
-        try:
-            socket.create_connection(address, timeout=RAYLET_PROBE_S).close()
-        except ConnectionRefusedError:
-            return True
-        except OSError:
-            return False
-        return False
-
-    with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
-        answers = dict(zip(addresses, pool.map(refused, addresses.values())))
-    return {name for name, no in answers.items() if no}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from controller.ray.worker_group import _refusing
+from controller.ray.liveness import refusing
 
 
 def test_only_a_refused_connection_makes_a_node_suspect() -> None:
@@ -13,5 +13,5 @@ def test_only_a_refused_connection_makes_a_node_suspect() -> None:
         listening.listen()
         closed.bind(("127.0.0.1", 0))  # bound, never listening: the kernel refuses connections to it
         addresses = {"alive": listening.getsockname(), "killed": closed.getsockname()}
-        assert _refusing(addresses) == {"killed"}
-    assert _refusing({}) == set()
+        assert refusing(addresses) == {"killed"}
+    assert refusing({}) == set()
