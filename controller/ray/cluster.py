@@ -166,10 +166,17 @@ class LocalRayCluster(_RayClusterBase):
         return os.path.join(self._tmp or "", "raylets.log")
 
     def kill_node(self, name: str) -> None:
-        """SIGKILL the node's raylet (and with it its workers); with `repair_after_s`, `repair_due`
-        starts it again that long after, with the same name, labels and slots (a new Ray node id)."""
+        """The node dies: its raylet and every process under it (its workers and the training
+        processes they forked) SIGKILLed together, as a machine that goes down ends them all at once
+        (left to notice their raylet's death, workers trained on for up to a step); with
+        `repair_after_s`, `repair_due` starts it again that long after, with the same name, labels
+        and slots (a new Ray node id)."""
         with self._lock:
-            self._cluster.remove_node(self._nodes.pop(name), allow_graceful=False)
+            node = self._nodes.pop(name)
+            raylets = node.all_processes.get("raylet") or []
+            if raylets:
+                _kill_tree(raylets[0].process.pid)
+            self._cluster.remove_node(node, allow_graceful=False)  # (its other processes, and Ray's books)
             if self.repair_after_s is not None:
                 self._repairs[name] = time.monotonic() + self.repair_after_s
 
@@ -351,8 +358,6 @@ def _kill_own_raylet() -> int | str:
     import os
     import signal
 
-    import psutil
-
     parent = os.getppid()
     try:
         with open(f"/proc/{parent}/comm") as f:
@@ -361,21 +366,37 @@ def _kill_own_raylet() -> int | str:
         name = "?"
     if name != "raylet":
         return f"kill-node: the worker's parent is {name!r} (pid {parent}), not a raylet; not killed"
-    raylet = psutil.Process(parent)
-    tree = [p for p in raylet.children(recursive=True) if p.pid != os.getpid()]
-    for process in tree:  # stopped first: none can fork or restart another while the rest go
+    _kill_tree(parent, spare=os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+    return parent
+
+
+def _kill_tree(raylet_pid: int, spare: int | None = None) -> None:
+    """SIGKILL a raylet and every process under it (but `spare`, the caller's own), all stopped first:
+    none can fork or restart another while the rest go."""
+    import signal
+
+    import psutil
+
+    try:
+        raylet = psutil.Process(raylet_pid)
+        tree = [p for p in raylet.children(recursive=True) if p.pid != spare]
+    except psutil.Error:
+        return  # already gone
+    for process in tree:
         try:
             process.send_signal(signal.SIGSTOP)
         except psutil.Error:
             pass
-    raylet.send_signal(signal.SIGKILL)
+    try:
+        raylet.send_signal(signal.SIGKILL)
+    except psutil.Error:
+        pass
     for process in tree:
         try:
             process.send_signal(signal.SIGKILL)
         except psutil.Error:
             pass
-    os.kill(os.getpid(), signal.SIGKILL)
-    return parent
 
 
 def make_cluster(address: str | None, local: LocalClusterSpec | None, *, log_dir: str | None = None,

@@ -10,9 +10,11 @@ RAYLET_PROBE_S = 0.3
 """How long a probe of a node's raylet waits for its connection."""
 
 
-def refusing(addresses: dict[str, tuple[str, int]]) -> set[str]:
-    """The names whose (host, port) refuses a TCP connection: nothing listens there. A timeout or an
-    unreachable network says nothing (a firewall may drop what a controller outside the cluster sends)."""
+def refusing(addresses: dict[str, list[tuple[str, int]]]) -> set[str]:
+    """The names every (host, port) of which refuses a TCP connection: nothing listens there. A
+    timeout or an unreachable network says nothing (a firewall may drop what a controller outside the
+    cluster sends). A name may be listed at several addresses: a node started again while Ray still
+    lists its old raylet is not refusing."""
     if not addresses:
         return set()
 
@@ -25,6 +27,7 @@ def refusing(addresses: dict[str, tuple[str, int]]) -> set[str]:
             return False
         return False
 
-    with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
-        answers = dict(zip(addresses, pool.map(refused, addresses.values())))
-    return {name for name, no in answers.items() if no}
+    pairs = [(name, address) for name, listed in addresses.items() for address in listed]
+    with ThreadPoolExecutor(max_workers=min(16, len(pairs))) as pool:
+        answers = list(pool.map(refused, [address for _, address in pairs]))
+    return {name for name in addresses if all(no for (n, _), no in zip(pairs, answers) if n == name)}

@@ -77,6 +77,17 @@ def peer_restore(attempt: "AttemptSpec", rank: int, incarnation: int) -> Any:
     return attempt.peer_restore
 
 
+def collective_reach(group: "RayWorkerGroup", ranks: set[int]) -> set[int]:
+    """The ranks whose processes `ranks`' collectives reach: every rank of the attempt over a world
+    (a failed collective names no peer), their replicas' ranks under failure_domain replica."""
+    r = group._replicas
+    if not ranks:
+        return set()
+    if r is None:
+        return set(range(len(group._node_of_rank)))
+    return {mate for replica in {rank // r.per for rank in ranks} for mate in r.ranks(replica)} - r.out
+
+
 def forming_ranks(group: "RayWorkerGroup") -> set[int]:
     r = group._replicas
     return {rank for replica in r.forming for rank in r.ranks(replica)} if r is not None else set()

@@ -31,6 +31,15 @@ from controller.ray.rank_actor import UNRESPONSIVE_S, RankActor, RankProcessDied
 from trainer.worker import WorkerArgs
 
 
+DRAIN_WAIT_S = 0.1
+"""How long a poll waits for the ranks' drains. A drain to a dead node's actor is failed by Ray only
+later (about a second): a poll that waited 0.5 s for it held up the next one, which reads the
+survivors' first signals."""
+
+SETTLE_WAIT_S = 0.5
+"""How long the poll that ends an attempt waits for the drains still out (its last steps' reports)."""
+
+
 class LaunchAborted(Exception):
     """A start given up because the run was cancelled."""
 
@@ -59,6 +68,8 @@ class RayWorkerGroup:
         self._runs: list[Any] = []
         self._finished: set[int] = set()
         self._failed: set[int] = set()
+        self._unanswered: set[int] = set()
+        """Ranks whose actor's drain failed in this poll (its process gone, or its node)."""
         self._drains: dict[int, tuple[Any, float]] = {}
         self._nodes: set[str] = set()
         self._node_of_rank: tuple[str, ...] = ()
@@ -266,26 +277,35 @@ class RayWorkerGroup:
                 self._forget(self.actors[rank])
             except Exception as e:  # noqa: BLE001 - the rank's own error, reported as is
                 result.errors[rank] = f"{type(e).__name__}: {e}"
+        self._unanswered = set()
         self._collect(result)
-        # A survivor's failed cross-replica collective (reported at once) says a peer replica is gone
-        # before Ray does: every node of the attempt gets the raylet probe, not only failed ranks' nodes.
+        # The data plane speaks first: a rank whose collective failed (a peer's process gone), an actor
+        # that no longer answers, a survivor's discarded cross-replica step. Then the raylets of every
+        # node those collectives reach are probed (Ray's own health checks take seconds more), and a
+        # node whose raylet refuses is lost with its ranks: the data plane and the probe agree.
         discarded = any(kind == EventKind.REPLICA_STEP_DISCARDED for _, kind, _ in result.events)
-        result.dead_nodes, result.suspect_nodes = self._node_states(self._failed | result.dead_ranks, every=discarded)
-        if discarded:  # the data plane and the probe agree: that node's ranks are gone with it
-            out_now = self._replicas.out if self._replicas is not None else set()
+        signalled = self._failed | result.dead_ranks | set(result.errors) | self._unanswered
+        result.dead_nodes, result.suspect_nodes = self._node_states(signalled, every=discarded)
+        if result.suspect_nodes:
             result.dead_ranks |= {r for r, node in enumerate(self._node_of_rank)
-                                  if node in result.suspect_nodes and r not in out_now}
+                                  if node in result.suspect_nodes and r not in out}
+            for node in result.suspect_nodes:  # (now: once it is back under its name, Ray shows it alive)
+                self._forget_node(node)
         self._failed |= set(result.errors) | result.dead_ranks
         if self._failed or result.dead_nodes:  # failed stays failed: later polls must not read "finished"
             result.status = GroupStatus.FAILED
         elif self._finished >= set(range(len(self._runs))) - out - ray_replicas.forming_ranks(self):
             result.status = GroupStatus.FINISHED  # (a replica still forming when the others are done has nothing to join)
+        if result.status is not GroupStatus.RUNNING and self._drains:  # the attempt ends: what the ranks still had to say
+            self._collect(result, wait_s=SETTLE_WAIT_S)
         return result
 
-    def _collect(self, result: PollResult) -> None:
-        """Drain every live rank's reports. A rank is unresponsive when its drain is unanswered after
-        UNRESPONSIVE_S (a stopped actor) or its training process has been quiet that long (a stopped
-        process). One drain in flight per rank."""
+    def _collect(self, result: PollResult, wait_s: float = DRAIN_WAIT_S) -> None:
+        """Drain every live rank's reports, waiting `wait_s` at most for the answers (a drain not
+        answered by then is read at a later poll: a dead node's actors may take Ray a while to fail,
+        and the next poll must not wait on them). A rank is unresponsive when its drain is unanswered
+        after UNRESPONSIVE_S (a stopped actor) or its training process has been quiet that long (a
+        stopped process). One drain in flight per rank."""
         import ray
 
         now = time.monotonic()
@@ -294,7 +314,7 @@ class RayWorkerGroup:
             if rank not in self._drains and rank not in result.dead_ranks and rank not in out:
                 self._drains[rank] = (actor.drain.remote(), now)
         refs = [ref for ref, _ in self._drains.values()]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
         done_ids = {r.hex() for r in done}
         for rank, (ref, issued) in list(self._drains.items()):
             if ref.hex() not in done_ids:
@@ -305,6 +325,7 @@ class RayWorkerGroup:
             try:
                 reports, events, quiet_s = ray.get(ref)
             except Exception:  # noqa: BLE001 - a dead actor has nothing left to say
+                self._unanswered.add(rank)  # (its node's raylet is probed in this poll)
                 continue
             if quiet_s is not None and quiet_s > UNRESPONSIVE_S and rank not in self._finished:
                 result.unresponsive.add(rank)
@@ -312,29 +333,30 @@ class RayWorkerGroup:
             result.events.extend((rank, kind, detail) for kind, detail in events)
         result.reports.sort(key=lambda r: (r.step, r.rank))
 
-    def _node_states(self, failed: set[int], every: bool = False) -> tuple[set[str], set[str]]:
+    def _node_states(self, signalled: set[int], every: bool = False) -> tuple[set[str], set[str]]:
         """(dead, suspect) among this attempt's nodes. Dead: no alive Ray node carries its `node` label.
-        Suspect, looked at only once some node is dead or some rank has failed (on the nodes of the
-        failed ranks, then, or on every node with `every`): Ray still shows it alive but its raylet
-        refuses connections. Ray declares
-        a node dead after a few missed health checks (~30 s by default), so nodes lost together are
-        declared a moment apart, and a node whose ranks all died is confirmed at once by the probe."""
+        Suspect, looked at once some rank has signalled a failure: Ray still shows the node alive but
+        its raylet refuses connections. The nodes asked are those the signalled ranks' collectives
+        reach (the whole world; their replica's nodes under failure_domain replica), or every node
+        with `every`. Ray declares a node dead after a few missed health checks (~30 s by default,
+        1.5 s in the embedded cluster), so nodes lost together are declared a moment apart: the probe
+        confirms them at once."""
         import ray
 
-        alive: dict[str, tuple[str, int]] = {}
+        alive: dict[str, list[tuple[str, int]]] = {}
         seen = set()
         for info in ray.nodes():
             name = (info.get("Labels") or {}).get("node")
             if name in self._nodes:
                 seen.add(name)
-                if info.get("Alive"):
-                    alive[name] = (info["NodeManagerAddress"], int(info["NodeManagerPort"]))
+                if info.get("Alive"):  # (a node started again under its name: its old raylet may still be listed)
+                    alive.setdefault(name, []).append((info["NodeManagerAddress"], int(info["NodeManagerPort"])))
         dead = seen - set(alive)
         for node in dead:
             self._forget_node(node)  # its actors died with it
-        if not dead and not every:
-            asked = {self._node_of_rank[r] for r in failed}
-            alive = {name: address for name, address in alive.items() if name in asked}
+        if not every:
+            asked = {self._node_of_rank[r] for r in ray_replicas.collective_reach(self, signalled)}
+            alive = {name: addresses for name, addresses in alive.items() if name in asked}
         return dead, _refusing(alive)
 
     def rank_actor(self, rank: int) -> Any:
