@@ -338,9 +338,9 @@ class RayWorkerGroup:
         Suspect, looked at once some rank has signalled a failure: Ray still shows the node alive but
         its raylet refuses connections. The nodes asked are those the signalled ranks' collectives
         reach (the whole world; their replica's nodes under failure_domain replica), or every node
-        with `every`. Ray declares a node dead after a few missed health checks (~30 s by default,
-        1.5 s in the embedded cluster), so nodes lost together are declared a moment apart: the probe
-        confirms them at once."""
+        with `every`; once one of them refuses, every node. Ray declares a node dead after a few
+        missed health checks (~30 s by default, 1.5 s in the embedded cluster), so nodes lost
+        together are declared a moment apart: the probe confirms them at once."""
         import ray
 
         alive: dict[str, list[tuple[str, int]]] = {}
@@ -356,7 +356,10 @@ class RayWorkerGroup:
             self._forget_node(node)  # its actors died with it
         if not every:
             asked = {self._node_of_rank[r] for r in ray_replicas.collective_reach(self, signalled)}
-            alive = {name: addresses for name, addresses in alive.items() if name in asked}
+            if not _refusing({name: addresses for name, addresses in alive.items() if name in asked}):
+                return dead, set()
+            # one is gone: every node is asked, so that nodes lost together are decided on together
+            # (two replicas' nodes killed at once are one world-path failure, not one replica's)
         return dead, _refusing(alive)
 
     def rank_actor(self, rank: int) -> Any:

@@ -110,6 +110,7 @@ def test_every_replica_losing_a_node_falls_back_to_the_replicas_own_peer_snapsho
     restored = [e.detail for e in c.events.of_kind("restored") if e.attempt == 1]
     assert len(restored) == 4 and all(d["source"] == "peer" and d["bytes_read"] == 0 for d in restored), restored
     assert all(d["how"] == "same mesh" and d["saved_on_mesh"] == {"dp": 1, "pp": 2, "tp": 2} for d in restored), restored
-    assert [r["restored_from"] for r in c.to_dict(0)["drills"]] == ["peer", "peer"]
+    drills = c.to_dict(0)["drills"]
+    assert [r["restored_from"] for r in drills] == ["peer", "peer"], (drills, [(e.kind, e.detail) for e in c.events.view() if e.kind in ("failure_detected", "decision", "replica_lost")])
     assert [h["step"] for h in c.progress.history] == list(range(1, 13))
     check_cursor_accounting(tmp_path, "replica-peers")
