@@ -58,20 +58,24 @@ def test_second_run_resumes_interrupted_first(ray_cluster: LocalRayCluster, tmp_
         if c.progress.step >= 9 and any(e.detail.get("step") == 8 for e in c.events.of_kind("checkpoint_committed")):
             c.cancel()
 
+    def timeline(c: RunController) -> str:  # (a string: pytest prints it whole)
+        return "\n".join(f"{e.time:.2f} {e.kind} {e.detail}" for e in c.events.view())
+
     first = drive(spec, ray_cluster, on_tick=cancel_after_step_8_commit)
-    assert first.state is RunState.CANCELLED
+    assert first.state is RunState.CANCELLED, timeline(first)
     stopped_at = first.progress.step
-    assert 9 <= stopped_at < 12
+    assert 9 <= stopped_at < 12, timeline(first)
     first_losses = {h["step"]: h["loss"] for h in first.progress.history}
 
     second = drive(spec, ray_cluster)
-    assert second.state is RunState.SUCCEEDED, second.error
+    assert second.state is RunState.SUCCEEDED, f"{second.error}\n{timeline(second)}"
     started = second.events.of_kind("attempt_started")[0].detail
-    assert started["start_step"] == 8 and started["resume_step"] == 8
-    assert len(second.events.of_kind("restored")) == 8, "every rank restores"
+    assert started["start_step"] == 8 and started["resume_step"] == 8, timeline(first) + "\n" + timeline(second)
+    assert len(second.events.of_kind("restored")) == 8, "every rank restores\n" + timeline(second)
     steps = [h["step"] for h in second.progress.history]
-    assert steps == list(range(9, 13)), "the step count continues after the checkpoint"
+    assert steps == list(range(9, 13)), "the step count continues after the checkpoint\n" + timeline(second)
     # Same mesh, same data cursor: step 9 redone after the resume equals step 9 of the first run
     # (CPU fp32 is deterministic here).
     assert second.progress.history[0]["step"] == 9
-    assert second.progress.history[0]["loss"] == pytest.approx(first_losses[9], rel=1e-6)
+    assert second.progress.history[0]["loss"] == pytest.approx(first_losses[9], rel=1e-6), \
+        f"{first.progress.history}\n{second.progress.history}"
