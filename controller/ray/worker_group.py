@@ -338,9 +338,10 @@ class RayWorkerGroup:
         Suspect, looked at once some rank has signalled a failure: Ray still shows the node alive but
         its raylet refuses connections. The nodes asked are those the signalled ranks' collectives
         reach (the whole world; their replica's nodes under failure_domain replica), or every node
-        with `every`; once one of them refuses, every node. Ray declares a node dead after a few
-        missed health checks (~30 s by default, 1.5 s in the embedded cluster), so nodes lost
-        together are declared a moment apart: the probe confirms them at once."""
+        with `every`; once one of them refuses or Ray declared one dead, every node. Ray declares a
+        node dead after a few missed health checks (~30 s by default, 1.5 s in the embedded
+        cluster), so nodes lost together are declared a moment apart: the probe confirms them at
+        once."""
         import ray
 
         alive: dict[str, list[tuple[str, int]]] = {}
@@ -354,7 +355,7 @@ class RayWorkerGroup:
         dead = seen - set(alive)
         for node in dead:
             self._forget_node(node)  # its actors died with it
-        if not every:
+        if not dead and not every:  # (a node Ray declared dead: every node is asked, as below)
             asked = {self._node_of_rank[r] for r in ray_replicas.collective_reach(self, signalled)}
             if not _refusing({name: addresses for name, addresses in alive.items() if name in asked}):
                 return dead, set()
