@@ -349,7 +349,9 @@ class RunController:
         for detail in seen.stragglers:
             self.events.add(now, self.attempt, EventKind.STRAGGLER, **detail)
         for rank, kind, detail in result.events:  # every event of the poll joins the timeline first
-            self.events.add(now, self.attempt, kind, **{**detail, "rank": rank})  # the reporting rank wins
+            # (a rejoin records where its replica now runs: a restarted service re-attaches there)
+            moved = {"placement": self.placement.columns()} if kind == EventKind.REPLICA_REJOINED and self.placement else {}
+            self.events.add(now, self.attempt, kind, **{**detail, "rank": rank, **moved})  # the reporting rank wins
             if kind == EventKind.REPLICA_REJOINED:
                 for replica in detail.get("replicas", ()):
                     self.replicas_out.pop(int(replica), None)

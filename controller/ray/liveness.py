@@ -31,3 +31,31 @@ def refusing(addresses: dict[str, list[tuple[str, int]]]) -> set[str]:
     with ThreadPoolExecutor(max_workers=min(16, len(pairs))) as pool:
         answers = list(pool.map(refused, [address for _, address in pairs]))
     return {name for name in addresses if all(no for (n, _), no in zip(pairs, answers) if n == name)}
+
+
+def node_states(nodes: set[str], asked: set[str] | None) -> tuple[set[str], set[str]]:
+    """(dead, suspect) among `nodes`, as Ray lists them (`ray.nodes()`, by their `node` label). Dead:
+    no alive Ray node carries the label. Suspect: Ray still shows the node alive but its raylet
+    refuses connections; asked of the nodes in `asked` (None: every node; an empty set: none), and of
+    every node once one of them refuses or Ray declared one dead, so that nodes lost together are
+    decided on together (two replicas' nodes killed at once are one world-path failure, not one
+    replica's). Ray declares a node dead after a few missed health checks (~30 s by default, 1.5 s in
+    the embedded cluster), so nodes lost together are declared a moment apart: the probe confirms them
+    at once."""
+    import ray
+
+    alive: dict[str, list[tuple[str, int]]] = {}
+    seen = set()
+    for info in ray.nodes():
+        name = (info.get("Labels") or {}).get("node")
+        if name in nodes:
+            seen.add(name)
+            if info.get("Alive"):  # (a node started again under its name: its old raylet may still be listed)
+                alive.setdefault(name, []).append((info["NodeManagerAddress"], int(info["NodeManagerPort"])))
+    dead = seen - set(alive)
+    if dead or asked is None:
+        return dead, refusing(alive)
+    first = refusing({name: addresses for name, addresses in alive.items() if name in asked})
+    if not first:
+        return dead, set()
+    return dead, first | refusing({name: addresses for name, addresses in alive.items() if name not in asked})

@@ -101,7 +101,8 @@ class RankActor:
         if args.peer_every or args.peer_restore is not None:  # the snapshots live in this node's host memory
             args = dataclasses.replace(args, peer_dir=str(self._peer_folder()))
         with self._lock:
-            self._identity = {"run_id": args.run_id, "attempt": args.attempt, "rank": args.rank}
+            self._identity = {"run_id": args.run_id, "attempt": args.attempt, "rank": args.rank,
+                              "incarnation": args.incarnation}
             self._done, self._outcome = done, None
         try:
             summary = self._run(args)

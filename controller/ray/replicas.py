@@ -65,6 +65,32 @@ def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) 
         r.forming[replica] = incarnation
 
 
+def reattach(group: "RayWorkerGroup", attempt: "AttemptSpec", incarnation: dict[int, int]) -> bool:
+    """A restarted controller takes over a failure_domain replica attempt: its membership goes on from
+    the newest epoch in the run's store (which outlived the earlier controller), each replica's
+    incarnation from its ranks' (`incarnation`: rank -> the incarnation its process runs). False when
+    a replica was out or still forming then (the world path's resume takes over, as before)."""
+    group._replicas = None
+    replicas, world = attempt.placement.mesh.dp_replicas, attempt.placement.mesh.world_size
+    if attempt.failure_domain != "replica" or replicas < 2:
+        return True
+    import torch.distributed as dist
+
+    from trainer.replica import MembershipBoard
+
+    board = MembershipBoard(dist.PrefixStore(f"{attempt.run_id}/attempt-{attempt.attempt}/", group._store))
+    newest = board.newest_epoch()
+    if newest < 0 or set(board.get(newest).replicas) != set(range(replicas)):
+        return False
+    r = ReplicaTracking(board, replicas, world)
+    r.epoch = newest
+    r.incarnation = {k: incarnation.get(k * r.per, 0) for k in range(replicas) if incarnation.get(k * r.per)}
+    if any(incarnation.get(rank, 0) != r.incarnation.get(k, 0) for k in range(replicas) for rank in r.ranks(k)):
+        return False  # (the ranks of a replica run different incarnations: it was being formed)
+    group._replicas = r
+    return True
+
+
 def peer_restore(attempt: "AttemptSpec", rank: int, incarnation: int) -> Any:
     """The peer snapshot step this rank loads at its start: none for a replica formed again (it
     receives a live one's state) or one whose nodes do not hold the step (it joins at epoch 0)."""

@@ -26,7 +26,8 @@ from typing import Any
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
 from controller.ray import replicas as ray_replicas
-from controller.ray.liveness import refusing as _refusing
+from controller.ray import run_store
+from controller.ray.liveness import node_states
 from controller.ray.rank_actor import UNRESPONSIVE_S, RankActor, RankProcessDied
 from trainer.worker import WorkerArgs
 
@@ -44,7 +45,7 @@ class LaunchAborted(Exception):
     """A start given up because the run was cancelled."""
 
 
-NAMESPACE = "goodput"
+NAMESPACE = run_store.NAMESPACE
 """Ray namespace of the named (detached) actors of a service's runs."""
 
 
@@ -61,6 +62,8 @@ class RayWorkerGroup:
         self.warm = warm
         """Keep actors (and their imported torch) across attempts; False: fresh actors per attempt."""
         self._store: Any = None
+        self._store_host = store_host
+        """Where the ranks reach the run's store (controller/ray/run_store.py)."""
         self._pool: dict[str, list[Any]] = {}
         """node -> its warm actors, idle or assigned."""
         self.actors: list[Any] = []
@@ -95,8 +98,6 @@ class RayWorkerGroup:
         import ray
         import torch.distributed as dist
 
-        if self._store is None:
-            self._store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False)
         placement = attempt.placement
         world = placement.mesh.world_size
         ranks_per_node = collections.Counter(placement.node_of_rank)  # one pass (not one per node)
@@ -105,6 +106,8 @@ class RayWorkerGroup:
             wanted |= {spare: max(wanted.values()) for spare in placement.spares}
         self._forget_dead_nodes()
         new = self._grow_pool(wanted)
+        if self._store is None:  # (while the new actors start)
+            self._store, self._store_host = run_store.open_store(self.name, self.store_host)
         if new:
             refs = [warm for _, warm in new]  # each actor's warm() waits for its bundle, then imports torch
             deadline = time.monotonic() + self.launch_timeout_s
@@ -158,7 +161,7 @@ class RayWorkerGroup:
 
     def _worker_args(self, attempt: AttemptSpec, rank: int, incarnation: int = 0) -> WorkerArgs:
         return WorkerArgs(
-            rank=rank, world_size=attempt.placement.mesh.world_size, store_host=self.store_host,
+            rank=rank, world_size=attempt.placement.mesh.world_size, store_host=self._store_host,
             store_port=self._store.port, store_prefix=f"{attempt.run_id}/attempt-{attempt.attempt}/",
             config=attempt.config, attempt=attempt.attempt, start_step=attempt.start_step, cursor=attempt.cursor,
             resume_step=attempt.resume_step if incarnation == 0 else None,
@@ -334,34 +337,14 @@ class RayWorkerGroup:
         result.reports.sort(key=lambda r: (r.step, r.rank))
 
     def _node_states(self, signalled: set[int], every: bool = False) -> tuple[set[str], set[str]]:
-        """(dead, suspect) among this attempt's nodes. Dead: no alive Ray node carries its `node` label.
-        Suspect, looked at once some rank has signalled a failure: Ray still shows the node alive but
-        its raylet refuses connections. The nodes asked are those the signalled ranks' collectives
-        reach (the whole world; their replica's nodes under failure_domain replica), or every node
-        with `every`; once one of them refuses or Ray declared one dead, every node. Ray declares a
-        node dead after a few missed health checks (~30 s by default, 1.5 s in the embedded
-        cluster), so nodes lost together are declared a moment apart: the probe confirms them at
-        once."""
-        import ray
-
-        alive: dict[str, list[tuple[str, int]]] = {}
-        seen = set()
-        for info in ray.nodes():
-            name = (info.get("Labels") or {}).get("node")
-            if name in self._nodes:
-                seen.add(name)
-                if info.get("Alive"):  # (a node started again under its name: its old raylet may still be listed)
-                    alive.setdefault(name, []).append((info["NodeManagerAddress"], int(info["NodeManagerPort"])))
-        dead = seen - set(alive)
+        """(dead, suspect) among this attempt's nodes (controller/ray/liveness.node_states): the nodes
+        asked are those the signalled ranks' collectives reach (the whole world; their replica's nodes
+        under failure_domain replica), or every node with `every`. A dead node is forgotten at once."""
+        asked = None if every else {self._node_of_rank[r] for r in ray_replicas.collective_reach(self, signalled)}
+        dead, suspect = node_states(self._nodes, asked)
         for node in dead:
             self._forget_node(node)  # its actors died with it
-        if not dead and not every:  # (a node Ray declared dead: every node is asked, as below)
-            asked = {self._node_of_rank[r] for r in ray_replicas.collective_reach(self, signalled)}
-            if not _refusing({name: addresses for name, addresses in alive.items() if name in asked}):
-                return dead, set()
-            # one is gone: every node is asked, so that nodes lost together are decided on together
-            # (two replicas' nodes killed at once are one world-path failure, not one replica's)
-        return dead, _refusing(alive)
+        return dead, suspect
 
     def rank_actor(self, rank: int) -> Any:
         """This attempt's actor of `rank` (drills act on it: controller/ray/drills.py)."""
@@ -447,6 +430,9 @@ class RayWorkerGroup:
         self._groups = {}
         self._pool = {}
         self.actors, self._runs, self._drains = [], [], {}
+        if self.name is not None:  # (the run is over: nothing reads its store again)
+            run_store.end_store(self.name)
+            self._store = None
 
     def _named_reservations(self) -> list[Any]:
         """This run's placement groups that an earlier controller left (they are detached). Found by
@@ -486,7 +472,7 @@ class RayWorkerGroup:
         import ray
 
         named = self._named()
-        if not named:
+        if not named or self.name is None:
             return False
         self._peer_key = attempt.peer_key
         prefix = f"{self.name}/reservation-"
@@ -500,13 +486,26 @@ class RayWorkerGroup:
             return False
         world = attempt.placement.mesh.world_size
         by_rank: dict[int, Any] = {}
+        by_node: dict[int, str] = {}
+        incarnation: dict[int, int] = {}
         for (name, handle), ident in zip(named, identities):
             node = name.split("/")[-2]
             self._pool.setdefault(node, []).append(handle)
             self._made[node] = max(self._made.get(node, 0), int(name.rsplit("/", 1)[1]) + 1)
             if ident.get("attempt") == attempt.attempt and ident.get("alive") and not ident.get("done"):
                 by_rank[int(ident["rank"])] = handle
-        if sorted(by_rank) != list(range(world)):
+                by_node[int(ident["rank"])] = node
+                incarnation[int(ident["rank"])] = int(ident.get("incarnation") or 0)
+        if sorted(by_rank) != list(range(world)) or any(
+                node != attempt.placement.node_of_rank[rank] for rank, node in by_node.items()):
+            return False  # (a rank gone, or a replica formed again elsewhere since the placement recorded)
+        found = run_store.find_store(self.name)  # the membership and the groups' rendezvous go on there
+        if found is None and attempt.failure_domain == "replica":
+            return False
+        if found is not None:
+            self._store, self._store_host = found
+        self._attempt = attempt
+        if not ray_replicas.reattach(self, attempt, incarnation):
             return False
         self.actors = [by_rank[r] for r in range(world)]
         self._runs = [actor.wait_done.remote() for actor in self.actors]

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from controller.attempt import AttemptSpec, WorkerGroup
+from controller.checkpoints import LoadPoint
 from controller.events import EventKind
 from controller.placement import Placement
 from controller.state import RunController, RunError, RunState
@@ -63,15 +64,23 @@ def reattach(c: RunController, events: list[dict[str, Any]], now: float) -> bool
     if attach is None or not started or started[-1]["attempt"] != c.attempt:
         return False
     d = started[-1]["detail"]
+    # a replica formed again on other nodes since: its placement is the one its rejoin recorded
+    moved = [e for e in events[events.index(started[-1]):]
+             if e["kind"] == EventKind.REPLICA_REJOINED and e["detail"].get("placement")]
     try:
         recorded = d.get("mesh") or {}
         mesh = MeshShape(dp=recorded.get("dp", 1), pp=recorded.get("pp", 1), tp=recorded.get("tp", 1),
                          dp_replicas=d.get("dp_replicas", 1))
-        placement = Placement.recorded(d["placement"], mesh, d.get("spares") or [])
+        placement = Placement.recorded((moved[-1]["detail"] if moved else d)["placement"], mesh, d.get("spares") or [])
+        point = LoadPoint(start_step=int(d.get("start_step") or 0), cursor=int(d.get("cursor") or 0),
+                          resume_step=d.get("resume_step"), unusable=[], discarded=[])
+        domain = c.spec.elastic.failure_domain if mesh.dp_replicas > 1 else "world"
         attempt = AttemptSpec(run_id=c.run_id, attempt=c.attempt, config=c.spec.trainer_config(placement.mesh),
-                              placement=placement, start_step=int(d.get("start_step") or 0),
-                              cursor=int(d.get("cursor") or 0), resume_step=d.get("resume_step"),
-                              peer_key=c.checkpoints.peer_key)
+                              placement=placement, start_step=point.start_step, cursor=point.cursor,
+                              resume_step=point.resume_step,
+                              **c.checkpoints.attempt_settings(c.spec, run_s=now - c.created_at, failures=len(c.failures)),
+                              **c.checkpoints.peer_settings(c.spec, placement, point, replicas=domain == "replica"),
+                              failure_domain=domain, batch_while_healing=c.spec.elastic.batch_while_healing)
         if not attach(attempt):
             return False
     except Exception as e:  # noqa: BLE001 - not attachable: the caller resumes from a checkpoint

@@ -2,7 +2,10 @@
 `ray start` on 127.0.0.1 (their own temp dir), `goodput serve --address` joining it. A submitted run
 survives a kill-node drill there (onto the spare); then the service is SIGKILLed while the run trains:
 its workers outlive it on the cluster, and the service started again re-attaches to them (same
-attempt, no step redone) and the run succeeds."""
+attempt, no step redone) and the run succeeds. A run whose replicas are its failure domains keeps
+training through both: a node of one replica killed heals that replica from the other, the service
+SIGKILLed and started again re-attaches to the same attempt (its membership and rendezvous store
+outlived the service: controller/ray/run_store.py), and a node killed after that is contained again."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import yaml
 
 from tests.cluster.test_service import Serve, wait_for, write_spec
 from tests.support.ray_start import LOOPBACK_ENV, RayStartCluster
@@ -21,12 +25,27 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluster]:
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluster]:
+    nodes, spares = getattr(request, "param", (3, 1))
     c = RayStartCluster(tmp_path_factory.mktemp("ray-start"))
     try:
-        yield c.start(nodes=3, spares=1)
+        yield c.start(nodes=nodes, spares=spares)
     finally:
         c.stop()
+
+
+@pytest.fixture
+def loopback_env() -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in LOOPBACK_ENV}
+    os.environ.update(LOOPBACK_ENV)  # the service (a subprocess) joins as a driver on 127.0.0.1
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_serve_on_an_existing_cluster_survives_kill_node_and_its_own_death(cluster: RayStartCluster,
@@ -62,3 +81,53 @@ def test_serve_on_an_existing_cluster_survives_kill_node_and_its_own_death(clust
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.mark.parametrize("cluster", [(4, 2)], indirect=True)
+def test_replica_run_heals_and_is_reattached_after_the_service_dies(cluster: RayStartCluster, loopback_env: None,
+                                                                   tmp_path: Path) -> None:
+    path = write_spec(tmp_path / "rep.yaml", "rep", steps=700, dp=4)
+    spec = yaml.safe_load(path.read_text())
+    spec["parallelism"]["dp_replicas"] = 2  # two replicas of 2 ranks, each on a node of its own
+    spec["elastic"] = {"failure_domain": "replica"}
+    path.write_text(yaml.safe_dump(spec))
+    serve = Serve(tmp_path / "state", tmp_path / "serve.log", "--address", cluster.address)
+    try:
+        serve.start()
+        serve.cli("submit", str(path))
+        wait_for(serve, "rep", lambda s: s["step"] >= 12)
+        first = serve.json("drill", "rep", "kill-node")
+        assert isinstance(first, dict) and first["decision"] == "heal_replica", first
+        wait_for(serve, "rep", lambda s: _rejoined(serve) == 1)
+        assert serve.proc is not None
+        serve.proc.send_signal(signal.SIGKILL)
+        serve.proc.wait()
+        time.sleep(3)  # the replicas train on without their controller, under the membership it left
+        serve.start()
+        status = wait_for(serve, "rep", lambda s: s["state"] == "running")
+        at = status["step"]
+        second = serve.json("drill", "rep", "kill-node")  # after the re-attach: contained again
+        assert isinstance(second, dict) and second["decision"] == "heal_replica", second
+        assert second["target"] != first["target"]
+        run = wait_for(serve, "rep", lambda s: s["state"] == "succeeded")
+        events = serve.json("events", "rep")
+        assert isinstance(events, list)
+        timeline = [(e["kind"], e["detail"]) for e in events
+                    if e["kind"] in ("service_restarted", "replica_lost", "replica_rejoined", "attempt_started")]
+        restarted = [e for e in events if e["kind"] == "service_restarted"]
+        assert len(restarted) == 1 and "re-attached" in restarted[0]["detail"]["action"], timeline
+        assert run["attempt"] == 0 and [e["attempt"] for e in events if e["kind"] == "attempt_started"] == [0], \
+            f"one attempt all along: {timeline}"
+        assert _rejoined(serve) == 2, timeline
+        assert second["at_step"] >= at, second
+        assert run["step"] == 700
+        agreed = [e for e in events if e["kind"] == "replica_checksums"]
+        assert agreed and all(e["detail"]["agree"] for e in agreed), agreed[-3:]
+    finally:
+        serve.stop()
+
+
+def _rejoined(serve: Serve) -> int:
+    events = serve.json("events", "rep")
+    assert isinstance(events, list)
+    return sum(e["kind"] == "replica_rejoined" for e in events)
