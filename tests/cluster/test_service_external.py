@@ -121,7 +121,7 @@ def test_replica_run_heals_and_is_reattached_after_the_service_dies(cluster: Ray
             f"one attempt all along: {timeline}"
         assert _rejoined(serve) == 2, timeline
         assert second["at_step"] >= at, second
-        assert run["step"] == 400
+        assert run["step"] == 300
         agreed = [e for e in events if e["kind"] == "replica_checksums"]
         assert agreed and all(e["detail"]["agree"] for e in agreed), agreed[-3:]
     finally:
