@@ -32,7 +32,7 @@ from controller.drills import DrillError, DrillInjector, DrillRequest, RunDrills
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, GrowWatch, RunPolicy, taken_out,
 )
-from controller.topology import Topology, merge_returned
+from controller.topology import NodeState, Topology, merge_returned
 from controller.views import GoodputView, health_view, run_view
 from trainer.config import TrainerConfig
 
@@ -163,7 +163,8 @@ class RunController:
     def admit(self, free: Topology, plan: tuple[MeshPlan, Placement] | None = None) -> None:
         """A service admits the run onto these free nodes with the plan it made on them (None: the run
         plans on them itself); then it `confine`s itself."""
-        self.topology = free
+        used = set(plan[1].nodes_used()) if plan is not None else set()  # (spares a resume took: in use now)
+        self.topology = free.with_states({n.name: NodeState.HEALTHY for n in free.spares() if n.name in used})
         self.waiting_for = None
         self._admitted_plan = plan
 

@@ -133,5 +133,6 @@ class LiveRun:
         spec = self.controller.spec  # a resume may bring another
         last = self._verdict
         if last is None or last[0][0] is not spec or last[0][1:] != (free, total):
-            last = self._verdict = ((spec, free, total), admission(spec, free, total))
+            last = self._verdict = ((spec, free, total),
+                                    admission(spec, free, total, recovering=self.controller.attempt >= 0))
         return last[1]

@@ -371,6 +371,28 @@ def test_admission_admits_what_fits_waits_for_what_could_and_refuses_what_never_
     assert refused.verdict is Verdict.REFUSE and "can no longer hold" in refused.reason
 
 
+def test_a_resumed_run_takes_free_spares_when_the_healthy_nodes_cannot_hold_it() -> None:
+    """A run that trained before (its workers lost, e.g. with a restarted service) may take hot spares'
+    places, as few as make it fit; a new run may not: it waits for, or is refused, healthy nodes."""
+    from controller.service.scheduler import Verdict, admission
+    from controller.topology import NodeState, Topology
+
+    spec = parse_spec(raw_spec("a", dp=4, tp=1))  # 4 GPUs
+    four = Topology.from_local(nodes=4, gpus_per_node=2, racks=1, spares=2)
+    spares = [n.name for n in four.spares()]
+    lost = four.with_states({next(n.name for n in four.nodes if n.name not in spares): NodeState.LOST})
+    refused = admission(spec, lost, lost)
+    assert refused.verdict is Verdict.REFUSE and "can no longer hold" in refused.reason
+    resumed = admission(spec, lost, lost, recovering=True)
+    assert resumed.verdict is Verdict.ADMIT and resumed.plan is not None, resumed.reason
+    used = set(resumed.plan[1].nodes_used())
+    assert len(used & set(spares)) == 1 and resumed.plan[1].mesh.world_size == 4, used
+    held = lost.with_states({spares[0]: NodeState.LOST})  # one spare gone too: 4 GPUs left, 2 free now
+    free = Topology(tuple(n for n in held.nodes if n.name != spares[1]))
+    waiting = admission(spec, free, held, recovering=True)
+    assert waiting.verdict is Verdict.WAIT, waiting.reason
+
+
 def test_a_run_is_planned_once_at_admission_and_a_queued_one_only_when_nodes_change(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Planning is the costly part of admission: a queued run is planned again only when the free nodes
