@@ -16,9 +16,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
-from checkpointing.manifest import ForeignCheckpoints, IdentityMismatch
 from checkpointing.peer import Held
-from checkpointing.store import ObjectStore, StoreError
+from checkpointing.store import ObjectStore
 from controller.attempt import AttemptSpec, GroupStatus, WorkerGroup
 from controller.checkpoints import RunCheckpoints
 from controller.events import EventKind, EventLog
@@ -26,7 +25,7 @@ from controller.placement import Placement, place
 from controller.planner import MeshPlan, memory_problem, plan_run
 from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
-from controller import replicas
+from controller import launch, replicas
 from controller.attribution import AttemptWatch, StragglerWatch, failures_from, quarantines_from, relaunch_failure
 from controller.drills import DrillError, DrillInjector, DrillRequest, RunDrills
 from controller.failure_policy import (
@@ -256,63 +255,7 @@ class RunController:
         self.state = RunState.LAUNCHING
 
     def _on_launching(self, now: float) -> None:
-        assert self.config is not None and self.placement is not None
-        if not self.checkpoints.outage.due(now):
-            return
-        domain = self.spec.elastic.failure_domain if self.config.mesh.dp_replicas > 1 else "world"
-        try:
-            with self.outside_lock():
-                nodes = self.placement.nodes()
-                point = self.checkpoints.load_point(self.spec, self._peer_copies(nodes), nodes,
-                                                    replica_nodes=self.placement.replica_nodes() if domain == "replica" else None)
-        except StoreError as e:  # back off; past `checkpoint.retry_budget_s`, say so in the timeline (once)
-            if (detail := self.checkpoints.unreachable(now, e)) is not None:
-                self.events.add(now, max(self.attempt, 0), EventKind.STORE_UNAVAILABLE, **detail)
-            return
-        except (IdentityMismatch, ForeignCheckpoints) as e:
-            self._fail(now, "checkpoint_mismatch" if isinstance(e, IdentityMismatch) else "checkpoints_in_the_way", str(e))
-            return
-        self._discarded(now, point.discarded)
-        if (down := self.checkpoints.outage.answered(now)) is not None:
-            self.events.add(now, max(self.attempt, 0), EventKind.STORE_AVAILABLE, down_s=down)
-        if self._cancel_requested:
-            return  # the next step cancels
-        self.attempt += 1
-        for reason in point.unusable:
-            self.events.add(now, self.attempt, EventKind.CHECKPOINT_UNUSABLE, reason=reason)
-        start_step = point.start_step
-        unheard = self.progress.add_unheard(point.peer.reports) if point.peer is not None else []
-        attempt = AttemptSpec(
-            run_id=self.run_id, attempt=self.attempt, config=self.config, placement=self.placement,
-            start_step=start_step, cursor=point.cursor, resume_step=point.resume_step,
-            **self.checkpoints.attempt_settings(self.spec, run_s=now - self.created_at, failures=len(self.failures)),
-            **self.checkpoints.peer_settings(self.spec, self.placement, point, replicas=domain == "replica"),
-            failure_domain=domain,
-            batch_while_healing=self.spec.elastic.batch_while_healing)
-        self._track_attempt(now)
-        try:
-            with self.outside_lock():
-                self.worker_group.start(attempt)
-        except Exception as e:  # noqa: BLE001 - any launch failure ends the attempt with its reason
-            self._shutdown()
-            if self._cancel_requested:
-                return  # the launch gave up because of the cancel: the next step cancels
-            self._launch_failed(now, f"{type(e).__name__}: {e}")
-            return
-        mesh = self.config.mesh
-        self.events.add(now, self.attempt, EventKind.ATTEMPT_STARTED,
-                        mesh=mesh.axes(), dp_replicas=mesh.dp_replicas,
-                        placement=self.placement.columns(), spares=list(self.placement.spares),
-                        start_step=start_step, resume_step=point.resume_step, cursor=point.cursor,
-                        restore_from=point.source, **({"reports_from_snapshot": unheard} if unheard else {}),
-                        **({"peer_replicas": list(point.peer_replicas)} if point.peer_replicas is not None else {}),
-                        **({"peer_unusable": point.peer_unusable} if point.peer_unusable and self.attempt > 0 else {}))
-        self.progress.committed = start_step
-        if start_step >= self.spec.train.steps:
-            self._shutdown()
-            self._finish(now, RunState.SUCCEEDED, step=start_step)
-            return
-        self.state = RunState.RUNNING
+        launch.launch(self, now)
 
     def _peer_copies(self, nodes: set[str]) -> dict[str, list[Held]] | None:
         """What peer snapshot copies the next attempt's nodes hold (None: peer snapshots are off, or

@@ -25,6 +25,7 @@ from typing import Any
 
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
+from controller.ray import detached
 from controller.ray import replicas as ray_replicas
 from controller.ray import run_store
 from controller.ray.liveness import node_states
@@ -435,94 +436,16 @@ class RayWorkerGroup:
             self._store = None
 
     def _named_reservations(self) -> list[Any]:
-        """This run's placement groups that an earlier controller left (they are detached). Found by
-        name in the cluster's table and taken by id: a lookup by name only sees the placement groups
-        of this driver's own namespace, and the earlier controller's was another."""
-        import ray
-        from ray._raylet import PlacementGroupID  # type: ignore[attr-defined]
-        from ray.util.placement_group import PlacementGroup
-
-        if self.name is None:
-            return []
-        found = []
-        for entry in ray.util.placement_group_table().values():
-            name = entry.get("name") or ""
-            if name.startswith(f"{self.name}/reservation-") and entry.get("state") != "REMOVED":
-                found.append(PlacementGroup(PlacementGroupID.from_hex(entry["placement_group_id"])))
-        return found
+        return detached.named_reservations(self.name)
 
     def _named(self) -> list[tuple[str, Any]]:
-        """(name, handle) of this run's named actors alive in the cluster."""
-        import ray
-
-        if self.name is None:
-            return []
-        found = []
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry.get("namespace") == NAMESPACE and entry.get("name", "").startswith(f"{self.name}/"):
-                try:
-                    found.append((entry["name"], ray.get_actor(entry["name"], namespace=NAMESPACE)))
-                except ValueError:
-                    continue
-        return found
+        return detached.named_actors(self.name)
 
     def attach(self, attempt: AttemptSpec) -> bool:
-        """Take over the live workers of `attempt` that an earlier controller started: True when every
-        rank's training process is still running (then `poll` goes on as if nothing happened)."""
-        import ray
-
-        named = self._named()
-        if not named or self.name is None:
-            return False
-        self._peer_key = attempt.peer_key
-        prefix = f"{self.name}/reservation-"
-        for group in self._named_reservations():  # the earlier controller's, by node (to forget a lost one's)
-            node = _reservation_node(group, prefix)
-            if node is not None:
-                self._groups.setdefault(node, []).append(group)
-        try:
-            identities = ray.get([h.identity.remote() for _, h in named], timeout=15)
-        except Exception:  # noqa: BLE001 - a dead or stuck actor: not attachable
-            return False
-        world = attempt.placement.mesh.world_size
-        by_rank: dict[int, Any] = {}
-        by_node: dict[int, str] = {}
-        incarnation: dict[int, int] = {}
-        for (name, handle), ident in zip(named, identities):
-            node = name.split("/")[-2]
-            self._pool.setdefault(node, []).append(handle)
-            self._made[node] = max(self._made.get(node, 0), int(name.rsplit("/", 1)[1]) + 1)
-            if ident.get("attempt") == attempt.attempt and ident.get("alive") and not ident.get("done"):
-                by_rank[int(ident["rank"])] = handle
-                by_node[int(ident["rank"])] = node
-                incarnation[int(ident["rank"])] = int(ident.get("incarnation") or 0)
-        if sorted(by_rank) != list(range(world)) or any(
-                node != attempt.placement.node_of_rank[rank] for rank, node in by_node.items()):
-            return False  # (a rank gone, or a replica formed again elsewhere since the placement recorded)
-        found = run_store.find_store(self.name)  # the membership and the groups' rendezvous go on there
-        if found is None and attempt.failure_domain == "replica":
-            return False
-        if found is not None:
-            self._store, self._store_host = found
-        self._attempt = attempt
-        if not ray_replicas.reattach(self, attempt, incarnation):
-            return False
-        self.actors = [by_rank[r] for r in range(world)]
-        self._runs = [actor.wait_done.remote() for actor in self.actors]
-        self._finished, self._failed, self._drains = set(), set(), {}
-        self._nodes = set(attempt.placement.node_of_rank)
-        self._node_of_rank = tuple(attempt.placement.node_of_rank)
-        return True
-
-
-def _reservation_node(group: Any, prefix: str) -> str | None:
-    """The node a named reservation `{run}/reservation-{node}-{k}-{ns}` is for."""
-    from ray.util import placement_group_table
-
-    name = (placement_group_table(group) or {}).get("name") or ""
-    if not name.startswith(prefix):
-        return None
-    return name[len(prefix):].rsplit("-", 2)[0]  # node names may hold dashes: the last two parts are k, ns
+        """Take over the live workers of `attempt` that an earlier controller started (controller/ray/
+        detached.py): True when every rank's training process is still running (then `poll` goes on
+        as if nothing happened)."""
+        return detached.attach(self, attempt)
 
 
 def _alive_names() -> set[str]:

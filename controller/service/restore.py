@@ -14,9 +14,10 @@ import enum
 import sys
 from typing import Any
 
-from controller.attempt import AttemptSpec, WorkerGroup
+from controller.attempt import WorkerGroup
 from controller.checkpoints import LoadPoint
 from controller.events import EventKind
+from controller.launch import attempt_spec
 from controller.placement import Placement
 from controller.state import RunController, RunError, RunState
 from trainer.config import MeshShape
@@ -74,13 +75,7 @@ def reattach(c: RunController, events: list[dict[str, Any]], now: float) -> bool
         placement = Placement.recorded((moved[-1]["detail"] if moved else d)["placement"], mesh, d.get("spares") or [])
         point = LoadPoint(start_step=int(d.get("start_step") or 0), cursor=int(d.get("cursor") or 0),
                           resume_step=d.get("resume_step"), unusable=[], discarded=[])
-        domain = c.spec.elastic.failure_domain if mesh.dp_replicas > 1 else "world"
-        attempt = AttemptSpec(run_id=c.run_id, attempt=c.attempt, config=c.spec.trainer_config(placement.mesh),
-                              placement=placement, start_step=point.start_step, cursor=point.cursor,
-                              resume_step=point.resume_step,
-                              **c.checkpoints.attempt_settings(c.spec, run_s=now - c.created_at, failures=len(c.failures)),
-                              **c.checkpoints.peer_settings(c.spec, placement, point, replicas=domain == "replica"),
-                              failure_domain=domain, batch_while_healing=c.spec.elastic.batch_while_healing)
+        attempt = attempt_spec(c, now, c.spec.trainer_config(placement.mesh), placement, point)
         if not attach(attempt):
             return False
     except Exception as e:  # noqa: BLE001 - not attachable: the caller resumes from a checkpoint
