@@ -37,7 +37,7 @@ import pytest
 
 from controller.placement import recorded_nodes
 from tests.support.postgres import PostgresServer, module_server
-from tests.support.ray_start import RayStartCluster, free_port
+from tests.support.ray_start import LOOPBACK_ENV, RayStartCluster, free_port
 from tests.support.serve import Serve, wait_for, write_spec
 from tests.unit.test_deploy import needs_kubectl, one, render
 
@@ -49,7 +49,19 @@ STEPS = 900
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluster]:
+def several_hosts() -> Iterator[None]:
+    """Raylets and the service on 127.0.0.2, .3 ... are other hosts: an in-process cluster of an earlier
+    module, still open (tests/cluster/conftest.py's, package-scoped), marks this process's environment
+    single-machine (LOOPBACK_ENV), which `ray start` on those addresses refuses."""
+    saved = {k: os.environ.pop(k) for k in list(LOOPBACK_ENV) if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def cluster(several_hosts: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluster]:
     c = RayStartCluster(tmp_path_factory.mktemp("ray"), head_ip=HEAD, worker_ips=WORKERS, default_health_checks=True)
     try:
         yield c.start(nodes=3, spares=1)
