@@ -90,9 +90,9 @@ DEFAULT_GPU_TFLOPS = 400.0
 DATA_PLANE_DETECTION_S = 1.0
 """A survivor's collective fails as soon as its peer's connection drops, and the controller confirms
 the node with its raylet probe: goodput measures 0.54 s on the replica path and 0.83 s on the world
-path (`python benchmarks/replica_heal.py --rounds 5`, medians of n = 5, README "One replica as the failure domain");
-the model charges the goal's bound, 1 s, as a real cluster's network is slower than this machine's
-loopback."""
+path (`python benchmarks/replica_heal.py --rounds 5`, medians of n = 5; README, "One replica as the
+failure domain"); the model charges the goal's bound, 1 s, as a real cluster's network is slower than
+this machine's loopback."""
 
 
 def comm_init_s(world: int) -> float:
