@@ -67,6 +67,8 @@ class RayWorkerGroup:
         """Where the ranks reach the run's store (controller/ray/run_store.py)."""
         self._pool: dict[str, list[Any]] = {}
         """node -> its warm actors, idle or assigned."""
+        self._node_id: dict[str, str] = {}
+        """node -> the Ray node id its pooled actors and reservations are on (where known)."""
         self.actors: list[Any] = []
         """This attempt's actor of each rank."""
         self._runs: list[Any] = []
@@ -238,14 +240,25 @@ class RayWorkerGroup:
         """A node that died: its actors went with it; its reservations go too (else Ray would hold its
         GPUs for them again when it returns)."""
         self._pool.pop(node, None)
+        self._node_id.pop(node, None)
         for group in self._groups.pop(node, []):
             self._drop_reservation(group)
 
     def _forget_dead_nodes(self) -> None:
-        """Before a launch: nodes the pool knows that Ray no longer shows alive."""
-        alive = _alive_names()
-        for node in [n for n in set(self._pool) | set(self._groups) if n not in alive]:
-            self._forget_node(node)
+        """Before a launch: nodes the pool knows that Ray no longer shows alive, by name, or by Ray's
+        node id where the pool knows it: a node lost and back under its name (a new raylet) before this
+        launch has none of the actors or reservations its name still holds here."""
+        alive = _alive_ids()
+        for node in set(self._pool) | set(self._groups):
+            known = self._node_id.get(node)
+            if node not in alive or (known is not None and known not in alive[node]):
+                self._forget_node(node)
+        for node, ids in alive.items():  # where a node holding nothing here starts its actors next
+            if not self._pool.get(node) and not self._groups.get(node):
+                if len(ids) == 1:
+                    self._node_id[node] = next(iter(ids))
+                else:  # (Ray still lists its old raylet too: which one is not known)
+                    self._node_id.pop(node, None)
 
     def _drop_reservation(self, group: Any) -> None:
         from ray.util import remove_placement_group
@@ -450,6 +463,16 @@ class RayWorkerGroup:
 
 def _alive_names() -> set[str]:
     """The `node` labels of the cluster's alive Ray nodes."""
+    return set(_alive_ids())
+
+
+def _alive_ids() -> dict[str, set[str]]:
+    """The cluster's alive Ray nodes: `node` label -> their Ray node ids (two while Ray still lists a
+    node's old raylet alive after it came back)."""
     import ray
 
-    return {name for info in ray.nodes() if info.get("Alive") and (name := (info.get("Labels") or {}).get("node"))}
+    alive: dict[str, set[str]] = {}
+    for info in ray.nodes():
+        if info.get("Alive") and (name := (info.get("Labels") or {}).get("node")):
+            alive.setdefault(name, set()).add(info["NodeID"])
+    return alive
