@@ -67,9 +67,9 @@ def end_store(run: str | None) -> None:
     """End the run's store actor (with the run: nothing reads it again)."""
     if run is None:
         return
-    import ray
-
     import time
+
+    import ray
 
     try:
         ray.kill(ray.get_actor(store_name(run), namespace=NAMESPACE), no_restart=True)
