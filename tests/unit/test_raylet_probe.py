@@ -17,3 +17,46 @@ def test_only_a_refused_connection_makes_a_node_suspect() -> None:
         # a node started again under its name while Ray still lists its old raylet: the new one answers
         assert refusing({"restarted": [closed.getsockname(), listening.getsockname()]}) == set()
     assert refusing({}) == set()
+
+
+def test_node_states_asks_the_reach_first_and_every_node_once_one_refuses(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Which raylets are probed, with real sockets behind Ray's node list: the asked nodes first (each
+    once); the others only once an asked one refuses (nodes lost together are one decision); every
+    node when Ray declared one dead."""
+    import ray
+
+    from controller.ray import liveness
+
+    asked_of: list[set[str]] = []
+    real = liveness.refusing
+
+    def recorded(addresses):  # type: ignore[no-untyped-def]
+        asked_of.append(set(addresses))
+        return real(addresses)
+
+    monkeypatch.setattr(liveness, "refusing", recorded)
+    with socket.socket() as a, socket.socket() as b, socket.socket() as gone, socket.socket() as other_gone:
+        for s in (a, b):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        gone.bind(("127.0.0.1", 0))
+        other_gone.bind(("127.0.0.1", 0))
+
+        def listed(*entries: tuple[str, socket.socket, bool]) -> list[dict]:
+            return [{"Labels": {"node": name}, "Alive": alive, "NodeManagerAddress": s.getsockname()[0],
+                     "NodeManagerPort": s.getsockname()[1]} for name, s, alive in entries]
+
+        nodes = {"n0", "n1", "n2", "n3"}
+        monkeypatch.setattr(ray, "nodes", lambda: listed(("n0", a, True), ("n1", b, True), ("n2", gone, True),
+                                                         ("n3", other_gone, True)))
+        assert liveness.node_states(nodes, {"n0", "n1"}) == (set(), set())
+        assert asked_of == [{"n0", "n1"}], "a reach that answers: nobody else is asked"
+        asked_of.clear()
+        assert liveness.node_states(nodes, {"n1", "n2"}) == (set(), {"n2", "n3"})
+        assert asked_of == [{"n1", "n2"}, {"n0", "n3"}], "one refused: the others are asked, each node once"
+        asked_of.clear()
+        assert liveness.node_states(nodes, set()) == (set(), set()) and asked_of == [set()]
+        asked_of.clear()
+        monkeypatch.setattr(ray, "nodes", lambda: listed(("n0", a, True), ("n1", b, False), ("n2", gone, True)))
+        assert liveness.node_states(nodes, {"n0"}) == ({"n1"}, {"n2"})
+        assert asked_of == [{"n0", "n2"}], "a node Ray declared dead: every alive node is asked"
