@@ -11,6 +11,8 @@ that the cluster itself would survive."""
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from typing import Any
 
 NAMESPACE = "goodput"
@@ -48,7 +50,7 @@ def open_store(run: str | None, host: str) -> tuple[Any, str]:
         name=store_name(run), namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         resources={"node:__internal_head__": 0.001}).remote()
     store_host, port = _address(actor, timeout_s=120)
-    return dist.TCPStore(store_host, port, is_master=False, timeout=_timedelta(30)), store_host
+    return dist.TCPStore(store_host, port, is_master=False, timeout=timedelta(seconds=30)), store_host
 
 
 def find_store(run: str) -> tuple[Any, str] | None:
@@ -58,7 +60,7 @@ def find_store(run: str) -> tuple[Any, str] | None:
 
     try:
         store_host, port = _address(ray.get_actor(store_name(run), namespace=NAMESPACE), timeout_s=15)
-        return dist.TCPStore(store_host, port, is_master=False, timeout=_timedelta(30)), store_host
+        return dist.TCPStore(store_host, port, is_master=False, timeout=timedelta(seconds=30)), store_host
     except Exception:  # noqa: BLE001 - no store actor, or a dead one
         return None
 
@@ -67,8 +69,6 @@ def end_store(run: str | None) -> None:
     """End the run's store actor (with the run: nothing reads it again)."""
     if run is None:
         return
-    import time
-
     import ray
 
     try:
@@ -90,8 +90,3 @@ def _address(actor: Any, timeout_s: float) -> tuple[str, int]:
     host, port = ray.get(actor.address.remote(), timeout=timeout_s)
     return str(host), int(port)
 
-
-def _timedelta(seconds: float) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)

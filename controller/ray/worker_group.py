@@ -29,6 +29,7 @@ from controller.ray import detached
 from controller.ray import replicas as ray_replicas
 from controller.ray import run_store
 from controller.ray.liveness import node_states
+from controller.ray.run_store import NAMESPACE
 from controller.ray.rank_actor import UNRESPONSIVE_S, RankActor, RankProcessDied
 from trainer.worker import WorkerArgs
 
@@ -44,10 +45,6 @@ SETTLE_WAIT_S = 0.5
 
 class LaunchAborted(Exception):
     """A start given up because the run was cancelled."""
-
-
-NAMESPACE = run_store.NAMESPACE
-"""Ray namespace of the named (detached) actors of a service's runs."""
 
 
 class RayWorkerGroup:

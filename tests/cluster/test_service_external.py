@@ -48,10 +48,8 @@ def loopback_env() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def test_serve_on_an_existing_cluster_survives_kill_node_and_its_own_death(cluster: RayStartCluster,
-                                                                           tmp_path: Path) -> None:
-    old = {k: os.environ.get(k) for k in LOOPBACK_ENV}
-    os.environ.update(LOOPBACK_ENV)  # the service (a subprocess) joins as a driver on 127.0.0.1
+def test_serve_on_an_existing_cluster_survives_kill_node_and_its_own_death(
+        cluster: RayStartCluster, loopback_env: None, tmp_path: Path) -> None:
     serve = Serve(tmp_path / "state", tmp_path / "serve.log", "--address", cluster.address)
     try:
         serve.start()
@@ -76,11 +74,6 @@ def test_serve_on_an_existing_cluster_survives_kill_node_and_its_own_death(clust
         assert run["step"] == 400
     finally:
         serve.stop()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.mark.parametrize("cluster", [(4, 2)], indirect=True)
@@ -107,7 +100,6 @@ def test_replica_run_heals_and_is_reattached_after_the_service_dies(cluster: Ray
         status = wait_for(serve, "rep", lambda s: s["state"] == "running")
         at = status["step"]
         second = serve.json("drill", "rep", "kill-node")  # after the re-attach: contained again
-        print(f"first drill at step {first['at_step']}, re-attached by step {at}, second at {second['at_step']}")
         assert isinstance(second, dict) and second["decision"] == "heal_replica", second
         assert second["target"] != first["target"]
         run = wait_for(serve, "rep", lambda s: s["state"] == "succeeded")
