@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from controller.placement import Placement, PlacementError, place
+from controller.placement import Placement, PlacementError, place, reseat
 from controller.topology import NodeState, Topology, merge_returned
 from trainer.config import MeshShape
 
@@ -159,8 +159,11 @@ def _layout_note(mesh: MeshShape, dp: int, topology: Topology, global_batch: int
 
 def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshShape, spec_mesh: MeshShape,
            topology: Topology, limits: ElasticLimits, global_batch: int, micro_batch: int,
-           waiting_since: float | None = None, fits: Fits | None = None, by_replica: bool = False) -> Decision:
-    """`failures_so_far` counts earlier failures of the run (this one excluded)."""
+           waiting_since: float | None = None, fits: Fits | None = None, by_replica: bool = False,
+           placement: Placement | None = None) -> Decision:
+    """`failures_so_far` counts earlier failures of the run (this one excluded); `placement`, the
+    failed attempt's: a next attempt on the same mesh keeps it where its nodes are still healthy (a
+    restart: all of it; a replacement: every rank but the lost nodes', `reseat`)."""
     failures = failures_so_far + 1
     for node in event.nodes:
         topology = topology.with_state(node, NodeState.QUARANTINED if event.cause.quarantines else NodeState.LOST)
@@ -170,7 +173,8 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
     if not event.nodes:
         # A rank died or hung on a node that is still alive: the same mesh on the same nodes.
         return Decision(action=Action.RESTART, mesh=mesh, topology=topology, code="restarted",
-                        reason=f"{event.cause.value} on ranks {list(event.ranks)}; nodes still healthy")
+                        reason=f"{event.cause.value} on ranks {list(event.ranks)}; nodes still healthy",
+                        placement=placement if placement is not None and placement.mesh == mesh else None)
     spares = topology.spares()
     lost_in_use = list(event.nodes)
     lost = "quarantined" if event.cause.quarantines else "lost"
@@ -183,12 +187,24 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
         try:
             return Decision(action=Action.REPLACE, mesh=mesh, topology=with_spares, code="replaced",
                             reason=f"{lost} {lost_in_use}; spare {promoted} takes over, mesh unchanged",
-                            placement=place(mesh, with_spares))
+                            placement=_kept(placement, mesh, with_spares, lost_in_use, promoted)
+                            or place(mesh, with_spares))
         except PlacementError:
             topology = with_spares  # spares too small for the mesh: shrink onto them and the rest
-    return capacity_decision(now, mesh=mesh, topology=topology, limits=limits, global_batch=global_batch,
-                             micro_batch=micro_batch, waiting_since=waiting_since, fits=fits,
-                             cause=f"{lost} {lost_in_use}, no spare", by_replica=by_replica)
+    decision = capacity_decision(now, mesh=mesh, topology=topology, limits=limits, global_batch=global_batch,
+                                 micro_batch=micro_batch, waiting_since=waiting_since, fits=fits,
+                                 cause=f"{lost} {lost_in_use}, no spare", by_replica=by_replica)
+    kept = _kept(placement, decision.mesh, decision.topology, lost_in_use) if decision.action is Action.REPLACE else None
+    return replace(decision, placement=kept) if kept is not None else decision
+
+
+def _kept(placement: Placement | None, mesh: MeshShape | None, topology: Topology, lost: list[str],
+          candidates: list[str] | None = None) -> Placement | None:
+    """The failed attempt's placement with only the lost nodes' ranks moved, when the mesh is unchanged
+    and replacements exist (else None: a fresh placement)."""
+    if placement is None or mesh is None or placement.mesh != mesh:
+        return None
+    return reseat(placement, topology, lost, candidates)
 
 
 def capacity_decision(now: float, *, mesh: MeshShape, topology: Topology, limits: ElasticLimits,
@@ -257,11 +273,11 @@ class RunPolicy:
     """failure_domain replica: a smaller mesh has fewer whole replicas (each keeps its dp_shard)."""
 
     def on_failure(self, now: float, event: FailureEvent, *, failures_so_far: int, mesh: MeshShape,
-                   topology: Topology, waiting_since: float | None) -> Decision:
+                   topology: Topology, waiting_since: float | None, placement: Placement | None = None) -> Decision:
         return decide(now, event=event, failures_so_far=failures_so_far, mesh=mesh, spec_mesh=self.spec_mesh or mesh,
                       topology=topology, limits=self.limits, global_batch=self.global_batch,
                       micro_batch=self.micro_batch, waiting_since=waiting_since, fits=self.fits,
-                      by_replica=self.by_replica)
+                      by_replica=self.by_replica, placement=placement)
 
     def on_capacity(self, now: float, *, mesh: MeshShape, topology: Topology, waiting_since: float | None) -> Decision:
         """Waiting for capacity: launch once the healthy nodes hold dp >= min_dp again; fail once the wait is over."""

@@ -247,6 +247,33 @@ def _place(mesh: MeshShape, topology: Topology, excluded: frozenset[str]) -> Pla
     )
 
 
+def reseat(placement: Placement, topology: Topology, lost: Iterable[str],
+           candidates: Iterable[str] | None = None) -> Placement | None:
+    """`placement` with each lost node's ranks moved to a healthy node it does not use yet (one of the
+    lost node's rack first, then in node order), every other rank where it was: the surviving nodes
+    keep their ranks, their warm processes and the peer snapshots in their memory, and a hot spare
+    takes exactly the place of the node it replaces. `candidates` limits the replacements (the spares
+    just promoted); by default any healthy node the placement does not use. None when a surviving
+    node is no longer healthy or a lost node has no replacement with the GPUs its ranks used."""
+    healthy = topology.names_in(NodeState.HEALTHY)
+    used = placement.nodes()
+    gone = topology.in_node_order(set(lost) & used)
+    if not gone or not (used - set(gone)) <= healthy:
+        return None
+    free = topology.in_node_order((healthy if candidates is None else set(candidates) & healthy) - used)
+    swaps: dict[str, str] = {}
+    for old in gone:
+        needs = max(placement.gpu_of_rank[r] for r in placement.ranks_on(old)) + 1
+        rack = placement.rack_of_node[old]
+        fitting = [n for n in free if topology.node(n).num_gpus >= needs]
+        if not fitting:
+            return None
+        new = next((n for n in fitting if topology.node(n).rack == rack), fitting[0])
+        free.remove(new)
+        swaps[old] = new
+    return swap_nodes(placement, swaps, topology)
+
+
 def swap_nodes(placement: Placement, swaps: dict[str, str], topology: Topology) -> Placement:
     """`placement` with the ranks of each node in `swaps` moved to its replacement (same GPUs), every
     other rank where it was: a replica formed again on a spare leaves the live replicas in place.

@@ -375,7 +375,8 @@ class RunController:
         if self.topology_source is not None:  # lost nodes that are back (repaired) may take over
             self.topology = merge_returned(self.topology, self.topology_source())
         decision = self.policy.on_failure(now, failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
-                                          topology=self.topology, waiting_since=self._waiting_since)
+                                          topology=self.topology, waiting_since=self._waiting_since,
+                                          placement=self.placement)
         self.failures.append(failure)
         self._apply(now, decision)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from controller.failure_policy import (
     Action, ElasticLimits, FailureCause, FailureEvent, decide, grow_target,
 )
+from controller.placement import Placement, place, reseat
 from controller.topology import NodeState, Topology
 from trainer.config import MeshShape
 
@@ -127,3 +130,51 @@ def test_a_shrink_that_does_not_fit_memory_waits_and_says_so() -> None:
                limits=limits, global_batch=16, micro_batch=2, fits=fits)
     assert d.action is Action.WAIT and d.code == "waiting_for_capacity"
     assert "dp 1 does not fit: 90.0 GiB per GPU > 80.0 GiB" in d.reason, d.reason
+
+
+def test_a_replacement_moves_only_the_lost_nodes_ranks() -> None:
+    """The twenty-drill cluster test's case: the run on node-4 (rack 0) and node-1 (rack 1), node-0 and
+    node-2 (rack 0) back from repair, node-4 lost. A fresh placement put the pipeline on node-0 and
+    node-2 (one rack): node-1, which held the peer snapshots, was left out and the run restarted
+    from step 0. The survivor keeps its ranks; the lost node's go to a healthy idle node, its own
+    rack's first."""
+    mesh = MeshShape(dp=2, pp=2, tp=1)
+    topology = topo(5, 0).with_states({"node-3": NodeState.LOST})
+    before = Placement(mesh=mesh, node_of_rank=("node-4", "node-4", "node-1", "node-1"), gpu_of_rank=(0, 1, 0, 1),
+                       rack_of_node={"node-4": "rack-0", "node-1": "rack-1"}, spares=())
+    d = decide(0.0, event=lost("node-4"), failures_so_far=0, mesh=mesh, spec_mesh=mesh, topology=topology,
+               limits=LIMITS, global_batch=16, micro_batch=2, placement=before)
+    assert d.action is Action.REPLACE and d.placement is not None
+    assert d.placement.node_of_rank == ("node-0", "node-0", "node-1", "node-1"), d.placement
+    assert d.placement.gpu_of_rank == before.gpu_of_rank
+    assert d.placement.rack_of_node == {"node-0": "rack-0", "node-1": "rack-1"}
+    fresh = decide(0.0, event=lost("node-4"), failures_so_far=0, mesh=mesh, spec_mesh=mesh, topology=topology,
+                   limits=LIMITS, global_batch=16, micro_batch=2)
+    assert fresh.placement is not None and "node-1" not in fresh.placement.node_of_rank  # what it did before
+
+
+def test_a_spare_takes_exactly_the_lost_nodes_place_and_a_restart_keeps_the_placement() -> None:
+    topology = topo(6, 2)
+    before = place(MESH, topology)
+    victim = before.node_of_rank[2]
+    d = run(lost(victim), topology)
+    d_kept = decide(0.0, event=lost(victim), failures_so_far=0, mesh=MESH, spec_mesh=MESH, topology=topology,
+                    limits=LIMITS, global_batch=16, micro_batch=2, placement=before)
+    assert d.action is d_kept.action is Action.REPLACE and d_kept.placement is not None
+    spare = d_kept.placement.node_of_rank[2]
+    assert spare in {"node-4", "node-5"} and d_kept.topology.node(spare).state is NodeState.HEALTHY
+    assert [n if n != victim else spare for n in before.node_of_rank] == list(d_kept.placement.node_of_rank)
+    assert d_kept.topology.spares() == d.topology.spares(), "the spare promoted is the one placed"
+    restart = decide(0.0, event=FailureEvent(time=0.0, cause=FailureCause.RANK_DIED, ranks=(3,)), failures_so_far=0,
+                     mesh=MESH, spec_mesh=MESH, topology=d_kept.topology, limits=LIMITS, global_batch=16,
+                     micro_batch=2, placement=d_kept.placement)
+    assert restart.action is Action.RESTART and restart.placement is d_kept.placement
+
+
+def test_no_reseat_when_a_survivor_is_no_longer_healthy_or_nothing_fits() -> None:
+    topology = topo(6, 0)
+    before = place(MESH, topology)
+    survivor = before.node_of_rank[-1]
+    assert reseat(before, topology.with_states({survivor: NodeState.QUARANTINED}), [before.node_of_rank[0]]) is None
+    small = Topology(tuple(n if n.name in before.nodes() else dataclasses.replace(n, num_gpus=1) for n in topology.nodes))
+    assert reseat(before, small, [before.node_of_rank[0]]) is None, "a 1-GPU node cannot take a 2-GPU TP group"
