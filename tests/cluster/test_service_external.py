@@ -24,12 +24,14 @@ from tests.support.ray_start import LOOPBACK_ENV, RayStartCluster
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture
-def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluster]:
-    nodes, spares = getattr(request, "param", (3, 1))
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluster]:
+    """One cluster for the module's services, one after the other (~30 s of `ray start` each):
+    4 labelled nodes and 3 spares, one spare for the first test's kill-node and two for the replica
+    test's; a node killed stays dead, as on a real cluster, and the next service finds it so."""
     c = RayStartCluster(tmp_path_factory.mktemp("ray-start"))
     try:
-        yield c.start(nodes=nodes, spares=spares)
+        yield c.start(nodes=7, spares=3)
     finally:
         c.stop()
 
@@ -76,7 +78,6 @@ def test_serve_on_an_existing_cluster_survives_kill_node_and_its_own_death(
         serve.stop()
 
 
-@pytest.mark.parametrize("cluster", [(4, 2)], indirect=True)
 def test_replica_run_heals_and_is_reattached_after_the_service_dies(cluster: RayStartCluster, loopback_env: None,
                                                                    tmp_path: Path) -> None:
     path = write_spec(tmp_path / "rep.yaml", "rep", steps=300, dp=4)

@@ -100,6 +100,21 @@ class Serve:
     def json(self, *args: str) -> object:
         return json.loads(self.cli(*args, "--json").stdout)
 
+    def status(self, run: str) -> dict:
+        """What `goodput status RUN --json` prints (GET /v1/runs/RUN), asked from this process: a wait
+        polls it every second, and a CLI process per poll took CPU from the training it waits for."""
+        from controller.service.auth import read_token_file, token_path
+
+        token = self.env.get("GOODPUT_TOKEN") or read_token_file(token_path(self.state))
+        if token is None:  # a deployed service whose token this test does not hold: as a user would
+            status = self.json("status", run)
+            assert isinstance(status, dict)
+            return status
+        response = httpx.get(f"{self.url}/v1/runs/{run}", headers={"Authorization": f"Bearer {token}"},
+                             timeout=30, trust_env=False)
+        assert response.status_code == 200, response.text
+        return response.json()
+
     def descendants(self) -> list[psutil.Process]:
         assert self.proc is not None
         try:
@@ -146,8 +161,7 @@ def write_spec(path: Path, name: str, *, steps: int, dp: int, tp: int = 1, drill
 def wait_for(serve: Serve, run: str, predicate, timeout_s: float = 300) -> dict:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        status = serve.json("status", run)
-        assert isinstance(status, dict)
+        status = serve.status(run)
         if predicate(status):
             return status
         assert status["state"] not in ("failed", "cancelled"), status
