@@ -15,12 +15,13 @@ old epoch's rendezvous is read again, and no global process group is ever re-ini
 
 Per step, inside `Trainer.train_step` (trainer/train.py):
 1. forward and backward inside the replica (FSDP reduce-scatters over dp_shard);
-2. `reduce`: one flat all-reduce of the local gradient shards (and the loss) over this position's
-   cross-replica group, divided by D: every replica now holds the gradient of the whole global batch;
+2. `reduce`: one flat all-reduce of the local gradient shards over this position's cross-replica
+   group, divided by D: every replica now holds the gradient of the whole global batch;
 3. `vote`: one all-reduce (MAX) over the replica's world of [failed?, newest epoch seen]: the replica
    commits only if every position's reduce succeeded, and every rank learns the epoch to switch to;
-4. `agree`: one all-reduce (MAX) over the cross-replica group of [failed?, that epoch], so every
-   replica commits the same steps and switches epoch at the same step boundary;
+4. `agree`: one all-reduce (MAX) over the cross-replica group of [failed?, that epoch, each
+   replica's loss in its own slot], so every replica commits the same steps, switches epoch at the
+   same step boundary and reports the same loss;
 5. `vote` again inside the replica: a peer replica that died between two positions' agreements
    leaves them split, and the replica must commit or discard as one (its pipeline and TP
    collectives go on together);
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -238,9 +240,9 @@ class CrossReplica:
         opts.reduceOp = op
         self.group.allreduce([buf], opts).wait()
 
-    def reduce(self, parts: Sequence[nn.Module], loss: torch.Tensor | None) -> tuple[bool, float | None]:
-        """The mean over the live replicas of every local gradient shard (in place) and of the loss
-        (on last-stage ranks): one flat all-reduce per dtype. (ok, global loss or None)."""
+    def reduce(self, parts: Sequence[nn.Module]) -> bool:
+        """The mean over the live replicas of every local gradient shard, in place: one flat all-reduce
+        per dtype. Whether every live replica gave its part (the loss travels with `agree`)."""
         grads = [local_tensor(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
         try:
             for dtype, same in _by_dtype(grads):
@@ -248,14 +250,10 @@ class CrossReplica:
                 self._all_reduce(flat, dist.ReduceOp.SUM)
                 flat /= self.live
                 torch._foreach_copy_(same, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in same]), same)])
-            buf = torch.zeros(2, dtype=torch.float64, device=self.device)
-            if loss is not None:
-                buf[0], buf[1] = loss.detach().double(), 1.0
-            self._all_reduce(buf, dist.ReduceOp.SUM)
         except Exception as e:  # noqa: BLE001 - a peer replica is gone (its socket closed, or the timeout)
             self.last_error = f"{type(e).__name__}: {e}"[:500]
-            return False, None
-        return True, (float(buf[0] / buf[1]) if loss is not None and float(buf[1]) > 0 else None)
+            return False
+        return True
 
     def vote(self, ok: bool, epoch_seen: int, skip: bool = False,
              marks: Sequence[float] = ()) -> tuple[bool, int, bool, list[float]]:
@@ -272,24 +270,33 @@ class CrossReplica:
         values = buf.tolist()
         return values[0] == 0.0, int(values[1]), values[2] > 0.0, values[3:]
 
-    def agree(self, ok: bool, epoch: int, skip: bool = False,
-              fingerprint: int | None = None) -> tuple[bool, int, bool, list[int] | None]:
-        """Across the live replicas at this position: commit only if every replica can, switch to the
-        newest epoch any of them saw, hold the update back if any does; and, given this rank's state
-        fingerprint (every replica gives one at the same steps), every live replica's, in replica order."""
+    def agree(self, ok: bool, epoch: int, skip: bool = False, fingerprint: int | None = None,
+              loss: torch.Tensor | None = None) -> tuple[bool, int, bool, list[int] | None, float | None]:
+        """Across the live replicas at this position, in one all-reduce (MAX): commit only if every
+        replica can, switch to the newest epoch any of them saw, hold the update back if any does;
+        given this rank's state fingerprint (every replica gives one at the same steps), every live
+        replica's, in replica order; and the mean of the replicas' losses (last-stage ranks give
+        theirs: each its own slot, summed here in replica order; NaN if any is not finite), or None
+        where no rank gave one."""
         slots = [-1.0] * self.live
         if fingerprint is not None:
             slots[self.index] = float(fingerprint & FINGERPRINT_MASK)
-        buf = torch.tensor([0.0 if ok else 1.0, float(epoch), 1.0 if skip else 0.0, *slots], dtype=torch.float64,
-                           device=self.device)
+        losses = [-math.inf] * self.live  # (MAX keeps a NaN only by the operands' order: +inf stands for it)
+        if loss is not None:
+            value = float(loss.detach().double())
+            losses[self.index] = value if math.isfinite(value) else math.inf
+        buf = torch.tensor([0.0 if ok else 1.0, float(epoch), 1.0 if skip else 0.0, *slots, *losses],
+                           dtype=torch.float64, device=self.device)
         try:
             self._all_reduce(buf, dist.ReduceOp.MAX)
         except Exception as e:  # noqa: BLE001
             self.last_error = f"{type(e).__name__}: {e}"[:500]
-            return False, epoch, skip, None
+            return False, epoch, skip, None, None
         values = buf.tolist()
-        fingerprints = [int(v) for v in values[3:]] if fingerprint is not None else None
-        return values[0] == 0.0, int(values[1]), values[2] > 0.0, fingerprints
+        fingerprints = [int(v) for v in values[3:3 + self.live]] if fingerprint is not None else None
+        given = [v for v in values[3 + self.live:] if v != -math.inf]
+        mean = (math.nan if math.inf in given else sum(given) / len(given)) if given else None
+        return values[0] == 0.0, int(values[1]), values[2] > 0.0, fingerprints, mean
 
     def odd_marks(self, fingerprints: list[int] | None) -> list[float]:
         """What this position's fingerprints say, as `vote` marks: [no majority?, then per live replica:

@@ -196,14 +196,15 @@ class Trainer:
         r = self.replicas
         assert r is not None and r.membership is not None
         current = r.membership.epoch
-        ok, loss_value = r.reduce(self.parts, loss)
+        ok = r.reduce(self.parts)
+        loss_value = None
         seen = r.board.due(current, self.step + 2) if dist.get_rank() == 0 else current  # (the replica's rank 0)
         # a replica whose probes held its update back (a loss anomaly) skips the update, so every one does
         ok, epoch, skip, _ = r.vote(ok, seen, not apply_update)
         fingerprint = state_fingerprint(self)
         fingerprints = None
         if ok:  # (with the state at rest each replica holds: they differ only if one was corrupted)
-            ok, epoch, skip, fingerprints = r.agree(ok, epoch, skip, fingerprint)
+            ok, epoch, skip, fingerprints, loss_value = r.agree(ok, epoch, skip, fingerprint, loss)
         # Each position agreed with its peers in the other replicas on its own: a peer that died
         # between two positions' agreements leaves them split. The replica decides as one.
         ok, epoch, skip, odd = r.vote(ok, epoch, skip, r.odd_marks(fingerprints))
