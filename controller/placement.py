@@ -271,7 +271,9 @@ def reseat(placement: Placement, topology: Topology, lost: Iterable[str],
         new = next((n for n in fitting if topology.node(n).rack == rack), fitting[0])
         free.remove(new)
         swaps[old] = new
-    return swap_nodes(placement, swaps, topology)
+    moved = swap_nodes(placement, swaps, topology)  # the spares now, as a fresh placement lists them (kept warm)
+    return Placement(mesh=moved.mesh, node_of_rank=moved.node_of_rank, gpu_of_rank=moved.gpu_of_rank,
+                     rack_of_node=moved.rack_of_node, spares=tuple(n.name for n in topology.spares()))
 
 
 def swap_nodes(placement: Placement, swaps: dict[str, str], topology: Topology) -> Placement:

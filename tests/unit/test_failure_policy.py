@@ -165,6 +165,7 @@ def test_a_spare_takes_exactly_the_lost_nodes_place_and_a_restart_keeps_the_plac
     assert spare in {"node-4", "node-5"} and d_kept.topology.node(spare).state is NodeState.HEALTHY
     assert [n if n != victim else spare for n in before.node_of_rank] == list(d_kept.placement.node_of_rank)
     assert d_kept.topology.spares() == d.topology.spares(), "the spare promoted is the one placed"
+    assert d_kept.placement.spares == tuple(n.name for n in d_kept.topology.spares()) == d.placement.spares
     restart = decide(0.0, event=FailureEvent(time=0.0, cause=FailureCause.RANK_DIED, ranks=(3,)), failures_so_far=0,
                      mesh=MESH, spec_mesh=MESH, topology=d_kept.topology, limits=LIMITS, global_batch=16,
                      micro_batch=2, placement=d_kept.placement)
