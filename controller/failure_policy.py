@@ -174,7 +174,8 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
         # A rank died or hung on a node that is still alive: the same mesh on the same nodes.
         return Decision(action=Action.RESTART, mesh=mesh, topology=topology, code="restarted",
                         reason=f"{event.cause.value} on ranks {list(event.ranks)}; nodes still healthy",
-                        placement=placement if placement is not None and placement.mesh == mesh else None)
+                        placement=placement if placement is not None and placement.mesh == mesh
+                        and placement.nodes() <= topology.names_in(NodeState.HEALTHY) else None)
     spares = topology.spares()
     lost_in_use = list(event.nodes)
     lost = "quarantined" if event.cause.quarantines else "lost"

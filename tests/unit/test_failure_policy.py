@@ -170,6 +170,10 @@ def test_a_spare_takes_exactly_the_lost_nodes_place_and_a_restart_keeps_the_plac
                      mesh=MESH, spec_mesh=MESH, topology=d_kept.topology, limits=LIMITS, global_batch=16,
                      micro_batch=2, placement=d_kept.placement)
     assert restart.action is Action.RESTART and restart.placement is d_kept.placement
+    elsewhere = decide(0.0, event=FailureEvent(time=0.0, cause=FailureCause.RANK_DIED, ranks=(3,)), failures_so_far=0,
+                       mesh=MESH, spec_mesh=MESH, topology=d_kept.topology.with_state(spare, NodeState.QUARANTINED),
+                       limits=LIMITS, global_batch=16, micro_batch=2, placement=d_kept.placement)
+    assert elsewhere.placement is None, "a node of the placement no longer healthy: placed afresh"
 
 
 def test_no_reseat_when_a_survivor_is_no_longer_healthy_or_nothing_fits() -> None:
