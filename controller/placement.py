@@ -16,7 +16,7 @@ import itertools
 import operator
 import threading
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -271,9 +271,8 @@ def reseat(placement: Placement, topology: Topology, lost: Iterable[str],
         new = next((n for n in fitting if topology.node(n).rack == rack), fitting[0])
         free.remove(new)
         swaps[old] = new
-    moved = swap_nodes(placement, swaps, topology)  # the spares now, as a fresh placement lists them (kept warm)
-    return Placement(mesh=moved.mesh, node_of_rank=moved.node_of_rank, gpu_of_rank=moved.gpu_of_rank,
-                     rack_of_node=moved.rack_of_node, spares=tuple(n.name for n in topology.spares()))
+    # the spares now, as a fresh placement lists them (the warm pool keeps actors on them)
+    return replace(swap_nodes(placement, swaps, topology), spares=tuple(n.name for n in topology.spares()))
 
 
 def swap_nodes(placement: Placement, swaps: dict[str, str], topology: Topology) -> Placement:
