@@ -30,6 +30,8 @@ class FailureCause(str, enum.Enum):
     WORKER_ERROR = "worker_error"
     SDC = "sdc"
     STRAGGLER = "straggler"
+    CONTROLLER_ERROR = "controller_error"
+    """An exception inside the controller (a bug): the attempt it was handling ends and starts again."""
     FINAL_SAVE_FAILED = "final_save_failed"
     """Every rank finished but the last step's checkpoint did not commit (the store refused it past
     the retry budget): the run is not done until its final state is saved."""

@@ -155,6 +155,25 @@ class RunController:
             self._shutdown()
             self._fail(now, code, message)
 
+    def controller_error(self, now: float, error: BaseException, trace: str) -> None:
+        """An exception inside this controller (a bug to report, never a verdict on the run): it joins
+        the timeline with its traceback, the attempt it may have left half-handled ends, and the failure
+        policy decides as for any failure with no node to blame (a restart on the same placement,
+        charged to elastic.max_failures, so a bug that repeats ends the run by its budget)."""
+        message = f"{type(error).__name__}: {error}"
+        self.events.add(now, max(self.attempt, 0), EventKind.CONTROLLER_ERROR, message=message, traceback=trace,
+                        state=self.state.value)
+        failure = FailureEvent(time=now, cause=FailureCause.CONTROLLER_ERROR, message=message)
+        if self.config is None or self.state in (RunState.PENDING, RunState.PLANNING):
+            self.failures.append(failure)  # nothing launched: plan again, within the same budget
+            if len(self.failures) > self.spec.elastic.max_failures:
+                self._fail(now, "failure_budget", f"{len(self.failures)} failures exceed elastic.max_failures = "
+                           f"{self.spec.elastic.max_failures} (the last: controller error {message})")
+            else:
+                self.state = RunState.PLANNING
+            return
+        self._recover(now, failure, contain=False)
+
     def record(self, now: float, kind: EventKind, **detail: Any) -> None:
         """An event from outside the machine (the service's restarts, a node's cordon) in the timeline."""
         self.events.add(now, max(self.attempt, 0), kind, **detail)
@@ -276,7 +295,8 @@ class RunController:
             return
         assert self.placement is not None
         live = {n.name for n in self.topology_source().nodes}
-        self._recover(now, relaunch_failure(now, message, self.placement.node_of_rank, live))
+        # Never contained: an attempt that did not start has no replicas that could go on without others.
+        self._recover(now, relaunch_failure(now, message, self.placement.node_of_rank, live), contain=False)
 
     def _on_running(self, now: float) -> None:
         assert self.watch is not None

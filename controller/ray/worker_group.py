@@ -98,6 +98,7 @@ class RayWorkerGroup:
         import ray
         import torch.distributed as dist
 
+        self._end_attempt()  # (whether this one starts or not, the last one's membership is gone)
         placement = attempt.placement
         world = placement.mesh.world_size
         ranks_per_node = collections.Counter(placement.node_of_rank)  # one pass (not one per node)
@@ -376,6 +377,7 @@ class RayWorkerGroup:
         stay for the next attempt (all of them go with `close`, or here when not `warm`)."""
         import ray
 
+        self._end_attempt()
         if not self.warm:
             self.close(keep_snapshots=True)
             return
@@ -392,6 +394,11 @@ class RayWorkerGroup:
             except Exception:  # noqa: BLE001
                 pass
         self.actors, self._runs, self._drains = [], [], {}
+
+    def _end_attempt(self) -> None:
+        """No attempt runs now: none has replicas to contain (`contains_replicas` is False), so a
+        failure of the next launch cannot be mistaken for a replica of the last one failing."""
+        self._replicas = None
 
     def _forget(self, actor: Any) -> None:
         for pool in self._pool.values():

@@ -18,6 +18,7 @@ import functools
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -372,13 +373,11 @@ class Service:
         try:
             with live.lock:
                 state = c.step(self.clock() if now is None else now)
-        except Exception as e:  # noqa: BLE001 - a controller bug ends this run, not the service
+        except Exception as e:  # noqa: BLE001 - a controller bug is reported, and the run goes on by its policy
             if not self.reaches_cluster():  # not the run's fault: leave it for a service that does
                 self.cluster_lost(f"{type(e).__name__}: {e}")
                 return c.state
-            with live.lock:
-                c.fail(self.clock(), "controller_error", f"{type(e).__name__}: {e}")
-            state = c.state
+            state = self._controller_error(live, e)
         try:
             self._note_out_of_use(live)
             if state.terminal and not live.closed:
@@ -390,6 +389,25 @@ class Service:
                 print(f"goodput: run {run_id}: saving its state failed: {type(e).__name__}: {e}", file=sys.stderr,
                       flush=True)
         return state
+
+    def _controller_error(self, live: LiveRun, error: Exception) -> RunState:
+        """A bug in a run's controller: its traceback goes to this service's log and the run's events,
+        and the run goes on by its failure policy (RunController.controller_error). Only when handling
+        it raises again does the run end, as `controller_error`, the traceback of both logged."""
+        c = live.controller
+        trace = traceback.format_exc()
+        print(f"goodput: run {c.run_id}: controller error (a bug; the run goes on by its failure policy):\n{trace}",
+              file=sys.stderr, flush=True)
+        try:
+            with live.lock:
+                c.controller_error(self.clock(), error, trace)
+        except Exception as again:  # noqa: BLE001 - the last resort: this run ends, the service goes on
+            print(f"goodput: run {c.run_id}: handling the controller error failed too; the run ends:\n"
+                  f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+            with live.lock:
+                c.fail(self.clock(), "controller_error", f"{type(error).__name__}: {error}; then, handling it: "
+                       f"{type(again).__name__}: {again}")
+        return c.state
 
     # -- nodes ------------------------------------------------------------------------------------------
     def _holders(self) -> dict[str, str]:

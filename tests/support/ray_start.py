@@ -30,6 +30,15 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def children(p: psutil.Process) -> list[psutil.Process]:
+    """`p`'s descendants now; none when it is gone (it may end, and its PID be reused by another
+    process, between the moment it was listed and this call: psutil then raises NoSuchProcess)."""
+    try:
+        return p.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
 class RayStartCluster:
     def __init__(self, tmp: Path, *, head_ip: str = "127.0.0.1", worker_ips: list[str] | None = None,
                  default_health_checks: bool = False) -> None:
@@ -77,7 +86,7 @@ class RayStartCluster:
         for p in psutil.process_iter(["cmdline"]):
             if str(self.tmp) in " ".join(p.info["cmdline"] or []):
                 ours.append(p)
-                ours.extend(p.children(recursive=True))
+                ours.extend(children(p))
         return ours
 
     def raylet_ips(self) -> set[str]:

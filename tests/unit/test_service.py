@@ -434,7 +434,7 @@ def test_a_service_that_lost_its_cluster_touches_no_run(tmp_path: Path) -> None:
     ended, the GCS is gone): that is not the run's fault. The run is neither failed nor shut down
     (its workers may train on), nothing is driven any more, and `lost_cluster` says why, for the
     process to end on and a restarted service to re-attach. With the cluster reachable, the same
-    error is a controller error that ends the run."""
+    error is a controller error: reported, and the run goes on by its failure policy (a restart)."""
     h = Harness(sqlite_url(str(tmp_path)))
     s = h.service
     s.add(parse_spec(raw_spec("a", dp=1, tp=1)))
@@ -450,7 +450,8 @@ def test_a_service_that_lost_its_cluster_touches_no_run(tmp_path: Path) -> None:
     reachable = [True]
     s.cluster.connected = lambda: reachable[0]  # type: ignore[attr-defined]
     h.service.advance("b")
-    assert s.run("b")["state"] == "failed" and "ConnectionError" in s.run("b")["error"]["message"]
+    assert s.run("b")["state"] == "launching" and not s.run("b").get("error")
+    assert "ConnectionError" in h.service.controller("b").events.of_kind("controller_error")[0].detail["message"]
     reachable[0] = False
     assert h.service.advance("a").value == "running"
     assert s.run("a")["state"] == "running" and h.group("a").shutdowns == 0 and not s.run("a").get("error")
