@@ -89,6 +89,12 @@ class PollResult:
     suspect_nodes: set[str] = field(default_factory=set)
     """Nodes of this attempt not yet declared dead whose node daemon refuses connections: dying (Ray
     declares a node dead only after its health checks miss a few times). Looked at once a node is dead."""
+    silent_nodes: dict[str, str] = field(default_factory=dict)
+    """Nodes of this attempt whose heartbeat stopped, with the evidence that confirmed it (each is in
+    `dead_nodes` too): a silent fault (health/heartbeat.py)."""
+    isolated: str | None = None
+    """Why the controller suspects itself rather than the nodes (every node silent at once), while it
+    does: no node is declared lost for silence then."""
     compute: list[tuple[int, Any]] = field(default_factory=list)
     """(step, every rank's compute seconds in rank order): whole steps at once, as the simulator gives
     its synthetic per-rank samples to the straggler judgement (reports carry one rank's each)."""

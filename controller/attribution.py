@@ -43,13 +43,16 @@ def is_collective_symptom(message: str) -> bool:
 def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_ranks: set[int],
               unresponsive: set[int], node_of_rank: tuple[str, ...], signal_age_s: float | None,
               on_live_nodes: frozenset[int] | set[int] = frozenset(),
-              suspect_nodes: frozenset[str] | set[str] = frozenset()) -> FailureEvent | None:
+              suspect_nodes: frozenset[str] | set[str] = frozenset(),
+              silent: Mapping[str, str] | None = None) -> FailureEvent | None:
     """The failure's cause, or None while it is too early to tell (or nothing failed).
     `signal_age_s`: time since the first failure signal of the attempt. `on_live_nodes`: dead ranks
     whose node is known to be alive (their actor said so): no grace is needed to rule out a node loss.
     `suspect_nodes`: nodes not declared dead whose node daemon is gone (PollResult.suspect_nodes).
     A node every rank of which died and whose daemon is gone is lost now: the data plane and the
-    probe agree, and Ray's own health checks (~30 s by default) need not be waited for."""
+    probe agree, and Ray's own health checks (~30 s by default) need not be waited for. `silent`: nodes
+    of `dead_nodes` lost silently (their heartbeat stopped, confirmed: PollResult.silent_nodes), with
+    what was seen."""
     whole = _dying_nodes(dead_ranks - set(on_live_nodes), node_of_rank)
     lost = set(dead_nodes) | (whole & set(suspect_nodes))
     if lost:
@@ -59,8 +62,11 @@ def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_
             # one by one, a moment apart. One decision for all of them.
             return None
         ranks = tuple(ranks_on(node_of_rank, lost))
+        dark = {node: why for node, why in (silent or {}).items() if node in lost}
+        how = "".join(f"; {node} went silent: {why}" for node, why in sorted(dark.items()))
         return FailureEvent(time=now, cause=FailureCause.NODE_LOST, nodes=tuple(sorted(lost)), ranks=ranks,
-                            message=f"node(s) {sorted(lost)} lost with ranks {list(ranks)}")
+                            message=f"node(s) {sorted(lost)} lost with ranks {list(ranks)}{how}",
+                            evidence={"silent": dark} if dark else {})
     if dead_ranks and dead_ranks <= on_live_nodes:
         return _rank_died(now, dead_ranks, node_of_rank)
     if not (errors or dead_ranks) or signal_age_s is None or signal_age_s < ATTRIBUTION_GRACE_S:
@@ -141,7 +147,8 @@ class AttemptSignals:
         age = None if self.since is None else now - self.since
         failure = attribute(now, errors=self.errors, dead_nodes=result.dead_nodes, dead_ranks=self.dead_ranks,
                             unresponsive=result.unresponsive, node_of_rank=node_of_rank, signal_age_s=age,
-                            on_live_nodes=self.on_live_nodes, suspect_nodes=result.suspect_nodes)
+                            on_live_nodes=self.on_live_nodes, suspect_nodes=result.suspect_nodes,
+                            silent=result.silent_nodes)
         if failure is not None or self.since is not None or not self.step_times:
             return failure
         verdict = hang_verdict(now, last_step=self.last_step, last_report_at=self.last_report_at,

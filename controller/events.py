@@ -45,6 +45,7 @@ class EventKind(enum.StrEnum):
     SAMPLES_SKIPPED = "samples_skipped"  # (rank) batch_while_healing shrink: the out replicas' samples of these steps
     REPLICA_CHECKSUMS = "replica_checksums"  # (rank) every live replica's state checksum at one shard position
     DECISION = "decision"
+    CONTROLLER_ISOLATED = "controller_isolated"  # every node silent at once: the controller suspects itself
     CONTROLLER_ERROR = "controller_error"  # an exception inside the controller (a bug), with its traceback
     QUARANTINED = "quarantined"
     NODE_CORDONED = "node_cordoned"

@@ -109,6 +109,8 @@ class RunController:
         the nodes each lost (to be replaced before it can be formed again)."""
         self._forming: set[int] = set()
         """Of those, the ones being formed again (their group reports `replica_rejoined`)."""
+        self._isolated: str | None = None
+        """Why the worker group last said this controller suspects itself (PollResult.isolated)."""
         self._survivors_since: float | None = None
         """When the survivors were told to go on without lost replicas (their next step is the recovery)."""
         self.events.add(now, 0, EventKind.SUBMITTED, name=spec.name)
@@ -303,6 +305,10 @@ class RunController:
         with self.outside_lock():
             result = self.worker_group.poll()
         seen = self.watch.fold(now, result, self.progress)
+        if result.isolated != self._isolated:  # (said when it begins and when it ends)
+            self.events.add(now, self.attempt, EventKind.CONTROLLER_ISOLATED, isolated=result.isolated is not None,
+                            message=result.isolated or "heartbeats heard again")
+            self._isolated = result.isolated
         if seen.first_step is not None and self.attempt > 0:
             # When the ranks finished it (a report may reach us later than that: a peer snapshot's is
             # held until the copy is on the buddies), never after we heard of it.

@@ -231,8 +231,14 @@ def _natural(name: str) -> tuple:
 
 def merge_returned(ours: Topology, live: Topology) -> Topology:
     """Nodes we marked lost that the cluster shows alive again become healthy; nodes unknown to us
-    are ignored (a later issue may adopt them)."""
-    back = ours.names_in(NodeState.LOST) & live.names
+    are ignored (a later issue may adopt them). Alive again means under another Ray node id where
+    both are known: a node lost silently (dark, cut off) is still listed by Ray, under the same id,
+    until Ray's own health checks declare it dead (~30 s by default), and one back from a partition
+    under that id is not trusted again by the run that lost it."""
+    back = {name for name in ours.names_in(NodeState.LOST) & live.names
+            if ours.node(name).ray_node_id is None or live.node(name).ray_node_id is None
+            or ours.node(name).ray_node_id != live.node(name).ray_node_id}
     if not back:
         return ours
-    return ours.with_states({name: NodeState.HEALTHY for name in sorted(back)})
+    return Topology(tuple(replace(n, state=NodeState.HEALTHY, ray_node_id=live.node(n.name).ray_node_id)
+                          if n.name in back else n for n in ours.nodes))

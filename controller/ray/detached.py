@@ -96,6 +96,7 @@ def attach(group: "RayWorkerGroup", attempt: "AttemptSpec") -> bool:
     group._finished, group._failed, group._drains = set(), set(), {}
     group._nodes = set(attempt.placement.node_of_rank)
     group._node_of_rank = tuple(attempt.placement.node_of_rank)
+    group.watch_heartbeats(f"{attempt.run_id}/attempt-{attempt.attempt}/")
     return True
 
 

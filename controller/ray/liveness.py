@@ -1,5 +1,11 @@
 """Whether a node's raylet still listens: the probe that confirms a node lost before Ray's own health
-checks declare it dead (controller/ray/worker_group.py asks it of suspect nodes)."""
+checks declare it dead (controller/ray/worker_group.py asks it of suspect nodes).
+
+Two answers, for two kinds of failure. `refusing`: the connection is refused, so the host answers but
+nothing listens (a loud death: the raylet is gone). `unanswered`: nothing answers within the probe's
+wait (a silent one: the host is dark, cut off, or its network drops what we send); on its own that
+says little (a firewall may drop a controller's probe), so it only corroborates a node whose
+heartbeat has stopped (health/heartbeat.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +37,38 @@ def refusing(addresses: dict[str, list[tuple[str, int]]]) -> set[str]:
     with ThreadPoolExecutor(max_workers=min(16, len(pairs))) as pool:
         answers = list(pool.map(refused, [address for _, address in pairs]))
     return {name for name in addresses if all(no for (n, _), no in zip(pairs, answers) if n == name)}
+
+
+def unanswered(addresses: dict[str, list[tuple[str, int]]]) -> set[str]:
+    """The names none of whose (host, port) accepts or refuses a TCP connection within RAYLET_PROBE_S."""
+    if not addresses:
+        return set()
+
+    def silent(address: tuple[str, int]) -> bool:
+        try:
+            socket.create_connection(address, timeout=RAYLET_PROBE_S).close()
+        except ConnectionRefusedError:
+            return False
+        except OSError:  # a timeout, or no route to it any more
+            return True
+        return False
+
+    pairs = [(name, address) for name, listed in addresses.items() for address in listed]
+    with ThreadPoolExecutor(max_workers=min(16, len(pairs))) as pool:
+        answers = list(pool.map(silent, [address for _, address in pairs]))
+    return {name for name in addresses if all(no for (n, _), no in zip(pairs, answers) if n == name)}
+
+
+def raylet_addresses(nodes: set[str]) -> dict[str, list[tuple[str, int]]]:
+    """Where Ray lists the raylets of `nodes` alive (by their `node` label)."""
+    import ray
+
+    alive: dict[str, list[tuple[str, int]]] = {}
+    for info in ray.nodes():
+        name = (info.get("Labels") or {}).get("node")
+        if name in nodes and info.get("Alive"):
+            alive.setdefault(name, []).append((info["NodeManagerAddress"], int(info["NodeManagerPort"])))
+    return alive
 
 
 def node_states(nodes: set[str], asked: set[str] | None) -> tuple[set[str], set[str]]:

@@ -77,6 +77,7 @@ class RankActor:
         self._identity: dict[str, Any] = {}
         self._done = threading.Event()
         self._outcome: tuple[str, Any] | None = None
+        self._heart = NodeHeart()
 
     def warm(self) -> dict[str, Any]:
         import torch  # noqa: F401 - the point: pay the import once, before any attempt
@@ -104,6 +105,7 @@ class RankActor:
             self._identity = {"run_id": args.run_id, "attempt": args.attempt, "rank": args.rank,
                               "incarnation": args.incarnation}
             self._done, self._outcome = done, None
+        self._heart.beat_for(args.store_host, args.store_port, heartbeat_key(args.store_prefix, args.rank))
         try:
             summary = self._run(args)
             self._outcome = ("ok", summary)
@@ -273,6 +275,55 @@ class RankActor:
             process, beat = self._process, self._beat
         quiet = time.time() - beat.value if process is not None and process.is_alive() and beat else None
         return out[0], out[1], quiet
+
+
+def heartbeat_key(store_prefix: str, rank: int) -> str:
+    """The counter of the run's store that the actor holding `rank` of an attempt adds to."""
+    return f"{store_prefix}heartbeat/{rank}"
+
+
+class NodeHeart:
+    """The node's heartbeat, from its rank actor (health/heartbeat.py): a thread of its own adds one
+    to a counter of the run's store every HEARTBEAT_PERIOD_S, whatever the training process does (a
+    slow step, a checkpoint, a stopped rank), so only a node that is gone, cut off or frozen goes
+    silent. The counter is the rank's of the newest attempt this actor trains; a store that does not
+    answer (a partition) is tried again at the next beat."""
+
+    def __init__(self) -> None:
+        self._target: tuple[str, int, str] | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def beat_for(self, host: str, port: int, key: str) -> None:
+        with self._lock:
+            self._target = (host, port, key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat, name="goodput-heartbeat", daemon=True)
+                self._thread.start()
+
+    def _beat(self) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from health.heartbeat import HEARTBEAT_PERIOD_S
+
+        client: Any = None
+        at: tuple[str, int] | None = None
+        while True:
+            with self._lock:
+                target = self._target
+            assert target is not None
+            host, port, key = target
+            try:
+                if client is None or at != (host, port):
+                    client, at = None, (host, port)
+                    client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                           timeout=timedelta(seconds=HEARTBEAT_PERIOD_S * 5))
+                client.add(key, 1)
+            except Exception:  # noqa: BLE001 - unreachable now (a partition, a store moving): next beat
+                client = None
+            time.sleep(HEARTBEAT_PERIOD_S)
 
 
 class _PipeSink:

@@ -25,7 +25,9 @@ def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str
     r = group._replicas
     assert r is not None and group._attempt is not None
     ranks = [rank for replica in replicas for rank in r.ranks(replica)]
-    stops = [group.actors[rank].stop.remote() for rank in ranks if group.actors[rank] is not None]
+    group._gone |= set(nodes) & set(group._node_of_rank) if not suspect else set()
+    gone = group.on_gone_nodes(ranks)  # (not waited for: a dark node answers nothing)
+    stops = [group.actors[rank].stop.remote() for rank in ranks if group.actors[rank] is not None and rank not in gone]
     ray.wait(stops, num_returns=len(stops), timeout=15)
     r.out |= set(ranks)
     group._failed -= set(ranks)
@@ -48,6 +50,8 @@ def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) 
     group._attempt = dataclasses.replace(group._attempt, placement=placement)
     group._node_of_rank = tuple(placement.node_of_rank)
     group._nodes = set(placement.node_of_rank)
+    if group._hearts is not None:
+        group._hearts.moved(group._node_of_rank)
     busy = {id(a) for rank, a in enumerate(group.actors) if rank not in r.out and a is not None}
     for replica in replicas:
         incarnation = r.incarnation.get(replica, 0) + 1

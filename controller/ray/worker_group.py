@@ -28,6 +28,7 @@ from controller.events import EventKind
 from controller.ray import detached
 from controller.ray import replicas as ray_replicas
 from controller.ray import run_store
+from controller.ray.heartbeats import HeartbeatWatch, corroborate
 from controller.ray.liveness import node_states
 from controller.ray.run_store import NAMESPACE
 from controller.ray.rank_actor import UNRESPONSIVE_S, RankActor, RankProcessDied
@@ -88,6 +89,12 @@ class RayWorkerGroup:
         self._attempt: AttemptSpec | None = None
         self._replicas: ray_replicas.ReplicaTracking | None = None
         """failure_domain replica: the attempt's membership and the replicas being formed again."""
+        self._hearts: HeartbeatWatch | None = None
+        """The attempt's heartbeats (controller/ray/heartbeats.py)."""
+        self._gone: set[str] = set()
+        """Nodes of this attempt declared lost: their actors are not waited for (a dark node answers nothing)."""
+        self.isolated: str | None = None
+        """Why this controller suspects itself (every node silent at once), while it does; else None."""
 
     def abort(self) -> None:
         """From any thread: a `start` waiting for its workers gives up within half a second, and so does
@@ -159,6 +166,7 @@ class RayWorkerGroup:
         self._nodes = set(placement.node_of_rank)
         self._node_of_rank = tuple(placement.node_of_rank)
         self._runs = [actor.run.remote(self._worker_args(attempt, rank)) for rank, actor in enumerate(self.actors)]
+        self.watch_heartbeats(prefix)
 
     def _worker_args(self, attempt: AttemptSpec, rank: int, incarnation: int = 0) -> WorkerArgs:
         return WorkerArgs(
@@ -301,6 +309,10 @@ class RayWorkerGroup:
         discarded = any(kind == EventKind.REPLICA_STEP_DISCARDED for _, kind, _ in result.events)
         signalled = self._failed | result.dead_ranks | set(result.errors) | self._unanswered
         result.dead_nodes, result.suspect_nodes = self._node_states(signalled, every=discarded)
+        result.silent_nodes = self._silent(result, out)
+        result.dead_nodes |= set(result.silent_nodes)
+        result.isolated = self.isolated
+        self._gone |= result.dead_nodes | result.suspect_nodes
         if result.suspect_nodes:
             result.dead_ranks |= {r for r, node in enumerate(self._node_of_rank)
                                   if node in result.suspect_nodes and r not in out}
@@ -348,6 +360,27 @@ class RayWorkerGroup:
             result.events.extend((rank, kind, detail) for kind, detail in events)
         result.reports.sort(key=lambda r: (r.step, r.rank))
 
+    def watch_heartbeats(self, prefix: str) -> None:
+        """Watch the heartbeats of the attempt whose store keys start with `prefix` (from now on)."""
+        self._gone = set()
+        self._hearts = HeartbeatWatch(self._store_host, self._store.port, prefix, self._node_of_rank)
+
+    def _silent(self, result: PollResult, out: set[int]) -> dict[str, str]:
+        """The attempt's nodes whose heartbeat stopped and whose loss other evidence confirms (node ->
+        what was seen); none while every node is silent at once (this controller suspects itself:
+        `isolated` says so)."""
+        if self._hearts is None:
+            return {}
+        verdict = self._hearts.verdict(out | ray_replicas.forming_ranks(self))
+        self.isolated = (f"no heartbeat from any of the attempt's {len(verdict.silent_s)} nodes for "
+                         f"{min(verdict.silent_s.values()):.1f} s: this controller suspects itself (its link to the "
+                         "run's store, or its own process), not the nodes") if verdict.self_suspect else None
+        unresponsive = {self._node_of_rank[r] for r in result.unresponsive}
+        silent = corroborate(verdict, unresponsive_nodes=unresponsive)
+        for node in silent:
+            self._forget_node(node)
+        return silent
+
     def _node_states(self, signalled: set[int], every: bool = False) -> tuple[set[str], set[str]]:
         """(dead, suspect) among this attempt's nodes (controller/ray/liveness.node_states): the nodes
         asked are those the signalled ranks' collectives reach (the whole world; their replica's nodes
@@ -381,13 +414,16 @@ class RayWorkerGroup:
         if not self.warm:
             self.close(keep_snapshots=True)
             return
-        stops = [actor.stop.remote(keep_parked=True) for actor in self.actors]
+        gone = self.on_gone_nodes(range(len(self.actors)))  # (a dark node answers nothing: not waited for)
+        live = [(actor, run) for rank, (actor, run) in enumerate(zip(self.actors, self._runs)) if rank not in gone]
+        stops = [actor.stop.remote(keep_parked=True) for actor, _ in live]
         done, _ = ray.wait(stops, num_returns=len(stops), timeout=15)
-        for actor, ref in zip(self.actors, stops):
+        for (actor, _), ref in zip(live, stops):
             if ref not in done:  # an actor that cannot stop its process goes with it
                 ray.kill(actor, no_restart=True)
                 self._forget(actor)
-        ended, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=5)
+        runs = [run for _, run in live]
+        ended, _ = ray.wait(runs, num_returns=len(runs), timeout=5)
         for ref in ended:  # the killed processes' errors are expected: read them so Ray does not log them
             try:
                 ray.get(ref)
@@ -395,10 +431,26 @@ class RayWorkerGroup:
                 pass
         self.actors, self._runs, self._drains = [], [], {}
 
+    def on_gone_nodes(self, ranks: Any) -> set[int]:
+        """Of `ranks`, those on nodes of this attempt declared lost; their actors are killed without
+        waiting for an answer (on a node that is dark, or cut off, nothing answers; Ray ends them
+        when it reaches the node again, and the node's raylet ends them if Ray declared it dead)."""
+        import ray
+
+        gone = {rank for rank in ranks if rank < len(self._node_of_rank) and self._node_of_rank[rank] in self._gone}
+        for rank in gone:
+            if rank < len(self.actors) and self.actors[rank] is not None:
+                try:
+                    ray.kill(self.actors[rank], no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        return gone
+
     def _end_attempt(self) -> None:
         """No attempt runs now: none has replicas to contain (`contains_replicas` is False), so a
         failure of the next launch cannot be mistaken for a replica of the last one failing."""
         self._replicas = None
+        self._hearts = None
 
     def _forget(self, actor: Any) -> None:
         for pool in self._pool.values():
