@@ -55,12 +55,13 @@ def contain(c: "RunController", now: float, failure: FailureEvent) -> bool:
                            f"stop, {live} of {mesh.dp_replicas} train on ({c.spec.elastic.batch_while_healing} "
                            "the global batch) and the lost ones are formed again", mesh=mesh.axes(),
                     dp_replicas=mesh.dp_replicas)
-    c.events.add(now, c.attempt, EventKind.REPLICA_LOST, replicas=lost, nodes=list(failure.nodes), live=live,
-                    of=mesh.dp_replicas, batch=c.spec.elastic.batch_while_healing)
     assert c.watch is not None
     c.watch.contained(ranks | {r for replica in lost for r in range(replica * per, (replica + 1) * per)})
-    with c.outside_lock():
-        lose(lost, tuple(failure.nodes), suspect=failure.cause is FailureCause.SDC)
+    with c.outside_lock():  # (the worker group may say when the survivors were told: Unix seconds)
+        told_at = lose(lost, tuple(failure.nodes), suspect=failure.cause is FailureCause.SDC)
+    c.events.add(now, c.attempt, EventKind.REPLICA_LOST, replicas=lost, nodes=list(failure.nodes), live=live,
+                 of=mesh.dp_replicas, batch=c.spec.elastic.batch_while_healing,
+                 **({"told_at": told_at} if told_at is not None else {}))
     c._survivors_since = now
     form_replicas(c, now)
     return True

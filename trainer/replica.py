@@ -36,11 +36,8 @@ member that has it to every other member (a joining replica included), bit for b
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
 import time
-from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -48,9 +45,10 @@ import torch.distributed as dist
 from torch import nn
 
 from health.sdc import minority
+from trainer import abandon
+from trainer.membership import Membership, MembershipBoard  # noqa: F401 - (imported from here too)
 from trainer.probes import local_tensor
 
-MEMBERSHIP_KEY = "membership"
 FINGERPRINT_MASK = (1 << 52) - 1
 """State fingerprints travel in float64 collectives: 52 bits are exact there."""
 
@@ -63,100 +61,6 @@ class StepDiscarded(RuntimeError):
 class ReplicaBroken(RuntimeError):
     """This rank's own replica cannot agree (a member of its world is gone): the replica is lost and
     its ranks end."""
-
-
-@dataclass(frozen=True)
-class Membership:
-    """Who trains, as the controller publishes it: epoch after epoch, never reused."""
-
-    epoch: int
-    replicas: tuple[int, ...]
-    """The live replica ids, ascending: the cross-replica groups' members in this order."""
-    joining: tuple[int, ...] = ()
-    """Replicas formed again that receive their state from a live one when the epoch starts."""
-    at_step: int = 0
-    """The first step trained under this epoch at the earliest (a replay of a membership log gives
-    each epoch's step; a live controller gives 0: at the next step boundary all replicas agree on)."""
-
-    def __post_init__(self) -> None:
-        if list(self.replicas) != sorted(set(self.replicas)) or not self.replicas:
-            raise ValueError(f"membership epoch {self.epoch}: replicas {self.replicas} must be distinct, ascending, non-empty")
-        if not set(self.joining) <= set(self.replicas):
-            raise ValueError(f"membership epoch {self.epoch}: joining {self.joining} not among replicas {self.replicas}")
-        if set(self.joining) == set(self.replicas):
-            raise ValueError(f"membership epoch {self.epoch}: every replica is joining, none can give its state")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "Membership":
-        raw = json.loads(text)
-        return cls(int(raw["epoch"]), tuple(raw["replicas"]), tuple(raw.get("joining", ())), int(raw.get("at_step", 0)))
-
-
-class MembershipBoard:
-    """Where the controller publishes membership epochs (every one it ever published, by number, and
-    the newest number) and ranks read them: keys of the run's rendezvous store."""
-
-    def __init__(self, store: dist.Store, prefix: str = MEMBERSHIP_KEY) -> None:
-        self.store = store
-        self.prefix = prefix
-
-    def publish(self, membership: Membership) -> None:
-        newest = self.newest_epoch()
-        if membership.epoch <= newest:
-            raise ValueError(f"membership epoch {membership.epoch} is not newer than the published {newest}")
-        self.store.set(f"{self.prefix}/{membership.epoch}", membership.to_json())
-        self.store.set(f"{self.prefix}/newest", str(membership.epoch))
-
-    def newest_epoch(self) -> int:
-        key = f"{self.prefix}/newest"
-        return int(self.store.get(key)) if self.store.check([key]) else -1
-
-    def get(self, epoch: int) -> Membership:
-        return Membership.from_json(self.store.get(f"{self.prefix}/{epoch}"))
-
-    def due(self, after: int, next_step: int) -> int:
-        """The newest epoch after `after` whose `at_step` has come by `next_step` (else `after`)."""
-        newest = self.newest_epoch()
-        for epoch in range(newest, after, -1):
-            if self.get(epoch).at_step <= next_step:
-                return epoch
-        return after
-
-    def wait_joining(self, replica: int, timeout_s: float, poll_s: float = 0.05) -> Membership:
-        """The newest membership that forms `replica` again (it receives its state there)."""
-        deadline = time.monotonic() + timeout_s
-        seen = -1
-        while True:
-            newest = self.newest_epoch()
-            if newest > seen:
-                m = self.get(newest)
-                if replica in m.joining:
-                    return m
-                seen = newest
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no membership epoch formed replica {replica} again within {timeout_s:.0f} s")
-            time.sleep(poll_s)
-
-    def wait_newer(self, epoch: int, timeout_s: float, poll_s: float = 0.05) -> Membership:
-        """The newest membership after `epoch`, once the controller has published one."""
-        deadline = time.monotonic() + timeout_s
-        while (newest := self.newest_epoch()) <= epoch:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no membership epoch after {epoch} within {timeout_s:.0f} s")
-            time.sleep(poll_s)
-        return self.get(newest)
-
-
-def _backend(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 class CrossReplica:
@@ -186,6 +90,11 @@ class CrossReplica:
         self.agreed_step = 0
         """The newest step whose state every live replica was seen to hold alike (the last step a
         replay from the store may trust when they stop agreeing)."""
+        self._works: list[Any] = []
+        """The current group's collectives not known to have ended (held with it if it is given up)."""
+        self.graveyard = abandon.Graveyard()
+        self._seen_epoch = -1
+        self._leaves_out = ""
 
     @property
     def live(self) -> int:
@@ -206,17 +115,38 @@ class CrossReplica:
         prefix = dist.PrefixStore(f"cross/e{membership.epoch}/p{self.position}", self.store)
         self.membership = membership
         size = len(membership.replicas)
-        self.group = _backend(prefix, self.index, size, self.device, self.timeout_s) if size > 1 else None
+        self.group = abandon.build(prefix, self.index, size, self.device, self.timeout_s) if size > 1 else None
         self.largest_group = max(self.largest_group, size)
 
     def abort(self) -> None:
-        """Drop the current group (a failed one may still have a collective pending on a dead peer)."""
+        """Give the current group up (a failed one may still have a collective pending on a dead peer:
+        it is held until that ends, trainer/abandon.py)."""
         if self.group is not None:
-            try:
-                self.group.abort()
-            except Exception:  # noqa: BLE001 - a broken group may refuse even that; it is dropped either way
-                pass
-        self.group = None
+            abandon.abort(self.group, self._works, self.graveyard)
+        self.group, self._works = None, []
+
+    def superseded(self) -> str | None:
+        """Why a collective of this epoch is to be given up now: the controller published a newer
+        membership that leaves out one of its members (a lost replica). None otherwise (a newer
+        epoch that only adds joining replicas is switched to at the next step boundary)."""
+        assert self.membership is not None
+        newest = self.board.newest_epoch()
+        if newest != self._seen_epoch:
+            self._seen_epoch = newest
+            later = self.board.get(newest) if newest > self.membership.epoch else None
+            out = sorted(set(self.membership.replicas) - set(later.replicas)) if later is not None else []
+            self._leaves_out = (f"membership epoch {newest} leaves out replica(s) {out}: the collective of epoch "
+                                f"{self.membership.epoch} is given up") if out else ""
+        return self._leaves_out or None
+
+    def _wait(self, work: Any) -> None:
+        self._works.append(work)
+        try:
+            abandon.wait(work, give_up=self.superseded, timeout_s=self.timeout_s)
+        except Exception:
+            self.abort()  # (given up, timed out or failed: this group is done with)
+            raise
+        self._works.remove(work)
 
     def data_split(self, shard_rank: int, dp_shard: int) -> tuple[int, int]:
         """(dp ranks of the whole run, this rank's dp rank): replicas outermost, as HSDP orders them.
@@ -238,7 +168,7 @@ class CrossReplica:
             return
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.group.allreduce([buf], opts).wait()
+        self._wait(self.group.allreduce([buf], opts))
 
     def reduce(self, parts: Sequence[nn.Module]) -> bool:
         """The mean over the live replicas of every local gradient shard, in place: one flat all-reduce
@@ -366,9 +296,11 @@ class CrossReplica:
         for t in tensors():
             if not t.is_contiguous():
                 raise ValueError("a replica's state tensor is not contiguous: it cannot be received in place")
-            # NCCL moves device memory only: a host-side tensor (AdamW's step count) goes through the device
-            staged = t.to(self.device) if t.device != self.device else t
-            self.group.broadcast([staged], opts).wait()
+            # NCCL moves device memory only: a host-side tensor (AdamW's step count) goes through the
+            # device; a receiver takes it into a copy of its own (a broadcast given up must not write
+            # into the state later, should its sender come back)
+            staged = t.to(self.device) if t.device != self.device or self.index == root else t.clone()
+            self._wait(self.group.broadcast([staged], opts))
             if staged is not t:
                 t.copy_(staged)
         return newest, int(rows[root][1]), m.replicas[root]

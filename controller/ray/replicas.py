@@ -14,12 +14,14 @@ if TYPE_CHECKING:
 
 
 def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str, ...], *,
-                  suspect: bool = False) -> None:
+                  suspect: bool = False) -> float:
     """The controller's word: these replicas are out. Their training processes on live nodes end
     (a node loss ended the others), and the next membership epoch, without them, lets the survivors
-    go on. `suspect` (a contained SDC): their peer snapshots on their nodes go too, since they may hold
+    go on (when they were told, Unix seconds, is returned). `suspect` (a contained SDC): their peer snapshots on their nodes go too, since they may hold
     the corruption; a lost replica's snapshots are otherwise the state every replica held at their
     step, kept for the world path's fallback."""
+    import time
+
     import ray
 
     r = group._replicas
@@ -35,10 +37,12 @@ def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str
     for rank in ranks:
         group._drains.pop(rank, None)
     r.publish(live=r.live - set(replicas))
+    told = time.time()
     if suspect and group._attempt.peer_every and group._peer_key is not None:  # (an SDC's nodes are alive)
         held_by = {group._node_of_rank[rank] for rank in ranks}
         drops = [group._pool[node][0].drop_peer_copies.remote(group._peer_key) for node in held_by if group._pool.get(node)]
         ray.wait(drops, num_returns=len(drops), timeout=15)
+    return told
 
 
 def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) -> None:

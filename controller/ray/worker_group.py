@@ -190,8 +190,8 @@ class RayWorkerGroup:
         restarted controller re-attached to has no membership to go on with)."""
         return self._replicas is not None
 
-    def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...], *, suspect: bool = False) -> None:
-        ray_replicas.lose_replicas(self, replicas, nodes, suspect=suspect)
+    def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...], *, suspect: bool = False) -> float:
+        return ray_replicas.lose_replicas(self, replicas, nodes, suspect=suspect)
 
     def form_replicas(self, replicas: list[int], placement: Any) -> None:
         ray_replicas.form_replicas(self, replicas, placement)
@@ -313,6 +313,8 @@ class RayWorkerGroup:
         result.dead_nodes |= set(result.silent_nodes)
         result.isolated = self.isolated
         self._gone |= result.dead_nodes | result.suspect_nodes
+        for rank in [r for r in self._drains if self._node_of_rank[r] in self._gone]:
+            del self._drains[rank]  # (a lost node's actors say nothing more: not waited for below)
         if result.suspect_nodes:
             result.dead_ranks |= {r for r, node in enumerate(self._node_of_rank)
                                   if node in result.suspect_nodes and r not in out}
