@@ -243,13 +243,21 @@ def latest_verified(store: ObjectStore, run_id: str, *, below: int | None = None
     """The newest step (optionally below a step) whose manifest and files verify, plus why newer
     steps were skipped. Only a verified mismatch skips a step; a StoreError (the store cannot be
     reached) propagates, so the caller waits for the store instead of rolling back past a good step.
-    `checksums=False` checks one listing's names and sizes and reads no file."""
+    `checksums=False` checks one listing's names and sizes and reads no file. A step a superseded
+    attempt committed after its successor started is skipped (checkpointing/fence.py)."""
+    from checkpointing.fence import fenced_out, starts
+
     skipped: list[str] = []
+    started: dict[int, int] | None = None
     for step in reversed(committed_steps(store, run_id)):
         if below is not None and step >= below:
             continue
         try:
             manifest = read_manifest(store, run_id, step)
+            started = starts(store, run_id) if started is None else started
+            if (later := fenced_out(step, manifest.attempt, started)) is not None:
+                raise CheckpointError(f"step {step} of {run_id} was committed by attempt {manifest.attempt} after "
+                                      f"attempt {later} superseded it (started from step {started[later]}): fenced out")
             verify(store, manifest, checksums=checksums)
         except CheckpointError as e:
             skipped.append(str(e))

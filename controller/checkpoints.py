@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from checkpointing.fence import raise_fence
 from checkpointing.manifest import Discards, resume_point
 from checkpointing.peer import Held, PeerPoint, buddies, peer_point, replica_buddies, replica_peer_point, run_key
 from checkpointing.schedule import observed_mtbf_s
@@ -100,6 +101,15 @@ class RunCheckpoints:
             return dataclasses.replace(point, peer_unusable=why or f"the store's step {point.start_step} is newer")
         return dataclasses.replace(point, start_step=peer.step, cursor=peer.cursor, resume_step=None, peer=peer,
                                    peer_replicas=loaders)
+
+    def raise_fence(self, attempt: int, start_step: int) -> None:
+        """Attempt `attempt` starts from `start_step`: no earlier attempt commits after that
+        (checkpointing/fence.py: the store's record), and no peer snapshot of a later step taken by the
+        attempt before it is loaded (a node back from a partition). Store I/O: StoreError when the store cannot be reached."""
+        if attempt > 0:  # (the one before it; each earlier one was fenced when its successor started)
+            self.exclude_peers(attempt - 1, start_step)
+        if self.store is not None:
+            raise_fence(self.store, self.run_id, attempt, start_step)
 
     def exclude_peers(self, attempt: int, after_step: int) -> None:
         """Attempt `attempt`'s peer snapshots after `after_step` are never loaded."""

@@ -27,27 +27,46 @@ class DrillKind(enum.StrEnum):
     SLOW_RANK = "slow-rank"
     BITFLIP = "bitflip"
     STORAGE_OUTAGE = "storage-outage"
+    # Silent faults (DESIGN.md "Silent faults"): nothing the node sends arrives and nothing closes. They
+    # act on the node's own network and processes (controller/ray/netfaults.py), so they need a node
+    # that is a host of its own (a pod, a machine, the lab's namespaces), never one on loopback.
+    POWER_OFF = "power-off"
+    PARTITION = "partition"
+    SLOW_LINK = "slow-link"
+    LOSSY_LINK = "lossy-link"
+    FREEZE_NODE = "freeze-node"
 
     @property
     def target(self) -> str:
         """`node`, `rank` or `store` (the run's object store: no target to give)."""
+        if self.silent:
+            return "node"
         return {"kill-node": "node", "storage-outage": "store"}.get(self.value, "rank")
 
     @property
+    def silent(self) -> bool:
+        """Whether it is a silent fault (a node's network or every process of it; nothing closes)."""
+        return self.value in ("power-off", "partition", "slow-link", "lossy-link", "freeze-node")
+
+    @property
     def param(self) -> str | None:
-        """The parameter this kind takes (`factor`, `seconds`), if any."""
-        return {"slow-rank": "factor", "storage-outage": "seconds"}.get(self.value)
+        """The parameter this kind takes (`factor`, `seconds`, `delay_ms`, `loss`), if any."""
+        return {"slow-rank": "factor", "storage-outage": "seconds", "partition": "seconds", "freeze-node": "seconds",
+                "slow-link": "delay_ms", "lossy-link": "loss"}.get(self.value)
 
     @property
     def default(self) -> float | None:
-        """Its parameter's default."""
-        return {"slow-rank": DEFAULT_FACTOR, "storage-outage": DEFAULT_OUTAGE_S}.get(self.value)
+        """Its parameter's default (None for partition and freeze-node: they last)."""
+        return {"slow-rank": DEFAULT_FACTOR, "storage-outage": DEFAULT_OUTAGE_S, "slow-link": DEFAULT_DELAY_MS,
+                "lossy-link": DEFAULT_LOSS}.get(self.value)
 
     @property
     def component(self) -> str:
         """What it fails, in the failure model's words (controller.sim)."""
         return {"kill-node": "host", "kill-rank": "rank", "hang-rank": "hang", "bitflip": "sdc",
-                "slow-rank": "straggler", "storage-outage": "storage-outage"}[self.value]
+                "slow-rank": "straggler", "storage-outage": "storage-outage", "power-off": "host",
+                "partition": "network", "slow-link": "network", "lossy-link": "network",
+                "freeze-node": "host"}[self.value]
 
     @property
     def effect(self) -> str:
@@ -56,7 +75,12 @@ class DrillKind(enum.StrEnum):
                 "hang-rank": "SIGSTOP a rank's training process",
                 "slow-rank": "the rank computes `factor` x slower",
                 "bitflip": "flip a high exponent bit of one of the rank's parameters",
-                "storage-outage": "the object store refuses writes for `seconds`"}[self.value]
+                "storage-outage": "the object store refuses writes for `seconds`",
+                "power-off": "cut the node's link, then SIGKILL every process on it (silent)",
+                "partition": "cut the node's link, its processes alive; `seconds` heals it (silent)",
+                "slow-link": "delay everything the node sends by `delay_ms` (tc netem)",
+                "lossy-link": "drop `loss` percent of what the node sends (tc netem)",
+                "freeze-node": "SIGSTOP every process on the node; `seconds` thaws it (a hung host)"}[self.value]
 
     @classmethod
     def names(cls) -> str:
@@ -68,11 +92,17 @@ DEFAULT_FACTOR = 1.5
 """slow-rank: how many times slower the rank computes."""
 DEFAULT_OUTAGE_S = 30.0
 """storage-outage: seconds the store refuses writes."""
+DEFAULT_DELAY_MS = 50.0
+"""slow-link: milliseconds added to everything the node sends."""
+DEFAULT_LOSS = 5.0
+"""lossy-link: percent of the node's packets dropped."""
+PARAMS = ("factor", "seconds", "delay_ms", "loss")
+"""Every drill parameter; a kind takes at most one (DrillKind.param)."""
 
 
 class DrillInjector(Protocol):
-    def inject(self, kind: DrillKind, target: str, *, factor: float | None = None,
-               seconds: float | None = None) -> dict[str, Any]:
+    def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
+               delay_ms: float | None = None, loss: float | None = None) -> dict[str, Any]:
         """Do it (`DrillKind.effect`) and say what was hit."""
         ...
 
@@ -95,7 +125,12 @@ class DrillRequest:
     factor: float | None = None
     """slow-rank: how many times slower the rank computes (default 1.5)."""
     seconds: float | None = None
-    """storage-outage: how long the object store refuses writes (default 30)."""
+    """storage-outage: how long the object store refuses writes (default 30); partition, freeze-node:
+    how long until the link heals or the node thaws (default: never, in this run)."""
+    delay_ms: float | None = None
+    """slow-link: milliseconds added to everything the node sends (default 50)."""
+    loss: float | None = None
+    """lossy-link: percent of the node's packets dropped (default 5)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {"id": self.id, "kind": self.kind, "target": self.target, "at_step": self.at_step,
@@ -103,6 +138,10 @@ class DrillRequest:
         if self.kind.param is not None:
             out[self.kind.param] = getattr(self, self.kind.param) or self.kind.default
         return out
+
+    def params(self) -> dict[str, float | None]:
+        """Its parameters, as the injector takes them."""
+        return {name: getattr(self, name) for name in PARAMS}
 
 
 def new_drill_id() -> str:
@@ -114,15 +153,20 @@ def rank_target(target: str | int | None) -> str | None:
     return None if target is None else str(target)
 
 
-def params_problem(kind: DrillKind, factor: float | None, seconds: float | None) -> str | None:
-    for name, value in (("factor", factor), ("seconds", seconds)):
+def params_problem(kind: DrillKind, factor: float | None = None, seconds: float | None = None,
+                   delay_ms: float | None = None, loss: float | None = None) -> str | None:
+    for name, value in (("factor", factor), ("seconds", seconds), ("delay_ms", delay_ms), ("loss", loss)):
         if value is not None and kind.param != name:
-            owner = next(k for k in DrillKind if k.param == name)
-            return f"{name} is for {owner} drills, not {kind}"
+            owners = ", ".join(k for k in DrillKind if k.param == name)
+            return f"{name} is for {owners} drills, not {kind}"
     if factor is not None and factor < 1.0:
         return f"factor = {factor} must be >= 1 (how many times slower the rank computes)"
     if seconds is not None and seconds <= 0:
         return f"seconds = {seconds} must be > 0"
+    if delay_ms is not None and not 0 < delay_ms <= 60_000:
+        return f"delay_ms = {delay_ms} must be in (0, 60000] (milliseconds added to what the node sends)"
+    if loss is not None and not 0 < loss <= 100:
+        return f"loss = {loss} must be in (0, 100] (percent of the node's packets dropped)"
     return None
 
 
@@ -162,13 +206,12 @@ class DrillSchedule:
         self._pending.sort(key=lambda r: -1 if r.at_step is None else r.at_step)
 
     def request(self, now: float, kind: str, *, target: str | None, at_step: int | None, step: int,
-                placement: Placement | None, factor: float | None = None,
-                seconds: float | None = None) -> DrillRequest:
-        """Validate and queue a drill on a live run at `step`; DrillError says what to fix."""
+                placement: Placement | None, **params: float | None) -> DrillRequest:
+        """Validate and queue a drill on a live run at `step` (`params`: PARAMS); DrillError says what to fix."""
         if kind not in set(DrillKind):
             raise DrillError(f"drill kind {kind!r} cannot be injected; use one of {DrillKind.names()}")
         kind = DrillKind(kind)
-        if (problem := params_problem(kind, factor, seconds)) is not None:
+        if (problem := params_problem(kind, **params)) is not None:
             raise DrillError(problem)
         if at_step is not None and at_step < step:
             raise DrillError(f"at_step {at_step} has passed: the run is at step {step}; give a later step "
@@ -176,7 +219,7 @@ class DrillSchedule:
         if target is not None and placement is not None and (problem := target_problem(kind, target, placement)):
             raise DrillError(problem)
         request = DrillRequest(id=new_drill_id(), kind=kind, at_step=at_step, target=target, requested_at=now,
-                               factor=factor, seconds=seconds)
+                               **params)
         self._add(request)
         return request
 
@@ -224,7 +267,7 @@ def drill_report(events: list[Event], i: int) -> dict[str, Any]:
         report = _failure_report(ev, later)
     report = {"id": ev.detail.get("id"), "kind": kind, "target": ev.detail.get("target"),
               "at_step": ev.detail.get("step"), "injected_at": ev.time, **report}
-    for name in ("factor", "seconds"):
+    for name in PARAMS:
         if name in ev.detail:
             report[name] = ev.detail[name]
     if report.get("detected_at") is not None:
@@ -271,7 +314,7 @@ class RunDrills:
     def __init__(self, run_id: str, spec_drills: "list[DrillSpec]") -> None:
         self.schedule = DrillSchedule([
             DrillRequest(id=spec_drill_id(run_id, i), kind=d.kind, at_step=d.at_step, target=d.target,
-                         factor=d.factor, seconds=d.seconds)
+                         factor=d.factor, seconds=d.seconds, delay_ms=d.delay_ms, loss=d.loss)
             for i, d in enumerate(spec_drills)])
         self._reports = DrillReports()
         self._injecting: DrillRequest | None = None
@@ -295,8 +338,8 @@ class RunDrills:
         """After a restart: the drills requested and not injected yet are due again (the spec's too)."""
         done = {e["detail"].get("id") for e in events if e["kind"] in DRILL_EVENTS}
         requested = [DrillRequest(id=d["id"], kind=DrillKind(d["drill"]), at_step=d.get("at_step"),
-                                  target=d.get("target"), requested_at=d.get("requested_at"), factor=d.get("factor"),
-                                  seconds=d.get("seconds"))
+                                  target=d.get("target"), requested_at=d.get("requested_at"),
+                                  **{name: d.get(name) for name in PARAMS})
                      for e in events if e["kind"] == EventKind.DRILL_REQUESTED and (d := e["detail"]).get("id") not in done]
         self.schedule = DrillSchedule([r for r in self.schedule.pending() if r.id not in done] + requested)
 
@@ -332,14 +375,14 @@ class RunDrills:
                 outside_lock: Callable[[], ContextManager[Any]]) -> tuple[EventKind, dict[str, Any]]:
         target = drill.target or default_target(drill.kind, placement)
         facts = {"id": drill.id, "drill": drill.kind, "target": target, "step": step,
-                 **{k: v for k, v in drill.to_dict().items() if k in ("factor", "seconds")}}
+                 **{k: v for k, v in drill.to_dict().items() if k in PARAMS}}
         problem = target_problem(drill.kind, target, placement)
         try:
             if problem is not None:
                 raise DrillError(problem)
             self._injecting = drill  # a request for its report while it is injected finds it
             with outside_lock():
-                detail = injector.inject(drill.kind, target, factor=drill.factor, seconds=drill.seconds)
+                detail = injector.inject(drill.kind, target, **drill.params())
         except Exception as e:  # noqa: BLE001 - a drill that cannot be injected is reported, not fatal
             return EventKind.DRILL_FAILED, {**facts, "error": str(e)}
         finally:

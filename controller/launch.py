@@ -44,6 +44,7 @@ def launch(c: "RunController", now: float) -> None:
             nodes = c.placement.nodes()
             point = c.checkpoints.load_point(c.spec, c._peer_copies(nodes), nodes,
                                              replica_nodes=c.placement.replica_nodes() if domain == "replica" else None)
+            c.checkpoints.raise_fence(c.attempt + 1, point.start_step)  # (before any of its ranks can commit)
     except StoreError as e:  # back off; past `checkpoint.retry_budget_s`, say so in the timeline (once)
         if (detail := c.checkpoints.unreachable(now, e)) is not None:
             c.events.add(now, max(c.attempt, 0), EventKind.STORE_UNAVAILABLE, **detail)

@@ -274,6 +274,8 @@ class DrillSpec(_Strict):
     target: str | None = None
     factor: float | None = Field(default=None, ge=1)
     seconds: float | None = Field(default=None, gt=0)
+    delay_ms: float | None = Field(default=None, gt=0)
+    loss: float | None = Field(default=None, gt=0, le=100)
 
     @field_validator("target", mode="before")
     @classmethod
@@ -283,7 +285,8 @@ class DrillSpec(_Strict):
 
     @model_validator(mode="after")
     def _params_fit_kind(self) -> "DrillSpec":
-        if (problem := params_problem(self.kind, self.factor, self.seconds)) is not None:
+        if (problem := params_problem(self.kind, factor=self.factor, seconds=self.seconds, delay_ms=self.delay_ms,
+                                      loss=self.loss)) is not None:
             raise ValueError(problem)
         return self
 

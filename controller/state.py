@@ -463,12 +463,12 @@ class RunController:
         return True
 
     def request_drill(self, now: float, kind: str, *, target: str | None = None, at_step: int | None = None,
-                      factor: float | None = None, seconds: float | None = None) -> DrillRequest:
+                      **params: float | None) -> DrillRequest:
         """Queue a drill on this live run (`goodput drill`, the REST API); DrillError says what to fix."""
         if self.state.terminal:
             raise DrillError(f"run {self.run_id!r} has {self.state.value}; drills need a live run")
         request, detail = self.drills.request(now, kind, target=target, at_step=at_step, step=self.progress.step,
-                                              placement=self.placement, factor=factor, seconds=seconds)
+                                              placement=self.placement, **params)
         self.events.add(now, max(self.attempt, 0), EventKind.DRILL_REQUESTED, **detail)
         return request
 

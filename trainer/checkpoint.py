@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
 )
 
+from checkpointing.fence import check as check_fence
 from checkpointing.manifest import (
     CheckpointError, Manifest, apply_retention, commit, describe, is_committed, step_prefix,
     wait_for_ranks, write_rank_marker,
@@ -234,6 +235,8 @@ class Checkpointer:
                 raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
             files = wait_for_ranks(self.store, prefix, self.world_size, attempt=self.attempt,
                                    timeout_s=self.commit_timeout_s)
+            # a rank of a superseded attempt (back from a partition) commits nothing: Fenced
+            self._retry(f"fence check of {prefix}", lambda: check_fence(self.store, self.run_id, self.attempt))
             final = self._retry(f"commit of {prefix}",
                                 lambda: commit(self.store, Manifest(**{**manifest.__dict__, "files": files})))
             try:

@@ -72,10 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument("run")
     drill.add_argument("kind", choices=[k.value for k in DrillKind],
                        help="; ".join(f"{k}: {k.effect}" for k in DrillKind))
-    drill.add_argument("--target", help="node name (kill-node) or rank number; default: the last rank")
+    drill.add_argument("--target", help="node name (kill-node, the silent faults) or rank number; default: the last rank")
     drill.add_argument("--at-step", type=int, help="inject once this step is done; default: now")
     drill.add_argument("--factor", type=float, help="slow-rank: how many times slower (default 1.5)")
-    drill.add_argument("--seconds", type=float, help="storage-outage: how long writes are refused (default 30)")
+    drill.add_argument("--seconds", type=float, help="storage-outage: how long writes are refused (default 30); "
+                       "partition, freeze-node: how long until it heals (default: never)")
+    drill.add_argument("--delay-ms", type=float, help="slow-link: milliseconds added to what the node sends (default 50)")
+    drill.add_argument("--loss", type=float, help="lossy-link: percent of the node's packets dropped (default 5)")
     drill.add_argument("--no-wait", action="store_true", help="return once scheduled, without the report")
     drill.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the report")
     drill.add_argument("--json", action="store_true")

@@ -1,4 +1,6 @@
-"""Drills on a Ray cluster: the real thing, not a simulation. kill-node SIGKILLs a node's raylet (on
+"""Drills on a Ray cluster: the real thing, not a simulation. The silent faults (power-off, partition,
+slow-link, lossy-link, freeze-node) act on the node's own link and processes from a task placed there
+(controller/ray/netfaults.py). kill-node SIGKILLs a node's raylet (on
 the embedded cluster through Ray's test facility, on any other from a task on that node), kill-rank
 SIGKILLs a rank's training process, hang-rank SIGSTOPs it; slow-rank, bitflip and storage-outage
 flip the switches of the targeted GPU slots (trainer/switches.py): the
@@ -11,7 +13,7 @@ import signal
 import time
 from typing import Any
 
-from controller.drills import DEFAULT_FACTOR, DEFAULT_OUTAGE_S, DrillKind
+from controller.drills import DEFAULT_DELAY_MS, DEFAULT_FACTOR, DEFAULT_LOSS, DEFAULT_OUTAGE_S, DrillKind
 from controller.errors import ClusterError
 from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
 from controller.ray.worker_group import RayWorkerGroup
@@ -24,8 +26,12 @@ class RayDrillInjector:
         self.cluster = cluster
         self.group = group
 
-    def inject(self, kind: DrillKind, target: str, *, factor: float | None = None,
-               seconds: float | None = None) -> dict[str, Any]:
+    def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
+               delay_ms: float | None = None, loss: float | None = None) -> dict[str, Any]:
+        if kind.silent:
+            delay_ms = (delay_ms or DEFAULT_DELAY_MS) if kind is DrillKind.SLOW_LINK else None
+            loss = (loss or DEFAULT_LOSS) if kind is DrillKind.LOSSY_LINK else None
+            return {"node": target, **silent_fault(kind, target, seconds=seconds, delay_ms=delay_ms, loss=loss)}
         if kind is DrillKind.KILL_NODE:
             self.cluster.kill_node(target)
             return {"node": target}
@@ -56,3 +62,20 @@ class RayDrillInjector:
         import ray
 
         return ray.get(refs, timeout=30)
+
+
+def silent_fault(kind: DrillKind, node: str, **params: float | None) -> dict[str, Any]:
+    """Make a silent fault on `node` from a task placed there (controller/ray/netfaults.py): what it
+    hits; ClusterError saying why when the node cannot take it."""
+    import ray
+
+    from controller.ray import netfaults
+
+    def on_node(**kw: Any) -> dict[str, Any]:
+        return netfaults.start_helper(kind.value, ray.util.get_node_ip_address(), **kw)
+
+    task = ray.remote(num_cpus=0, max_retries=0)(on_node).options(label_selector={"node": node})
+    done = ray.get(task.remote(**params), timeout=60)
+    if "refused" in done:
+        raise ClusterError(f"{kind} on {node}: {done['refused']}")
+    return done

@@ -55,12 +55,16 @@ class DrillBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kind: str = Field(description=DrillKind.names(),
                       max_length=32)
-    target: str | int | None = Field(None, description="node name (kill-node) or rank number (an integer or a "
+    target: str | int | None = Field(None, description="node name (kill-node, the silent faults) or rank number (an integer or a "
                                                         "string); default: the last rank")
     at_step: int | None = Field(None, ge=0, le=10**9, description="inject once this step is done; default: now")
     factor: float | None = Field(None, ge=1, le=1000, description="slow-rank: times slower (default 1.5)")
     seconds: float | None = Field(None, gt=0, le=86400, description="storage-outage: seconds the store refuses "
-                                                                    "writes (default 30)")
+                                  "writes (default 30); partition, freeze-node: seconds until it heals (default: never)")
+    delay_ms: float | None = Field(None, gt=0, le=60000, description="slow-link: milliseconds added to what the node "
+                                                                      "sends (default 50)")
+    loss: float | None = Field(None, gt=0, le=100, description="lossy-link: percent of the node's packets dropped "
+                                                               "(default 5)")
 
 
 class ResumeBody(BaseModel):
@@ -200,7 +204,8 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
               responses=_errors(400, 401, 404, 409, 413, 422, 429))
     def request_drill(body: DrillBody, run_id: str = run_id_param) -> dict[str, Any]:
         request = service.request_drill(run_id, body.kind, target=rank_target(body.target), at_step=body.at_step,
-                                        factor=body.factor, seconds=body.seconds)
+                                        factor=body.factor, seconds=body.seconds, delay_ms=body.delay_ms,
+                                        loss=body.loss)
         return {**request.to_dict(), "run_id": run_id, "outcome": "scheduled"}
 
     @app.get("/v1/drills/{drill_id}", dependencies=auth, responses=_errors(401, 404, 422))

@@ -245,7 +245,7 @@ class Service:
             return self._view(live)
 
     def request_drill(self, run_id: str, kind: str, *, target: str | None, at_step: int | None,
-                      factor: float | None, seconds: float | None) -> DrillRequest:
+                      **params: float | None) -> DrillRequest:
         live = self._live(run_id)
         with live.lock:
             c = live.controller
@@ -253,8 +253,7 @@ class Service:
                 raise ServiceError("run_ended", f"run {run_id!r} has {c.state.value}; drills need a live run")
             drill_allowed(run_id, pending=len(c.drills.pending()), injected=c.events.count(EventKind.DRILL_INJECTED))
             try:
-                request = c.request_drill(self.clock(), kind, target=target, at_step=at_step, factor=factor,
-                                          seconds=seconds)
+                request = c.request_drill(self.clock(), kind, target=target, at_step=at_step, **params)
             except DrillError as e:
                 raise ServiceError("drill_rejected", str(e)) from None
         self._save(live)

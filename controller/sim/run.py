@@ -32,8 +32,8 @@ class SimInjector:
     def __init__(self, group: SimWorkerGroup, cluster: SimCluster, clock: VirtualClock, repair_s: float) -> None:
         self.group, self.cluster, self.clock, self.repair_s = group, cluster, clock, repair_s
 
-    def inject(self, kind: DrillKind, target: str, *, factor: float | None = None,
-               seconds: float | None = None) -> dict[str, Any]:
+    def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
+               delay_ms: float | None = None, loss: float | None = None) -> dict[str, Any]:
         now = self.clock()
         assert self.group.attempt is not None
         placement = self.group.attempt.placement

@@ -288,14 +288,13 @@ class KillAtRandomOffsets:
         self.controller: RunController | None = None
         self.offsets: list[float] = []
 
-    def inject(self, kind: DrillKind, target: str, *, factor: float | None = None,
-               seconds: float | None = None) -> dict:
+    def inject(self, kind: DrillKind, target: str, **params: float | None) -> dict:
         assert self.controller is not None and self.controller.placement is not None
         target = self.rng.choice(sorted(set(self.controller.placement.node_of_rank)))
         step_s = statistics.median(list(self.controller.progress.step_times)[-5:] or [0.3])
         self.offsets.append(self.rng.uniform(0.0, 1.5) * step_s)
         time.sleep(self.offsets[-1])
-        return self.inner.inject(kind, target, factor=factor, seconds=seconds)
+        return self.inner.inject(kind, target, **params)
 
 
 def test_twenty_kill_node_drills_at_random_offsets_all_heal_from_peers(ray_cluster: LocalRayCluster,

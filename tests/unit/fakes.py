@@ -96,7 +96,7 @@ class FakeInjector:
         self.group = group
         self.injected: list[tuple[str, str]] = []
 
-    def inject(self, kind: str, target: str, *, factor: float | None = None, seconds: float | None = None) -> dict:
+    def inject(self, kind: str, target: str, **params: float | None) -> dict:
         self.injected.append((kind, target))
         if kind == "kill-node":
             self.group.lose_node(target)

@@ -1,0 +1,68 @@
+"""Fencing: only the attempt the controller runs now may commit a checkpoint.
+
+A node cut off by a partition keeps its processes: when its link comes back, a rank of the attempt
+the controller has since replaced (a zombie) may still finish an upload and commit. The fence keeps
+whatever it does out of the run's state:
+
+- `raise_fence`: before the controller starts attempt A it writes `{run}/fence/attempt-{A:08d}.json`
+  ({attempt, start_step}) with an if-absent put (an S3 conditional write where the store has them):
+  one record per attempt, never rewritten, found by listing (no mutable pointer).
+- the writer's check (`check`): a committer lists the records and, if one names a later attempt than
+  its own, commits nothing and raises `Fenced` (its attempt is superseded; its rank ends).
+- the readers' rule (`fenced_out`): the check and the commit are two calls, so a zombie could slip
+  a commit in between. A manifest of attempt a at a step after the start step of any later attempt
+  b > a was committed after b superseded a: every reader ignores it, as if it did not exist, and the
+  controller discards it (checkpointing/manifest.py `latest_verified`).
+
+Pure: the ObjectStore protocol only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from checkpointing.store import AlreadyExists, ObjectStore
+
+_RECORD = re.compile(r"/fence/attempt-(?P<attempt>\d{8})\.json$")
+
+
+class Fenced(RuntimeError):
+    """A commit refused: a later attempt has started (this one is superseded)."""
+
+
+def fence_prefix(run_id: str) -> str:
+    return f"{run_id}/fence/"
+
+
+def raise_fence(store: ObjectStore, run_id: str, attempt: int, start_step: int) -> None:
+    """Attempt `attempt` starts from `start_step`: every earlier attempt is fenced off (idempotent: a
+    controller that tries again after a store error writes the same record)."""
+    key = f"{fence_prefix(run_id)}attempt-{attempt:08d}.json"
+    try:
+        store.put_bytes(key, json.dumps({"attempt": attempt, "start_step": start_step}).encode(), if_absent=True)
+    except AlreadyExists:
+        pass
+
+
+def starts(store: ObjectStore, run_id: str) -> dict[int, int]:
+    """attempt -> the step it started from, for every attempt the controller fenced for."""
+    out = {}
+    for obj in store.list(fence_prefix(run_id)):
+        m = _RECORD.search(obj.key)
+        if m is not None:
+            out[int(m.group("attempt"))] = int(json.loads(store.get_bytes(obj.key))["start_step"])
+    return out
+
+
+def check(store: ObjectStore, run_id: str, attempt: int) -> None:
+    """Fenced when a later attempt than `attempt` has started."""
+    later = sorted(a for a in starts(store, run_id) if a > attempt)
+    if later:
+        raise Fenced(f"attempt {attempt} of {run_id} is superseded by attempt {later[-1]}: it commits nothing")
+
+
+def fenced_out(step: int, attempt: int, started: dict[int, int]) -> int | None:
+    """The later attempt that fences off a commit of `step` by `attempt` (it started from an earlier
+    step, so the commit came after it), or None when the commit stands."""
+    return next((b for b, start in sorted(started.items()) if b > attempt and step > start), None)
