@@ -25,10 +25,11 @@ run: $(STAMP)
 	@echo; echo "make run: the same model with one data-parallel replica as the failure domain (examples/tiny-gpt-replicas.yaml)"; echo
 	$(VENV)/bin/goodput run examples/tiny-gpt-replicas.yaml
 
-# System packages the tests use: a real Prometheus and promtool (Debian's `prometheus`) and kubectl
-# (renders deploy/ with its built-in kustomize). Without root (or sudo) they cannot be installed, and
+# System packages the tests use: a real Prometheus and promtool (Debian's `prometheus`), kubectl
+# (renders deploy/ with its built-in kustomize), and the lab's iproute2 and nftables (network
+# namespaces, links cut and dropped: tests/support/lab.py). Without root (or sudo) they cannot be installed, and
 # the tests that need them skip saying so.
-DEB_TOOLS := prometheus:prometheus promtool:prometheus kubectl:kubectl
+DEB_TOOLS := prometheus:prometheus promtool:prometheus kubectl:kubectl nft:nftables ip:iproute2 tc:iproute2
 test-deps:
 	@missing=""; for t in $(DEB_TOOLS); do command -v $${t%%:*} >/dev/null || missing="$$missing $${t##*:}"; done; \
 	missing=$$(echo $$missing | tr ' ' '\n' | sort -u | xargs); \

@@ -4,9 +4,11 @@ A node cut off by a partition keeps its processes: when its link comes back, a r
 the controller has since replaced (a zombie) may still finish an upload and commit. The fence keeps
 whatever it does out of the run's state:
 
-- `raise_fence`: before the controller starts attempt A it writes `{run}/fence/attempt-{A:08d}.json`
-  ({attempt, start_step}) with an if-absent put (an S3 conditional write where the store has them):
-  one record per attempt, never rewritten, found by listing (no mutable pointer).
+- `raise_fence`: before the controller starts attempt A from step S it writes
+  `{run}.fence/attempt-{A:08d}-from-{S:010d}.json` with an if-absent put (an S3 conditional write
+  where the store has them): one record per attempt, never rewritten, read from one listing of its
+  keys (no mutable pointer). Beside the run's prefix, not in it: the listing of `{run}/` after every
+  commit (retention) does not grow with the attempts.
 - the writer's check (`check`): a committer lists the records and, if one names a later attempt than
   its own, commits nothing and raises `Fenced` (its attempt is superseded; its rank ends).
 - the readers' rule (`fenced_out`): the check and the commit are two calls, so a zombie could slip
@@ -24,7 +26,7 @@ import re
 
 from checkpointing.store import AlreadyExists, ObjectStore
 
-_RECORD = re.compile(r"/fence/attempt-(?P<attempt>\d{8})\.json$")
+_RECORD = re.compile(r"/attempt-(?P<attempt>\d{8})-from-(?P<start>\d{10})\.json$")
 
 
 class Fenced(RuntimeError):
@@ -32,13 +34,13 @@ class Fenced(RuntimeError):
 
 
 def fence_prefix(run_id: str) -> str:
-    return f"{run_id}/fence/"
+    return f"{run_id}.fence/"
 
 
 def raise_fence(store: ObjectStore, run_id: str, attempt: int, start_step: int) -> None:
     """Attempt `attempt` starts from `start_step`: every earlier attempt is fenced off (idempotent: a
     controller that tries again after a store error writes the same record)."""
-    key = f"{fence_prefix(run_id)}attempt-{attempt:08d}.json"
+    key = f"{fence_prefix(run_id)}attempt-{attempt:08d}-from-{start_step:010d}.json"
     try:
         store.put_bytes(key, json.dumps({"attempt": attempt, "start_step": start_step}).encode(), if_absent=True)
     except AlreadyExists:
@@ -46,12 +48,14 @@ def raise_fence(store: ObjectStore, run_id: str, attempt: int, start_step: int) 
 
 
 def starts(store: ObjectStore, run_id: str) -> dict[int, int]:
-    """attempt -> the step it started from, for every attempt the controller fenced for."""
-    out = {}
+    """attempt -> the step it started from, for every attempt the controller fenced for (the lowest,
+    should a retry have recorded another)."""
+    out: dict[int, int] = {}
     for obj in store.list(fence_prefix(run_id)):
         m = _RECORD.search(obj.key)
         if m is not None:
-            out[int(m.group("attempt"))] = int(json.loads(store.get_bytes(obj.key))["start_step"])
+            attempt, start = int(m.group("attempt")), int(m.group("start"))
+            out[attempt] = min(start, out.get(attempt, start))
     return out
 
 

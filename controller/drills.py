@@ -65,7 +65,7 @@ class DrillKind(enum.StrEnum):
         """What it fails, in the failure model's words (controller.sim)."""
         return {"kill-node": "host", "kill-rank": "rank", "hang-rank": "hang", "bitflip": "sdc",
                 "slow-rank": "straggler", "storage-outage": "storage-outage", "power-off": "host",
-                "partition": "network", "slow-link": "network", "lossy-link": "network",
+                "partition": "host", "slow-link": "network", "lossy-link": "network",
                 "freeze-node": "host"}[self.value]
 
     @property
@@ -245,7 +245,7 @@ def drill_reports(events: list[Event]) -> list[dict[str, Any]]:
 
 
 DRILL_EVENTS = (EventKind.DRILL_INJECTED, EventKind.DRILL_FAILED)
-FINAL_OUTCOMES = frozenset({"recovered", "failed", "not_injected", "not_detected", "not_recovered"})
+FINAL_OUTCOMES = frozenset({"recovered", "failed", "not_injected", "not_detected", "not_recovered", "ridden_out"})
 """Outcomes no later event changes (a report with one need not be computed again)."""
 
 
@@ -270,11 +270,20 @@ def drill_report(events: list[Event], i: int) -> dict[str, Any]:
     for name in PARAMS:
         if name in ev.detail:
             report[name] = ev.detail[name]
+    origin = float(ev.detail.get("acts_at", ev.time))  # (a silent fault is made on the node a moment later)
+    if "acts_at" in ev.detail:
+        report["fault_at"] = origin
     if report.get("detected_at") is not None:
-        report["detection_s"] = report["detected_at"] - ev.time
+        report["detection_s"] = report["detected_at"] - origin
     if report.get("recovered_at") is not None:
-        report["recovery_s"] = report["recovered_at"] - ev.time
+        report["recovery_s"] = report["recovered_at"] - origin
+    if kind in RIDDEN_OUT and report["outcome"] == "not_detected":
+        report["outcome"] = "ridden_out"  # (the run ended with no failure declared: what these should give)
     return report
+
+
+RIDDEN_OUT = (DrillKind.SLOW_LINK, DrillKind.LOSSY_LINK, DrillKind.PARTITION)
+"""Kinds a run may ride out with no failure declared (a slow or lossy link, a short partition)."""
 
 
 class DrillReports:
@@ -412,7 +421,9 @@ def _failure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
         lost = set(detected.detail["replicas"])
         rejoined = next((e for e in later if e.kind == EventKind.REPLICA_REJOINED
                          and lost <= set(e.detail.get("replicas", ()))), None)
+        out = _first(later, EventKind.REPLICA_LOST)
         return {
+            "survivors_told_at": out.detail.get("told_at") if out else None,
             "detected_at": detected.time, "cause": detected.detail.get("cause"),
             "attributed_to": {"nodes": detected.detail.get("nodes"), "ranks": detected.detail.get("ranks")},
             "decision": decision.detail.get("action") if decision else None,

@@ -304,11 +304,13 @@ class RunController:
         assert self.watch is not None
         with self.outside_lock():
             result = self.worker_group.poll()
-        seen = self.watch.fold(now, result, self.progress)
         if result.isolated != self._isolated:  # (said when it begins and when it ends)
             self.events.add(now, self.attempt, EventKind.CONTROLLER_ISOLATED, isolated=result.isolated is not None,
                             message=result.isolated or "heartbeats heard again")
             self._isolated = result.isolated
+        if result.isolated is not None:
+            return  # it hears no node: it judges none (what it missed arrives once it hears them again)
+        seen = self.watch.fold(now, result, self.progress)
         if seen.first_step is not None and self.attempt > 0:
             # When the ranks finished it (a report may reach us later than that: a peer snapshot's is
             # held until the copy is on the buddies), never after we heard of it.

@@ -332,11 +332,11 @@ def _raylet_answers(address: str, ip: str) -> bool:
 
 def topology_from_ray() -> Topology:
     """Alive Ray nodes with GPUs, named by their `node` label (else their id), racked by `rack`."""
+    infos = [info for info in _ray().nodes()
+             if info.get("Alive") and int(info.get("Resources", {}).get("GPU", 0)) > 0]
     nodes = []
-    for info in _ray().nodes():
+    for info in _one_per_name(infos):
         gpus = int(info.get("Resources", {}).get("GPU", 0))
-        if not info.get("Alive") or gpus == 0:
-            continue
         labels = info.get("Labels") or {}
         nodes.append(Node(
             name=labels.get("node", info["NodeID"][:12]),
@@ -349,6 +349,26 @@ def topology_from_ray() -> Topology:
     if not nodes:
         raise ClusterError("the Ray cluster has no alive node with GPU slots")
     return Topology(tuple(sorted(nodes, key=lambda n: n.name)))
+
+
+def _one_per_name(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One alive Ray node per `node` label. A node started again under its name while Ray still lists
+    its old raylet alive (a host that went dark is declared dead only after Ray's health checks, ~30 s
+    by default) is listed twice: the one whose raylet accepts a connection is the node (the last
+    listed if that does not decide)."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for info in infos:
+        by_name.setdefault((info.get("Labels") or {}).get("node", info["NodeID"][:12]), []).append(info)
+    out = []
+    for name, listed in by_name.items():
+        if len(listed) > 1:
+            from controller.ray.liveness import refusing, unanswered
+
+            at = {i["NodeID"]: [(i["NodeManagerAddress"], int(i["NodeManagerPort"]))] for i in listed}
+            gone = unanswered(at) | refusing(at)
+            listed = [i for i in listed if i["NodeID"] not in gone] or listed
+        out.append(listed[-1])
+    return out
 
 
 def _kill_own_raylet() -> int | str:

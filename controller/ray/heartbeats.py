@@ -10,6 +10,7 @@ accepts nor refuses a connection within the probe's wait, or its actors have lef
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from datetime import timedelta
 from typing import Any
@@ -33,6 +34,8 @@ class HeartbeatWatch:
         self.node_of_rank = node_of_rank
         self.keys = [heartbeat_key(prefix, rank) for rank in range(len(node_of_rank))]
         self._at = (host, port)
+        self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="goodput-heartbeats")
+        self._pending: concurrent.futures.Future | None = None
         self._client: Any = self._connect()
         for key in self.keys:  # (present from the start: one multi_get reads them all, none blocks)
             self._client.add(key, 0)
@@ -43,6 +46,32 @@ class HeartbeatWatch:
         watched at the attempt's launch."""
         self.read_failed_since: float | None = None
         """When the reads of the store began to fail (None: the last one answered)."""
+
+    def _read(self) -> list[int] | None:
+        """The counters, or None when they cannot be had within READ_TIMEOUT_S. The read runs on a
+        thread of its own and is waited for that long only: a store cut off from this process may
+        leave a read unanswered for as long as the cut lasts, whatever the client's timeout says, and
+        the poll must go on (a read still in flight is not doubled; its answer is used when it comes)."""
+        if self._pending is None:
+            self._pending = self._reader.submit(self._fetch)
+        done = self._pending
+        try:
+            values = done.result(timeout=READ_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            return None
+        except Exception:  # noqa: BLE001 - the client failed: connected afresh at the next read
+            self._client, self._pending = None, None
+            return None
+        self._pending = None
+        return values
+
+    def close(self) -> None:
+        """Stop reading (a read still in flight ends on its own)."""
+        self._reader.shutdown(wait=False, cancel_futures=True)
+
+    def _fetch(self) -> list[int]:
+        self._client = self._client or self._connect()
+        return [int(v) for v in self._client.multi_get(self.keys)]
 
     def _connect(self) -> Any:
         import torch.distributed as dist
@@ -63,19 +92,27 @@ class HeartbeatWatch:
         """Read the counters (ranks in `out` are not watched: their replica is not training) and say
         which nodes are silent now."""
         now = self.clock()
-        try:
-            self._client = self._client or self._connect()
-            values = [int(v) for v in self._client.multi_get(self.keys)]
-            self.read_failed_since = None
-        except Exception:  # noqa: BLE001 - the store does not answer this process: nothing moved
-            values, self._client = self._values, None  # (a client that timed out is connected afresh)
+        values = self._read()
+        if values is None:  # the store does not answer this process: nothing moved
+            values = self._values
             self.read_failed_since = self.read_failed_since or now
+        else:
+            self.read_failed_since = None
         for rank, (old, new) in enumerate(zip(self._values, values)):
             if new != old and rank not in out:
                 self.last_moved[self.node_of_rank[rank]] = now
         self._values = values
         watched = {self.node_of_rank[r] for r in range(len(self.node_of_rank)) if r not in out}
         return silence(now, {n: t for n, t in self.last_moved.items() if n in watched}, timeout_s=self.timeout_s)
+
+
+def isolation(verdict: SilenceVerdict | None) -> str | None:
+    """Why this controller suspects itself rather than the nodes (every node silent at once), or None."""
+    if verdict is None or not verdict.self_suspect:
+        return None
+    return (f"no heartbeat from any of the attempt's {len(verdict.silent_s)} nodes for "
+            f"{min(verdict.silent_s.values()):.1f} s: this controller suspects itself (its link to the run's "
+            "store, or its own process), not the nodes; it declares none of them lost")
 
 
 def corroborate(verdict: SilenceVerdict, *, unresponsive_nodes: set[str]) -> dict[str, str]:

@@ -10,8 +10,10 @@ moment later (a cut link would keep the task's answer from ever leaving the node
                  cut arrives, and nothing closes: its peers see silence, as when a host loses power.
     partition    ip link set LINK down; with `seconds`, up again after them (a flap). Its processes
                  live on and come back to a run that has gone on without them (fencing).
-    slow-link    tc netem: `delay_ms` added to everything the node sends, for the rest of its life.
-    lossy-link   tc netem: `loss` percent of what the node sends dropped.
+    slow-link    tc netem: `delay_ms` added to everything the node sends, for the rest of its life
+                 (refused, saying so, on a kernel without netem: nothing else delays a link).
+    lossy-link   tc netem: `loss` percent of what the node sends dropped (nftables where the kernel
+                 has no netem).
     freeze-node  SIGSTOP every process on the node; with `seconds`, SIGCONT after them (a hung host).
 
 "Every process on the node" is every process in the node's network namespace where the node has one
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +53,27 @@ def own_link(address: str) -> str:
         if any(a.address == address for a in addrs):
             return name
     raise ValueError(f"no interface of this node holds its address {address}")
+
+
+def has_netem() -> bool:
+    """Whether this kernel has tc's netem qdisc: `tc qdisc add dev lo root netem` says "qdisc kind is
+    unknown" without it, and is undone at once with it."""
+    added = subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"], capture_output=True,
+                           timeout=10)
+    if added.returncode != 0:
+        return b"unknown" not in added.stderr  # (refused for another reason, e.g. a qdisc already there: it has one)
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, timeout=10)
+    return True
+
+
+def can_make(kind: str) -> str | None:
+    """Why this node cannot take `kind` (a kernel without netem cannot delay a link), or None."""
+    if kind == "slow-link" and not has_netem():
+        return ("this node's kernel has no netem qdisc (sch_netem), which a slow-link needs to delay what the "
+                "node sends; a lossy-link works without it (nftables)")
+    if kind == "lossy-link" and not has_netem() and shutil.which("nft") is None:
+        return "this node has neither tc's netem qdisc nor nftables (`nft`) to drop its packets with"
+    return None
 
 
 def _net_ns() -> int:
@@ -123,7 +147,15 @@ def act(kind: str, link: str, *, seconds: float | None, delay_ms: float | None, 
         return
     if kind in ("slow-link", "lossy-link"):
         netem = ["delay", f"{delay_ms}ms"] if kind == "slow-link" else ["loss", f"{loss}%"]
-        _tc("qdisc", "replace", "dev", link, "root", "netem", *netem)
+        if has_netem():
+            _tc("qdisc", "replace", "dev", link, "root", "netem", *netem)
+        else:  # lossy-link only (can_make says so): nftables drops a random share of what leaves the link
+            table = ["inet", "goodput_drill"]
+            subprocess.run(["nft", "add", "table", *table], check=True, capture_output=True, timeout=10)
+            subprocess.run(["nft", "add", "chain", *table, "out", "{ type filter hook output priority 0 ; }"],
+                           check=True, capture_output=True, timeout=10)
+            subprocess.run(["nft", "add", "rule", *table, "out", "oifname", link, "numgen", "random", "mod", "100",
+                            "<", str(max(1, round(loss or 0))), "drop"], check=True, capture_output=True, timeout=10)
         return
     if kind == "freeze-node":
         _signal_all(signal.SIGSTOP, me, raylet, rounds=3)
@@ -142,6 +174,8 @@ def start_helper(kind: str, address: str, *, seconds: float | None = None, delay
         link = own_link(address)
     except ValueError as e:
         return {"refused": str(e)}
+    if (why := can_make(kind)) is not None:
+        return {"refused": why}
     raylet = _raylet()
     argv = [sys.executable, "-m", "controller.ray.netfaults", kind, "--link", link, "--after", str(ACT_AFTER_S)]
     if raylet is not None:

@@ -28,10 +28,11 @@ from controller.events import EventKind
 from controller.ray import detached
 from controller.ray import replicas as ray_replicas
 from controller.ray import run_store
-from controller.ray.heartbeats import HeartbeatWatch, corroborate
+from controller.ray.heartbeats import HeartbeatWatch, corroborate, isolation
 from controller.ray.liveness import node_states
 from controller.ray.run_store import NAMESPACE
 from controller.ray.rank_actor import UNRESPONSIVE_S, RankActor, RankProcessDied
+from health.heartbeat import SilenceVerdict
 from trainer.worker import WorkerArgs
 
 
@@ -308,10 +309,12 @@ class RayWorkerGroup:
         # node whose raylet refuses is lost with its ranks: the data plane and the probe agree.
         discarded = any(kind == EventKind.REPLICA_STEP_DISCARDED for _, kind, _ in result.events)
         signalled = self._failed | result.dead_ranks | set(result.errors) | self._unanswered
-        result.dead_nodes, result.suspect_nodes = self._node_states(signalled, every=discarded)
-        result.silent_nodes = self._silent(result, out)
-        result.dead_nodes |= set(result.silent_nodes)
-        result.isolated = self.isolated
+        silence = self._hearts.verdict(out | ray_replicas.forming_ranks(self)) if self._hearts is not None else None
+        result.isolated = self.isolated = isolation(silence)
+        if result.isolated is None:  # (cut off, this controller would wait on Ray's GCS: it asks nothing)
+            result.dead_nodes, result.suspect_nodes = self._node_states(signalled, every=discarded)
+            result.silent_nodes = self._silent(silence, result)
+            result.dead_nodes |= set(result.silent_nodes)
         self._gone |= result.dead_nodes | result.suspect_nodes
         for rank in [r for r in self._drains if self._node_of_rank[r] in self._gone]:
             del self._drains[rank]  # (a lost node's actors say nothing more: not waited for below)
@@ -365,18 +368,15 @@ class RayWorkerGroup:
     def watch_heartbeats(self, prefix: str) -> None:
         """Watch the heartbeats of the attempt whose store keys start with `prefix` (from now on)."""
         self._gone = set()
+        if self._hearts is not None:
+            self._hearts.close()
         self._hearts = HeartbeatWatch(self._store_host, self._store.port, prefix, self._node_of_rank)
 
-    def _silent(self, result: PollResult, out: set[int]) -> dict[str, str]:
+    def _silent(self, verdict: SilenceVerdict | None, result: PollResult) -> dict[str, str]:
         """The attempt's nodes whose heartbeat stopped and whose loss other evidence confirms (node ->
-        what was seen); none while every node is silent at once (this controller suspects itself:
-        `isolated` says so)."""
-        if self._hearts is None:
+        what was seen)."""
+        if verdict is None:
             return {}
-        verdict = self._hearts.verdict(out | ray_replicas.forming_ranks(self))
-        self.isolated = (f"no heartbeat from any of the attempt's {len(verdict.silent_s)} nodes for "
-                         f"{min(verdict.silent_s.values()):.1f} s: this controller suspects itself (its link to the "
-                         "run's store, or its own process), not the nodes") if verdict.self_suspect else None
         unresponsive = {self._node_of_rank[r] for r in result.unresponsive}
         silent = corroborate(verdict, unresponsive_nodes=unresponsive)
         for node in silent:
@@ -452,6 +452,8 @@ class RayWorkerGroup:
         """No attempt runs now: none has replicas to contain (`contains_replicas` is False), so a
         failure of the next launch cannot be mistaken for a replica of the last one failing."""
         self._replicas = None
+        if self._hearts is not None:
+            self._hearts.close()
         self._hearts = None
 
     def _forget(self, actor: Any) -> None:

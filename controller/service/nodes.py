@@ -29,6 +29,8 @@ class NodeBook:
         self._seen: set[str] = set()
         self._labelled_spares: set[str] = set()
         """Every node the cluster labels a spare: the pool's intended size."""
+        self._ids: dict[str, str] = {}
+        """node -> the Ray node id the cluster showed it under last."""
         self._roles: dict[str, NodeState] = {}
         """Where the service's role for a node differs from its label. Kept in memory: a restarted
         service goes by labels."""
@@ -44,6 +46,11 @@ class NodeBook:
         """Notice nodes the cluster lost (`raw` no longer shows them) and got back; promote the spares
         that a run's placement uses (`placed`)."""
         self._labelled_spares |= raw.names_in(NodeState.SPARE)
+        ids = {n.name: n.ray_node_id for n in raw.nodes if n.ray_node_id is not None}
+        for name in sorted(set(ids) & set(self._ids) - set(self.lost)):
+            if ids[name] != self._ids[name]:  # started again under its name before Ray declared the old one
+                self.lost[name] = {"name": name, "time": now}  # dead (a host that went dark): lost, and back
+        self._ids = ids
         for name in raw.names & set(self.lost):
             row = self.lost.pop(name)
             role = self.refill(name, raw)

@@ -7,9 +7,11 @@ loop for the staging stall and commits a real manifest `checkpoint_save_s` later
 trainer applies it); the interval is every N steps or, for `auto`, the Young/Daly interval from the
 first save's stall, with the MTBF the controller passes (checkpointing.schedule, the trainer's rule).
 An incident stops the group at its time and shows up in a poll as what the Ray edge would report,
-after the latency it would take: a lost node (GPU or host) as a dead node after the detection
-latency; a network fault as collective errors after the collective timeout (unless the
-controller's hang verdict comes first); a software or storage fault as a worker error; silent data
+after the latency it would take: a lost node (GPU or host, or a host gone dark) as a dead node after
+the detection latency, the data plane's for a loud one and the heartbeat's for a silent one
+(controller.sim.model says which are which); a network fault or a hung rank (software's silent
+share) as collective errors after the collective timeout (unless the controller's hang verdict comes
+first); another software or storage fault as a worker error at once; silent data
 corruption as the probes' `sdc_suspect` at the next step; a straggler (an incident or a slow-rank
 drill) as slower steps, and as every rank's compute time for the steps the judgement needs.
 
@@ -27,13 +29,14 @@ and its buddy's copy on the buddy's, except on nodes lost since, and no buddy co
 failure struck while they were being rewritten (then the recovery falls back to the store); each
 node answers with one `Held` record naming the ranks it keeps, as a Ray node does.
 
-Replica failure domain (`failure_domain: replica` on the attempt; controller/sim/replicas.py): a lost node pauses the survivors
-at its time (the step in flight is discarded) and shows up after `replica_detection_s` as a dead
-node; the controller's `lose_replicas` lets them go on after one cross-replica init, at D-1 of D
-replicas' throughput (keeping the batch: longer steps; shrinking it: fewer tokens per step);
-`form_replicas` starts the lost ones warm on their new nodes, and at the first step boundary after
-that the survivors stall for the state transfer and one more cross-replica init, and report
-`replica_rejoined`. An incident on a node that holds only replicas already out stops nothing.
+Replica failure domain (`failure_domain: replica` on the attempt; controller/sim/replicas.py): a lost
+node pauses the survivors at its time (the step in flight is discarded) and shows up after
+`replica_detection_s` (loud) or `silent_detection_s` (silent) as a dead node; the controller's
+`lose_replicas` lets them go on after one cross-replica init, at D-1 of D replicas' throughput (keeping
+the batch: longer steps; shrinking it: fewer tokens per step); `form_replicas` starts the lost ones warm
+on their new nodes, and at the first step boundary after that the survivors stall for the state transfer
+and one more cross-replica init, and report `replica_rejoined`. An incident on a node that holds only
+replicas already out stops nothing.
 
 Reports come from one rank of the last pipeline stage (the one carrying the loss), one per step:
 the controller's progress and accounting need no more, and 16,384 ranks' reports per step would
@@ -267,7 +270,7 @@ class SimWorkerGroup(SimReplicas):
         t = incident.time
         kind = incident.component
         on_mesh = rank is not None or incident.node in self.nodes
-        if kind in ("gpu", "host", "sdc", "straggler", "rank", "hang") and not on_mesh:
+        if (kind in ("sdc", "straggler", "rank", "hang") or incident.lost_node) and not on_mesh:
             return False
         node_of_rank = self.attempt.placement.node_of_rank
         # The first rank on the struck node (131,072 ranks: from the placement's index, only where it is named)
@@ -294,7 +297,7 @@ class SimWorkerGroup(SimReplicas):
             # wherever it is: a node of the mesh drawn from the incident's node name).
             node = incident.node if on_mesh else node_of_rank[zlib.crc32(incident.node.encode()) % len(node_of_rank)]
             replicas = self._replicas_on(node)
-            lost_node = kind in ("gpu", "host")
+            lost_node = incident.lost_node
             if replicas <= self.out:  # only replicas already out: nothing more stops
                 if lost_node:
                     self.memory_lost[node] = t
@@ -302,24 +305,30 @@ class SimWorkerGroup(SimReplicas):
             if len(self.out | replicas) < self.attempt.config.mesh.dp_replicas:
                 self.stop_at = t  # the survivors' step in flight is discarded; they wait for the controller
                 ranks = ranks_on(node_of_rank, (node,))
-                if lost_node:  # the survivors' collectives fail at once; the controller's probe confirms the node
+                if lost_node:  # loud: the survivors' collectives fail at once and the probe confirms the
+                    # node; silent: they wait in them until its heartbeat times out
                     self.memory_lost[node] = t
-                    self.signals.append(_Signal(at=t + self.cost.replica_detection_s, dead_nodes={node}))
-                elif kind == "network":  # a silent peer: the survivors' collectives time out
-                    self.signals.append(_Signal(at=t + self.cost.collective_timeout_s, errors={
-                        r: "RuntimeError: simulated NIC fault: this node's links are down" for r in ranks}))
+                    detection = self.cost.silent_detection_s if incident.silent else self.cost.replica_detection_s
+                    self.signals.append(_Signal(at=t + detection, dead_nodes={node}))
+                elif incident.timed_out:  # a silent peer that still beats: the survivors' collectives time out
+                    what = ("RuntimeError: simulated NIC fault: this node's links are down" if kind == "network"
+                            else "RuntimeError: simulated hang: this node's ranks stopped in a collective")
+                    self.signals.append(_Signal(at=t + self.cost.collective_timeout_s,
+                                                errors={r: what for r in ranks}))
                 else:  # a rank's process raised: its sockets close, the survivors' collectives fail at once
                     what = "OSError: [Errno 5] Input/output error" if kind == "storage" else "RuntimeError: simulated bug"
                     self.signals.append(_Signal(at=t, errors={ranks[0]: what}))
                 return True
-        if kind in ("gpu", "host"):
+        if incident.lost_node:
             self.memory_lost[incident.node] = t
             self.stop_at = t
-            self.signals.append(_Signal(at=t + self.cost.node_loss_detection_s, dead_nodes={incident.node}))
-        elif kind == "network":
+            detection = self.cost.silent_detection_s if incident.silent else self.cost.node_loss_detection_s
+            self.signals.append(_Signal(at=t + detection, dead_nodes={incident.node}))
+        elif incident.timed_out:
             self.stop_at = t
             world = self.attempt.config.mesh.world_size
-            errors = {r: "NCCL watchdog: collective operation timed out (simulated network fault)"
+            what = "network fault" if kind == "network" else "hung rank"
+            errors = {r: f"NCCL watchdog: collective operation timed out (simulated {what})"
                       for r in range(min(world, 8))}
             self.signals.append(_Signal(at=t + self.cost.collective_timeout_s, errors=errors))
         elif kind in ("software", "storage"):

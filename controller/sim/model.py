@@ -12,12 +12,46 @@ goodput's attribution sees:
     network    42  network switch/cable 35, NIC 7
     host       32  host maintenance 32
     storage    16  SSD 3, power supply 3, server chassis 2, IO expansion board 2, dependency 2, CPU 2,
-                   system memory 2 (the node's other parts: a node loss like a host's)
+                   system memory 2 (the node's other parts)
     software   61  software bug 54, NCCL watchdog timeouts 7
 
 hardware (gpu, network, storage) = 326 of 419 = 77.8 %.
 
 as rates per 1,000 node-days: count / (2,048 nodes x 54 days) x 1,000.
+
+Silent or loud (`SILENT_COUNTS`, per row of the same table). Loud: a process ends on a live kernel,
+which closes its sockets, so its peers' collectives fail at once. Silent: nothing closes, and the
+survivors wait in their collectives until something times out. The table gives root causes, not how
+each showed itself, so the split is goodput's judgement, one row at a time:
+
+    gpu        0 of 268  faulty GPU, HBM3, SRAM, GPU system processor, thermal: the driver reports an
+                         Xid, the rank's CUDA calls fail and its process exits on a live kernel (loud);
+                         silent data corruption is the probes' (`sdc_share`). A GPU that hangs its rank
+                         instead would be a hang; the table does not say how often, so none is counted
+    network   42 of 42   switch/cable 35, NIC 7: a link that dies closes nothing (silent)
+    host       0 of 32   host maintenance: the fleet takes a live host out and its kernel ends the
+                         processes (loud)
+    storage    9 of 16   power supply 3, server chassis 2, CPU 2, system memory 2: the host goes dark
+                         or its kernel stops (no power, a machine check), and a dead kernel closes
+                         nothing (silent); SSD 3, IO expansion board 2, dependency 2: an I/O or device
+                         error to a live process (loud)
+    software   7 of 61   NCCL watchdog timeouts 7: a hang, by name (silent); software bug 54: the rank
+                         raises (loud)
+
+58 of 419 = 13.8 % silent. FT-HSDP (below) is cited for its stall only: no share is taken from it.
+The share is a module constant (`incidents` takes another): the spec's failure model
+(controller/spec.py `FailureModelSpec`) has no field for it.
+
+What each silent incident costs depends on whether its node still beats (health/heartbeat.py):
+a dark host (storage's silent rows) beats no more, and the controller declares it lost once its
+heartbeat has not moved for HEARTBEAT_TIMEOUT_S, found at its next poll and corroborated by the raylet
+probe's unanswered wait: `SILENT_DETECTION_S`, 1.5 s, on both paths. It becomes a node loss (repaired
+in `repair_hours.host`). A hung rank leaves its host beating (the heartbeat does not ride on the
+training step), and so may a dead link (the beats reach the run's store over the node's IP network,
+which a dead port of the collectives' fabric need not take down; where it does, the heartbeat would
+find it sooner: the model takes the longer bound), so the survivors learn of either when their
+collectives time out: `health.collective_timeout_s`, as before silence was modelled.
+In every case the survivors' step in flight stalls and is discarded: they wait out the detection.
 
 Cost model defaults grow with the world where the real costs do, and each says where it comes from:
 
@@ -28,9 +62,13 @@ Cost model defaults grow with the world where the real costs do, and each says w
                    linearly to ~150 s at 16,384 ranks ("2.5-minute init time at large scale" on NCCL's
                    default path, PyTorch's report in NVIDIA/nccl#1156, 2024). goodput forks each rank from
                    a warm image (interpreter and torch imported), so the 4.2 s of those is not paid again
-    detection      a lost node: Ray's default health checks (src/ray/common/ray_config_def.h: every 3 s,
-                   10 s timeout, dead after 5 misses): a host that stops answering is declared after
-                   ~5 x 10 s; a network fault: the spec's collective timeout; the rest at once
+    detection      a lost node, loud: from the data plane on both paths (DATA_PLANE_DETECTION_S: the
+                   survivors' collectives fail at once and the controller's raylet probe confirms the
+                   node; goodput measures it on the world path too, 0.83 s). Ray's own health checks
+                   (src/ray/common/ray_config_def.h: 10 s timeout, dead after 5 misses, ~50 s) are
+                   what a run without the probe or the heartbeat would wait: a lever, not the default.
+                   A lost node, silent: the heartbeat (SILENT_DETECTION_S, above). A network fault or
+                   a hung rank: the spec's collective timeout. The rest at once
     checkpoint     16 bytes per parameter (bf16 weights, fp32 master weights and Adam moments, as the
                    planner's memory model), staged at 10 GB/s per GPU (the loop's only stall), written at
                    2 GB/s per node or the store's aggregate (below), whichever binds
@@ -46,15 +84,17 @@ Cost model defaults grow with the world where the real costs do, and each says w
     replica domain (elastic.failure_domain: replica; trainer/replica.py) a lost node stops its
                    data-parallel replicas only. Survivors: detection from the data plane (their
                    collective fails at once and the controller confirms the node with its raylet probe:
-                   DATA_PLANE_DETECTION_S, goodput's measured node-loss detection), then one
-                   cross-replica group init of size D (comm_init above), then steps at D-1 of D
-                   replicas' throughput. The lost replica: a warm start of its R ranks (CUDA init +
-                   comm_init(R)), then its state from a live replica at a step boundary: the replica's
-                   per-node state over the 100 Gb/s link (the survivors stall for it and one more
-                   cross-replica init). Pessimistic preset for comparison: Meta's FT-HSDP reports ~3
-                   minutes of stall per failure at ~100K GPUs (arXiv 2602.00277): `cost.replica_stall_s`.
+                   DATA_PLANE_DETECTION_S, goodput's measured node-loss detection; a silent node loss:
+                   SILENT_DETECTION_S, the heartbeat's), then one cross-replica group init of size D
+                   (comm_init above), then steps at D-1 of D replicas' throughput. The lost replica:
+                   a warm start of its R ranks (CUDA init + comm_init(R)), then its state from a live
+                   replica at a step boundary: the replica's per-node state over the 100 Gb/s link
+                   (the survivors stall for it and one more cross-replica init). Pessimistic preset
+                   for comparison: Meta's FT-HSDP reports ~3 minutes of stall per failure at ~100K
+                   GPUs (arXiv 2602.00277): `cost.replica_stall_s`.
 
-A spec's `cost:` overrides each (`restart_s` the whole restart).
+A spec's `cost:` overrides each (`restart_s` the whole restart; `node_loss_detection_s` the world
+path's loud node loss, what a kill-node drill shows; the silent detection has no spec key).
 """
 
 from __future__ import annotations
@@ -64,11 +104,17 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from health.heartbeat import HEARTBEAT_TIMEOUT_S
+
 LLAMA3_NODE_DAYS = 2048 * 54
 LLAMA3_COUNTS = {"gpu": 268, "network": 42, "host": 32, "storage": 16, "software": 61}
 LLAMA3_SDC = 6
 DEFAULT_RATES = {k: v / LLAMA3_NODE_DAYS * 1000 for k, v in LLAMA3_COUNTS.items()}
 """Interruptions per 1,000 node-days by component."""
+SILENT_COUNTS = {"gpu": 0, "network": 42, "host": 0, "storage": 9, "software": 7}
+"""Of LLAMA3_COUNTS, the interruptions that close nothing (the rows in the module docstring)."""
+SILENT_SHARE = {k: SILENT_COUNTS[k] / v for k, v in LLAMA3_COUNTS.items()}
+"""Of each component's incidents, the share that is silent."""
 
 BYTES_PER_PARAM = 16
 STAGING_GBPS_PER_GPU = 10.0
@@ -85,7 +131,8 @@ PUBLISHED_COMM_INIT_WORLD = 16384
 """NVIDIA/nccl#1156 (2024): 2.5 min of communicator init at large scale on NCCL's default path."""
 RAY_HEALTH_CHECK_TIMEOUT_S = 10.0
 RAY_HEALTH_CHECK_FAILURES = 5
-"""Ray's defaults (health_check_timeout_ms 10000, health_check_failure_threshold 5)."""
+"""Ray's defaults (health_check_timeout_ms 10000, health_check_failure_threshold 5): what a run without the
+probe or the heartbeat would wait for a lost node (a lever of benchmarks/simulate_scale.py)."""
 DEFAULT_GPU_TFLOPS = 400.0
 DATA_PLANE_DETECTION_S = 1.0
 """A survivor's collective fails as soon as its peer's connection drops, and the controller confirms
@@ -93,6 +140,14 @@ the node with its raylet probe: goodput measures 0.54 s on the replica path and 
 path (`python benchmarks/replica_heal.py --rounds 5`, medians of n = 5; README, "One replica as the
 failure domain"); the model charges the goal's bound, 1 s, as a real cluster's network is slower than
 this machine's loopback."""
+CONTROLLER_POLL_S = 0.2
+"""How often the controller polls a running group (controller/service/service.py's default poll_s)."""
+RAYLET_PROBE_S = 0.3
+"""controller/ray/liveness.py's wait for a raylet's connection (an edge: a core does not import it; a
+test keeps the two equal)."""
+SILENT_DETECTION_S = HEARTBEAT_TIMEOUT_S + CONTROLLER_POLL_S + RAYLET_PROBE_S
+"""A dark node: its heartbeat stops, the timeout runs out, the next poll sees it and the probe's
+unanswered wait corroborates it (health/heartbeat.py: "within ~1.5 s")."""
 
 
 def comm_init_s(world: int) -> float:
@@ -123,6 +178,19 @@ class Incident:
     """The node it strikes (network and software strike the run wherever it is)."""
     repair_s: float
     """Seconds until the node is back (0: it is not taken out)."""
+    silent: bool = False
+    """Nothing closes: the survivors wait for a timeout (the module docstring says which)."""
+
+    @property
+    def lost_node(self) -> bool:
+        """It takes its node out: a GPU or a host, or the node's other parts gone dark."""
+        return self.component in ("gpu", "host") or (self.component == "storage" and self.silent)
+
+    @property
+    def timed_out(self) -> bool:
+        """Its node lives on and beats, and the survivors learn of it when their collectives time out:
+        a dead link, or a hung rank (software's silent share)."""
+        return self.component == "network" or (self.component == "software" and self.silent)
 
 
 @dataclass(frozen=True)
@@ -138,6 +206,8 @@ class CostModel:
     peer_transfer_s: float = 0.0
     peer_restore_s: float = 0.0
     replica_detection_s: float = DATA_PLANE_DETECTION_S
+    silent_detection_s: float = SILENT_DETECTION_S
+    """A dark node, on either path: the heartbeat's timeout, the next poll and the probe."""
     replica_gpus: int = 1
     """GPUs of one data-parallel replica (R)."""
     replica_transfer_s: float = 0.0
@@ -175,7 +245,7 @@ def cost_model(spec: Any, *, params: int, gpus: int, gpus_per_node: int,
                                                           BYTES_PER_PARAM * params / (STORE_AGGREGATE_GBPS * 1e9))),
         restore_s=_given(c.restore_s, restore_s(BYTES_PER_PARAM * params, gpus=gpus, gpus_per_node=gpus_per_node)),
         restart_s=_given(c.restart_s, restart_s(gpus)),
-        node_loss_detection_s=_given(c.node_loss_detection_s, RAY_HEALTH_CHECK_FAILURES * RAY_HEALTH_CHECK_TIMEOUT_S),
+        node_loss_detection_s=_given(c.node_loss_detection_s, DATA_PLANE_DETECTION_S),
         collective_timeout_s=spec.health.collective_timeout_s,
         peer_snapshot_stall_s=_given(c.peer_snapshot_stall_s, per_gpu / (STAGING_GBPS_PER_GPU * 1e9)),
         peer_transfer_s=_given(c.peer_transfer_s, per_gpu * gpus_per_node / (NODE_LINK_GBPS * 1e9)),
@@ -192,10 +262,16 @@ def _given(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
-def incidents(failures: Any, nodes: list[str], *, horizon_s: float, seed: int) -> list[Incident]:
+def incidents(failures: Any, nodes: list[str], *, horizon_s: float, seed: int,
+              silent_share: dict[str, float] | None = None) -> list[Incident]:
     """Every incident in [0, horizon_s), time-ordered: a Poisson process per component over the
-    cluster's node-days, each striking a node drawn uniformly. Deterministic for a seed."""
+    cluster's node-days, each striking a node drawn uniformly, silent with its component's share
+    (SILENT_SHARE unless given; a silent storage incident is a dark host, repaired as a host is).
+    Deterministic for a seed; silence is drawn from a stream of its own, so the times, components and
+    nodes are those the seed gave before silence was modelled."""
     rng = random.Random(seed)
+    quiet = random.Random(f"{seed}/silent")
+    share = SILENT_SHARE if silent_share is None else silent_share
     rates = failures.rates.model_dump() if failures.rates is not None else dict(DEFAULT_RATES)
     repair = failures.repair_hours.model_dump()
     node_days_per_s = len(nodes) / 86400.0
@@ -216,8 +292,10 @@ def incidents(failures: Any, nodes: list[str], *, horizon_s: float, seed: int) -
                     kind = "sdc"
                 elif u < failures.sdc_share + failures.straggler_share:
                     kind = "straggler"
+            silent = quiet.random() < share.get(component, 0.0) and kind == component
+            dark = silent and component == "storage"
             out.append(Incident(time=t, component=kind, node=rng.choice(nodes),
-                                repair_s=repair.get(component, 0.0) * 3600.0))
+                                repair_s=repair.get("host" if dark else component, 0.0) * 3600.0, silent=silent))
     out.sort(key=lambda i: (i.time, i.component, i.node))
     return out
 

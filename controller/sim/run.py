@@ -39,7 +39,10 @@ class SimInjector:
         placement = self.group.attempt.placement
         on_node = kind.target == "node"
         node = target if on_node else placement.node_of_rank[int(target)]
-        incident = Incident(time=now, component=kind.component, node=node, repair_s=self.repair_s if on_node else 0.0)
+        if kind in (DrillKind.SLOW_LINK, DrillKind.LOSSY_LINK):
+            return {"node": node}  # (the model has no slow or lossy links: a run rides them out)
+        incident = Incident(time=now, component=kind.component, node=node, repair_s=self.repair_s if on_node else 0.0,
+                            silent=kind.silent)  # a power-off, a partition, a frozen host: a node gone dark
         if on_node:
             self.cluster.take_down(node, now + self.repair_s)
         self.group.strike(incident, rank=None if on_node else int(target), factor=factor)
@@ -90,7 +93,7 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
     while not c.state.terminal and clock.t < horizon:
         while pending and pending[0].time <= clock.t:
             incident = pending.pop(0)
-            if incident.repair_s > 0 and incident.component in ("gpu", "host", "sdc"):
+            if incident.repair_s > 0 and (incident.lost_node or incident.component == "sdc"):
                 cluster.take_down(incident.node, incident.time + incident.repair_s)
             if group.strike(incident):
                 struck[incident.component] += 1
@@ -128,6 +131,7 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
         "params": params, "cost_model": cost.to_dict(), "mtbf_hours": mtbf_hours(failures, sim.nodes),
         "checkpoint_every": _interval(events, spec),
         "incidents": len(planned), "incidents_by_component": dict(Counter(i.component for i in planned)),
+        "silent_by_component": dict(Counter(i.component for i in planned if i.silent)),
         "interruptions_by_component": dict(struck),
         "failures_by_cause": dict(Counter(e["detail"]["cause"] for e in events if e["kind"] == EventKind.FAILURE_DETECTED)),
         "decisions": dict(Counter(e["detail"]["action"] for e in events if e["kind"] == EventKind.DECISION)),

@@ -29,7 +29,6 @@ def cfg(mesh: MeshShape, probes: bool = True) -> dict:
 
 
 def probe_rank(*, rank: int, world_size: int, store_port: int, config: dict, flip_rank: int) -> dict:
-    import torch
     import torch.distributed as dist
 
     from trainer.config import config_from_dict

@@ -39,9 +39,9 @@ def available() -> str | None:
     """None when the lab can be built here, else why not."""
     if os.geteuid() != 0:
         return "the lab needs root (network namespaces, veths, a bridge)"
-    for tool in ("ip", "tc", "unshare", "hostname"):
+    for tool in ("ip", "tc", "nft", "unshare", "hostname"):
         if shutil.which(tool) is None:
-            return f"the lab needs `{tool}` (Debian's iproute2 / util-linux / hostname)"
+            return f"the lab needs `{tool}` (Debian's iproute2 / nftables / util-linux / hostname)"
     return None
 
 
@@ -139,6 +139,7 @@ class Lab:
             _sh("ip", "link", "del", n.veth, check=False)
             shutil.rmtree(NETNS_ETC / n.netns, ignore_errors=True)
         _sh("ip", "link", "del", self.bridge, check=False)
+        self.mend_controller()
         self._made.clear()
 
     def leftovers(self) -> list[str]:
@@ -149,6 +150,8 @@ class Lab:
                 or f" {name}@" in links]
         left += [n.netns for n in self.nodes.values() if n.netns in netns.split()]
         left += [str(NETNS_ETC / n.netns) for n in self.nodes.values() if (NETNS_ETC / n.netns).exists()]
+        if _sh("nft", "list", "table", "inet", self.name, check=False).returncode == 0:
+            left.append(f"nftables table inet {self.name}")
         return left
 
     def __enter__(self) -> "Lab":
@@ -195,6 +198,17 @@ class Lab:
     def cut(self, hostname: str) -> None:
         """The node's link goes dark: nothing it sends arrives, nothing sent to it arrives, nothing closes."""
         _sh("ip", "link", "set", self.nodes[hostname].veth, "down")
+
+    def cut_controller(self) -> None:
+        """This machine's own namespace (the controller's) is cut off from every node: everything it
+        sends onto the bridge is dropped (an nftables rule on its output); the nodes still reach one
+        another (bridged traffic does not pass this machine's output hook)."""
+        _sh("nft", "add", "table", "inet", self.name)
+        _sh("nft", "add", "chain", "inet", self.name, "out", "{ type filter hook output priority 0 ; }")
+        _sh("nft", "add", "rule", "inet", self.name, "out", "oifname", self.bridge, "drop")
+
+    def mend_controller(self) -> None:
+        _sh("nft", "delete", "table", "inet", self.name, check=False)
 
     def mend(self, hostname: str) -> None:
         _sh("ip", "link", "set", self.nodes[hostname].veth, "up")
@@ -244,12 +258,15 @@ class LabRayCluster:
     def start(self) -> "LabRayCluster":
         self._ray_start("head", "--head", "--port", str(self.PORT), "--num-cpus", "1", "--num-gpus", "0",
                         "--include-dashboard", "false")
-        for i, host in enumerate(self.workers):
-            labels = f"node={host},rack={self.racks.get(host, 'rack-0')}" + (
-                ",spare=true" if i >= len(self.workers) - self.spares else "")
-            self._ray_start(host, "--address", self.address, "--num-cpus", "2", "--num-gpus", str(self.gpus_per_node),
-                            "--labels", labels)
+        for host in self.workers:
+            self._join(host)
         return self
+
+    def _join(self, host: str) -> None:
+        spare = self.workers.index(host) >= len(self.workers) - self.spares
+        labels = f"node={host},rack={self.racks.get(host, 'rack-0')}" + (",spare=true" if spare else "")
+        self._ray_start(host, "--address", self.address, "--num-cpus", "2", "--num-gpus", str(self.gpus_per_node),
+                        "--labels", labels)
 
     def _ray_start(self, host: str, *args: str) -> None:
         n = self.lab.nodes[host]
@@ -280,3 +297,18 @@ class LabRayCluster:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(procs, timeout=30)
+
+    def repair(self, host: str) -> None:
+        """The node back from repair: whatever is left of it killed, its link up and clean, and a
+        raylet started again (a new Ray node, with the same labels)."""
+        self.lab.kill_all(host)
+        self.lab.mend(host)
+        self.mend_link(host)
+        self._join(host)
+
+    def mend_link(self, host: str) -> None:
+        """The node's link up and clean again (what a partition, slow-link or lossy-link drill left)."""
+        netns = self.lab.nodes[host].netns
+        _sh("ip", "-n", netns, "link", "set", "eth0", "up")
+        _sh("tc", "-n", netns, "qdisc", "del", "dev", "eth0", "root", check=False)
+        _sh("ip", "netns", "exec", netns, "nft", "delete", "table", "inet", "goodput_drill", check=False)

@@ -32,7 +32,9 @@ def test_defaults_fill_what_the_spec_leaves_out_and_the_spec_overrides_each() ->
     c = cost_model(spec, params=params, gpus=8, gpus_per_node=4)
     # CUDA init 0.15 s + communicator init 0.36 s at world 1, growing by (150 - 0.36) s over 16,383 ranks
     assert c.restart_s == pytest.approx(0.15 + 0.36 + 7 * (150.0 - 0.36) / 16383)
-    assert c.node_loss_detection_s == 50.0  # Ray's defaults: 5 x 10 s
+    # A loud node loss from the data plane on the world path too (goodput's measured 0.83 s, charged 1 s),
+    # a silent one from the heartbeat: 1 s unmoved, the next poll 0.2 s, the raylet probe's 0.3 s
+    assert (c.node_loss_detection_s, c.replica_detection_s, c.silent_detection_s) == pytest.approx((1.0, 1.0, 1.5))
     per_node = 16 * params / 8 * 4  # 16 bytes per parameter, 8 GPUs, 4 per node
     assert c.restore_s == pytest.approx(per_node / 12.5e9)  # a node's 100 Gb/s link binds (not the store's 2 TB/s)
     assert c.step_s == pytest.approx(6 * params * 8 * 64 / (8 * 400e12))
