@@ -20,7 +20,7 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 # The demo starts over each time: a finished run's checkpoints would make the next one resume at
 # its last step with nothing left to train (goodput run resumes a run's latest checkpoint).
 run: $(STAMP)
-	@for run in tiny-gpt tiny-gpt-replicas; do if [ -d goodput-runs/$$run ]; then echo "make run: removing the last demo's checkpoints (goodput-runs/$$run)"; rm -rf goodput-runs/$$run; fi; done
+	@for run in tiny-gpt tiny-gpt-replicas; do if [ -d goodput-runs/$$run ]; then echo "make run: removing the last demo's checkpoints (goodput-runs/$$run)"; rm -rf goodput-runs/$$run goodput-runs/$$run.fence; fi; done
 	$(VENV)/bin/goodput run examples/tiny-gpt.yaml
 	@echo; echo "make run: the same model with one data-parallel replica as the failure domain (examples/tiny-gpt-replicas.yaml)"; echo
 	$(VENV)/bin/goodput run examples/tiny-gpt-replicas.yaml

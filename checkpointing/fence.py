@@ -39,7 +39,11 @@ def fence_prefix(run_id: str) -> str:
 
 def raise_fence(store: ObjectStore, run_id: str, attempt: int, start_step: int) -> None:
     """Attempt `attempt` starts from `start_step`: every earlier attempt is fenced off (idempotent: a
-    controller that tries again after a store error writes the same record)."""
+    controller that tries again after a store error writes the same record). Attempt 0 is a new
+    controller's first (a new run, or `goodput run` starting its attempts over): records an earlier
+    one left under this run's id are not its attempts, and go first."""
+    if attempt == 0:
+        store.delete_prefix(fence_prefix(run_id))
     key = f"{fence_prefix(run_id)}attempt-{attempt:08d}-from-{start_step:010d}.json"
     try:
         store.put_bytes(key, json.dumps({"attempt": attempt, "start_step": start_step}).encode(), if_absent=True)

@@ -293,6 +293,12 @@ class NodeHeart:
         self._target: tuple[str, int, str] | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._calling = threading.Lock()
+        """Held while the beat is inside the store client, and by every fork of this process: a training
+        process forked while the beat held a lock of c10d's would inherit it held, and its own store and
+        process groups would hang (`os.register_at_fork`)."""
+        os.register_at_fork(before=self._calling.acquire, after_in_parent=self._calling.release,
+                            after_in_child=self._calling.release)
 
     def beat_for(self, host: str, port: int, key: str) -> None:
         with self._lock:
@@ -316,11 +322,12 @@ class NodeHeart:
             assert target is not None
             host, port, key = target
             try:
-                if client is None or at != (host, port):
-                    client, at = None, (host, port)
-                    client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                           timeout=timedelta(seconds=HEARTBEAT_PERIOD_S * 5))
-                client.add(key, 1)
+                with self._calling:
+                    if client is None or at != (host, port):
+                        client, at = None, (host, port)
+                        client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                               timeout=timedelta(seconds=HEARTBEAT_PERIOD_S * 5))
+                    client.add(key, 1)
             except Exception:  # noqa: BLE001 - unreachable now (a partition, a store moving): next beat
                 client = None
             time.sleep(HEARTBEAT_PERIOD_S)

@@ -50,3 +50,14 @@ def test_a_superseded_attempt_cannot_commit_and_what_it_slipped_in_is_not_loaded
     commit(store, manifest(30, 1))
     found = latest_verified(store, "r", checksums=False)
     assert found is not None and found[0].step == 30 and found[0].attempt == 1
+
+
+def test_a_new_controllers_first_attempt_clears_what_an_earlier_run_of_the_id_left(tmp_path: Path) -> None:
+    """`goodput run` numbers its attempts from 0 again; a new run may reuse an id whose checkpoints
+    were removed: records of the earlier attempts must not fence the new ones off."""
+    store = LocalStore(tmp_path)
+    for attempt in range(4):
+        raise_fence(store, "r", attempt, attempt * 10)
+    raise_fence(store, "r", 0, 30)
+    assert starts(store, "r") == {0: 30}
+    check(store, "r", 0)
