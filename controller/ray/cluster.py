@@ -362,11 +362,10 @@ def _one_per_name(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for name, listed in by_name.items():
         if len(listed) > 1:
-            from controller.ray.liveness import refusing, unanswered
+            from controller.ray.liveness import probe
 
-            at = {i["NodeID"]: [(i["NodeManagerAddress"], int(i["NodeManagerPort"]))] for i in listed}
-            gone = unanswered(at) | refusing(at)
-            listed = [i for i in listed if i["NodeID"] not in gone] or listed
+            said = probe({i["NodeID"]: [(i["NodeManagerAddress"], int(i["NodeManagerPort"]))] for i in listed})
+            listed = [i for i in listed if "accepted" in said[i["NodeID"]]] or listed
         out.append(listed[-1])
     return out
 

@@ -16,47 +16,41 @@ RAYLET_PROBE_S = 0.3
 """How long a probe of a node's raylet waits for its connection."""
 
 
+def probe(addresses: dict[str, list[tuple[str, int]]]) -> dict[str, set[str]]:
+    """What each name's (host, port)s answer a TCP connection within RAYLET_PROBE_S: `accepted`,
+    `refused` (the host answers, nothing listens) or `silent` (a timeout, or no route to it)."""
+    if not addresses:
+        return {}
+
+    def answer(address: tuple[str, int]) -> str:
+        try:
+            socket.create_connection(address, timeout=RAYLET_PROBE_S).close()
+        except ConnectionRefusedError:
+            return "refused"
+        except OSError:
+            return "silent"
+        return "accepted"
+
+    pairs = [(name, address) for name, listed in addresses.items() for address in listed]
+    with ThreadPoolExecutor(max_workers=min(16, len(pairs))) as pool:
+        answers = list(pool.map(answer, [address for _, address in pairs]))
+    out: dict[str, set[str]] = {name: set() for name in addresses}
+    for (name, _), said in zip(pairs, answers):
+        out[name].add(said)
+    return out
+
+
 def refusing(addresses: dict[str, list[tuple[str, int]]]) -> set[str]:
     """The names every (host, port) of which refuses a TCP connection: nothing listens there. A
     timeout or an unreachable network says nothing (a firewall may drop what a controller outside the
     cluster sends). A name may be listed at several addresses: a node started again while Ray still
     lists its old raylet is not refusing."""
-    if not addresses:
-        return set()
-
-    def refused(address: tuple[str, int]) -> bool:
-        try:
-            socket.create_connection(address, timeout=RAYLET_PROBE_S).close()
-        except ConnectionRefusedError:
-            return True
-        except OSError:
-            return False
-        return False
-
-    pairs = [(name, address) for name, listed in addresses.items() for address in listed]
-    with ThreadPoolExecutor(max_workers=min(16, len(pairs))) as pool:
-        answers = list(pool.map(refused, [address for _, address in pairs]))
-    return {name for name in addresses if all(no for (n, _), no in zip(pairs, answers) if n == name)}
+    return {name for name, said in probe(addresses).items() if said == {"refused"}}
 
 
 def unanswered(addresses: dict[str, list[tuple[str, int]]]) -> set[str]:
     """The names none of whose (host, port) accepts or refuses a TCP connection within RAYLET_PROBE_S."""
-    if not addresses:
-        return set()
-
-    def silent(address: tuple[str, int]) -> bool:
-        try:
-            socket.create_connection(address, timeout=RAYLET_PROBE_S).close()
-        except ConnectionRefusedError:
-            return False
-        except OSError:  # a timeout, or no route to it any more
-            return True
-        return False
-
-    pairs = [(name, address) for name, listed in addresses.items() for address in listed]
-    with ThreadPoolExecutor(max_workers=min(16, len(pairs))) as pool:
-        answers = list(pool.map(silent, [address for _, address in pairs]))
-    return {name for name in addresses if all(no for (n, _), no in zip(pairs, answers) if n == name)}
+    return {name for name, said in probe(addresses).items() if said == {"silent"}}
 
 
 def raylet_addresses(nodes: set[str]) -> dict[str, list[tuple[str, int]]]:

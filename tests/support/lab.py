@@ -277,26 +277,17 @@ class LabRayCluster:
     def outside(self) -> list[psutil.Process]:
         """The cluster's processes outside the lab's hosts (a service's raylet on the gateway), by the
         temp dir their command lines name."""
-        from tests.support.ray_start import children
+        from tests.support.ray_start import naming
 
-        ours = []
-        for p in psutil.process_iter(["cmdline"]):
-            if str(self.tmp) in " ".join(p.info["cmdline"] or []):
-                ours.append(p)
-                ours.extend(children(p))
-        return ours
+        return naming(str(self.tmp))
 
     def stop(self) -> None:
         """By PID: every process on the lab's hosts, and the cluster's outside them."""
+        from tests.support.ray_start import kill
+
         for host in self.lab.nodes:
             self.lab.kill_all(host)
-        procs = self.outside()
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=30)
+        kill(self.outside())
 
     def repair(self, host: str) -> None:
         """The node back from repair: whatever is left of it killed, its link up and clean, and a

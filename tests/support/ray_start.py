@@ -39,6 +39,26 @@ def children(p: psutil.Process) -> list[psutil.Process]:
         return []
 
 
+def naming(text: str) -> list[psutil.Process]:
+    """Every process whose command line holds `text` (a cluster's temp dir), and their children."""
+    ours = []
+    for p in psutil.process_iter(["cmdline"]):
+        if text in " ".join(p.info["cmdline"] or []):
+            ours.append(p)
+            ours.extend(children(p))
+    return ours
+
+
+def kill(procs: list[psutil.Process]) -> None:
+    """SIGKILL these (those still there) and wait for them."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
 class RayStartCluster:
     def __init__(self, tmp: Path, *, head_ip: str = "127.0.0.1", worker_ips: list[str] | None = None,
                  default_health_checks: bool = False) -> None:
@@ -82,12 +102,7 @@ class RayStartCluster:
 
     def processes(self) -> list[psutil.Process]:
         """Every process of this cluster (their command lines name its temp dir) and their children."""
-        ours = []
-        for p in psutil.process_iter(["cmdline"]):
-            if str(self.tmp) in " ".join(p.info["cmdline"] or []):
-                ours.append(p)
-                ours.extend(children(p))
-        return ours
+        return naming(str(self.tmp))
 
     def raylet_ips(self) -> set[str]:
         """The --node_ip_address of every raylet of this cluster alive now."""
@@ -103,10 +118,4 @@ class RayStartCluster:
 
     def stop(self) -> None:
         """By PID: `ray stop` would end every Ray process on the machine, not just ours."""
-        procs = self.processes()
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=30)
+        kill(self.processes())
