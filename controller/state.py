@@ -116,6 +116,11 @@ class RunController:
         self.events.add(now, 0, EventKind.SUBMITTED, name=spec.name)
 
     @property
+    def isolated(self) -> str | None:
+        """Why this controller suspects itself (it hears no node of its running attempt), or None."""
+        return self._isolated if self.state is RunState.RUNNING else None
+
+    @property
     def topology(self) -> Topology:
         """The nodes this run may use, with the spec's `cluster.racks` over the cluster's racks."""
         return self._topology

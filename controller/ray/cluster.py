@@ -262,6 +262,18 @@ class RemoteRayCluster(_RayClusterBase):
         except Exception as e:  # noqa: BLE001 - Ray raises several kinds here; one line says which
             raise ClusterError(f"cannot join the Ray cluster at {self.address}: {e}") from None
 
+    def gcs_answers(self, timeout_s: float = 1.0) -> bool:
+        """Whether the head's GCS accepts a connection from this host within `timeout_s` (asked
+        before this process is a driver: a standby's view of the cluster)."""
+        if self.address == "auto":
+            return True
+        host, _, port = self.address.removeprefix("ray://").rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s):
+                return True
+        except (OSError, ValueError):
+            return False
+
     def _as_node(self) -> bool:
         return self.node_ip is not None and self.address != "auto" and not self.address.startswith("ray://")
 

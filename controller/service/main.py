@@ -100,7 +100,7 @@ def serve_forever(opts: ServeOptions) -> int:
     if opts.standby and not registry.lead(wait_s=0):
         if isinstance(cluster, RemoteRayCluster):
             cluster.prepare()  # joins as a node now: taking over then waits for no raylet
-        if not _stand_by(registry, opts, stop):
+        if not _stand_by(registry, cluster, opts, stop):
             registry.close()
             return 0 if stop.is_set() else 4  # told to stop, or the lock was lost again before it drove
     else:
@@ -136,8 +136,9 @@ def serve_forever(opts: ServeOptions) -> int:
             log(f"carrying on {len(carried)} unfinished run(s): {', '.join(carried)}")
         server = ApiServer(create_app(service, token=token), opts.host, opts.port).start()
         log(f"API on {server.url} (GOODPUT_URL={server.url})")
-        since: float | None = None  # when the cluster stopped answering
+        since: float | None = None  # when the cluster stopped answering, or every run's heartbeats
         asked = checked = 0.0
+        reach = Asked(service.reaches_cluster)
         while not stop.wait(0.5):
             now = time.monotonic()
             if now - checked >= LEAD_CHECK_S:
@@ -149,10 +150,15 @@ def serve_forever(opts: ServeOptions) -> int:
                     return 4
             if service.lost_cluster is None and now - asked >= CLUSTER_CHECK_S:
                 asked = now
-                since = None if service.reaches_cluster() else (since or now)
-                if since is not None and now - since >= LOST_AFTER_S:
-                    service.cluster_lost(f"the Ray cluster at {opts.address or 'embedded'} has not answered "
-                                         f"for {now - since:.0f} s")
+                cut = "its GCS does not answer" if not reach(timeout_s=1.0) else service.isolated()
+                since = None if cut is None else (since or now)
+                if since is not None and registry.standby_waiting and now - since >= YIELD_AFTER_S:
+                    service.cluster_lost(f"cut off from the Ray cluster at {opts.address or 'embedded'} for "
+                                         f"{now - since:.0f} s ({cut}) while a standby that reaches it waits: "
+                                         "yielding the lock and the runs to it")
+                elif since is not None and now - since >= LOST_AFTER_S:
+                    service.cluster_lost(f"cut off from the Ray cluster at {opts.address or 'embedded'} for "
+                                         f"{now - since:.0f} s ({cut})")
             if service.lost_cluster is not None:
                 log(f"lost the Ray cluster ({service.lost_cluster}): stopping without touching the runs; "
                     "a service started again re-attaches to them")
@@ -170,16 +176,35 @@ def serve_forever(opts: ServeOptions) -> int:
         if service is not None:
             service.stop()
         registry.close()
-        cluster.shutdown()
+        if service is not None and service.lost_cluster is not None:
+            _leave(cluster)
+        else:
+            cluster.shutdown()
         (state / PIDS_FILE).unlink(missing_ok=True)
     return 0
 
 
-def _stand_by(registry: "Registry", opts: ServeOptions, stop: threading.Event) -> bool:
+def _leave(cluster: "LocalRayCluster | RemoteRayCluster") -> None:
+    """End this process without waiting on a cluster it cannot reach: a driver's goodbye to a GCS
+    that does not answer waits for a minute (and Ray asks again at exit). The lock is released
+    already; the runs are left as they are for the service that leads now."""
+    done = threading.Thread(target=cluster.shutdown, daemon=True, name="goodput-leave")
+    done.start()
+    done.join(LEAVE_WAIT_S)
+    if done.is_alive():
+        log(f"the cluster did not answer this driver's goodbye within {LEAVE_WAIT_S:g} s: ending without it")
+        sys.stderr.flush()
+        os._exit(3)
+
+
+def _stand_by(registry: "Registry", cluster: "LocalRayCluster | RemoteRayCluster", opts: ServeOptions,
+              stop: threading.Event) -> bool:
     """Wait as the standby of the service that leads `registry`: /healthz answers (the process is
     alive), /readyz and everything else say 503 (a Kubernetes Service sends it nothing), until the
     leader is gone and this one leads (True; LEAD_FENCE_S after it took the lock), or until told to
-    stop or the lock is lost again meanwhile (False)."""
+    stop or the lock is lost again meanwhile (False). It offers itself (`Registry.offer_standby`), and
+    takes the lock, only while it reaches the cluster: a leader cut off from the cluster yields to it."""
+    from controller.ray.cluster import RemoteRayCluster
     from controller.service.app import ApiServer, standby_app
     from controller.service.registry import safe_url
 
@@ -187,9 +212,19 @@ def _stand_by(registry: "Registry", opts: ServeOptions, stop: threading.Event) -
     log(f"standby: another goodput serve leads {safe_url(registry.url)}; this one takes over when it is gone "
         f"(until then {server.url} answers /healthz only)")
     since = time.monotonic()
+    reach = Asked(cluster.gcs_answers if isinstance(cluster, RemoteRayCluster) else lambda: True)
+    ready, asked = False, 0.0
     try:
         while not stop.wait(0.2):
-            if registry.lead(wait_s=0):
+            if time.monotonic() - asked >= CLUSTER_CHECK_S:
+                asked = time.monotonic()
+                if ready != reach(timeout_s=1.0):
+                    ready = not ready
+                    log("standby: " + ("reaches the cluster: ready to take over" if ready else
+                                       "does not reach the cluster: it takes over nothing until it does"))
+                registry.offer_standby(ready)
+            if ready and registry.lead(wait_s=0):
+                registry.offer_standby(False)
                 # A leader whose lock's session was ended (not its process) may drive for up to
                 # LEAD_CHECK_S more before it notices: act only once it has surely stopped.
                 if stop.wait(LEAD_FENCE_S):
@@ -303,16 +338,49 @@ def _kubernetes_enabled(mode: str) -> bool:
     return mode == "on" or (mode == "auto" and in_cluster())
 
 
+class Asked:
+    """A yes-or-no question asked on a thread of its own and waited for a while only: a process cut
+    off from its cluster may wait a minute for Ray's answer, and the loop that must notice the cut
+    cannot. A question still unanswered is not asked twice; its answer counts when it comes."""
+
+    def __init__(self, question: Callable[[], bool]) -> None:
+        import concurrent.futures
+
+        self.question = question
+        self._asker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="goodput-ask")
+        self._pending: concurrent.futures.Future | None = None
+
+    def __call__(self, *, timeout_s: float) -> bool:
+        import concurrent.futures
+
+        self._pending = self._pending or self._asker.submit(self.question)
+        try:
+            answer = bool(self._pending.result(timeout=timeout_s))
+        except concurrent.futures.TimeoutError:
+            return False
+        except Exception:  # noqa: BLE001 - failing to ask is an answer: no
+            answer = False
+        self._pending = None
+        return answer
+
+
 LEAD_CHECK_S = 2.0
 """How often a leading service asks the registry whether its lock is still its own."""
 LEAD_FENCE_S = 6.0
 """How long a standby that took the lock waits before it drives: longer than a leader that lost it
 takes to notice (LEAD_CHECK_S, plus the check's own 3 s timeout) and stop."""
-CLUSTER_CHECK_S = 2.0
+CLUSTER_CHECK_S = 1.0
 """How often the service asks whether it still reaches its Ray cluster."""
 LOST_AFTER_S = 30.0
 """A cluster that has not answered for this long is lost: the process ends (exit 3) without touching
 its runs, so a supervisor's restart re-attaches (a GCS restarting with fault tolerance is back sooner)."""
+YIELD_AFTER_S = 5.0
+"""How long a leader cut off from its cluster (its GCS unanswered, or no heartbeat from any run)
+waits when a standby that reaches the cluster stands by: then it releases the lock and ends (exit 3),
+and the standby takes over LEAD_FENCE_S after. A cut shorter than this (a blip) is ridden out."""
+
+LEAVE_WAIT_S = 5.0
+"""How long a service that lost its cluster waits for its driver's goodbye before it ends without it."""
 
 PIDS_FILE = "embedded-cluster.pids"
 """The embedded cluster's processes (pid and start time), so that a service started after one that

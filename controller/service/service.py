@@ -97,6 +97,15 @@ class Service:
         connected = getattr(self.cluster, "connected", None)
         return connected() if connected is not None else True
 
+    def isolated(self) -> str | None:
+        """Why this service suspects itself cut off from its runs' nodes: every run it drives that is
+        training hears no heartbeat at all (None: one hears some, or none is training)."""
+        with self.lock:
+            running = [live.controller for live in self._runs.values()
+                       if not live.closed and live.controller.state is RunState.RUNNING]
+        whys = [c.isolated for c in running]
+        return whys[0] if whys and all(whys) else None
+
     def cluster_lost(self, why: str) -> None:
         """This process lost its Ray cluster: stop driving at once, touching no run (their workers may
         well train on); `lost_cluster` says why, for the process to end on."""

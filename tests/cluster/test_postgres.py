@@ -112,6 +112,23 @@ def test_one_service_leads_a_postgresql_registry(database: str) -> None:
     second.close()
 
 
+def test_a_leader_sees_a_standby_only_while_one_offers_itself_on_postgresql(database: str) -> None:
+    """A standby that reaches the cluster holds a shared advisory lock while it does; the leader's
+    check reads it (a cut-off leader yields sooner when one waits), and a standby's lock goes with it."""
+    leader, standby, other = Registry(database), Registry(database), Registry(database)
+    leader.lead()
+    assert leader.still_leads() and not leader.standby_waiting
+    standby.offer_standby(True)
+    other.offer_standby(True)
+    assert leader.still_leads() and leader.standby_waiting
+    standby.offer_standby(False)
+    other.close()
+    assert leader.still_leads() and not leader.standby_waiting
+    assert standby.lead(wait_s=0) is False, "the standby's mark is not the leader's lock"
+    for r in (leader, standby):
+        r.close()
+
+
 def _lock_sessions(url: str) -> list[int]:
     """The backend pids holding the leading service's advisory lock."""
     engine = create_engine(url)

@@ -14,11 +14,16 @@ through the CLI; nothing the dark node sent after the cut arrives, and nothing c
   foreign commits) and the run ends with the same bytes as a run without the flap.
 - the controller cut off from every node for a few seconds (they still reach one another): every
   heartbeat stops at once, the controller suspects itself and declares no node lost.
+- two services on one PostgreSQL registry, each on a host of its own, the database on a third: the
+  leader cut off from the cluster (not from the database), then the new leader cut off from the
+  database (not from the cluster). Each time the cut-off one stops acting within 10 s, the standby
+  takes the lock and the run, and the run ends as if nothing happened (no node declared lost).
 The lab's teardown removes every namespace, veth and bridge it made (checked)."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,12 +32,15 @@ import pytest
 import yaml
 
 from tests.support.lab import Lab, LabRayCluster, available
+from tests.support.postgres import PostgresServer, unavailable
 from tests.support.serve import Serve, wait_for, write_spec
 from tests.support.tools import require
 
 pytestmark = pytest.mark.cluster
 
 WORKERS = ["gpu-a", "gpu-b", "gpu-c", "gpu-d", "gpu-e"]
+CONTROLLERS = ["ctl-a", "ctl-b"]
+"""Hosts for two services on one PostgreSQL registry (on host `db`), a leader and its standby."""
 HANG_FLOOR_S = 30.0
 COLLECTIVE_TIMEOUT_S = 20.0
 
@@ -40,7 +48,7 @@ COLLECTIVE_TIMEOUT_S = 20.0
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     require(available())
-    lab = Lab(["head", *WORKERS]).open()
+    lab = Lab(["head", *WORKERS, *CONTROLLERS, "db"]).open()
     try:
         yield lab
     finally:
@@ -203,3 +211,75 @@ def test_a_controller_cut_off_from_every_node_suspects_itself(service: Serve, cl
     assert isolated and isolated[0]["detail"]["isolated"], "it noticed it heard no node at all"
     assert not events(service, "alone", "failure_detected"), "and declared none of them lost"
     assert run["attempt"] == 0
+
+
+def lab_serve(lab: Lab, cluster: LabRayCluster, tmp: Path, host: str, database: str, *args: str) -> Serve:
+    """`goodput serve` on a lab host of its own, on the PostgreSQL registry `database`."""
+    address, state = lab.nodes[host].address, tmp / host
+    command = lab.command(host, [sys.executable, "-m", "controller", "serve", "--host", address, "--port", "0",
+                                 "--state-dir", str(state), "--db", database, "--address", cluster.address,
+                                 "--advertise-host", address, *args])
+    return Serve(state, tmp / f"{host}-{time.monotonic_ns()}.log", command=command,
+                 env={**cluster.env, "GOODPUT_TOKEN": "lab-token", "GOODPUT_STATE_DIR": str(state)})
+
+
+def until_said(serve: Serve, offset: int, text: str, within_s: float) -> float:
+    """When (time.monotonic) the service's log, from `offset`, says `text`; fails after `within_s`."""
+    start = time.monotonic()
+    while text not in serve.text()[offset:]:
+        assert time.monotonic() - start < within_s, f"not said within {within_s} s: {text!r}\n{serve.text()[-3000:]}"
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def test_a_cut_off_controller_stops_within_10_s_and_its_standby_takes_the_run(
+        lab: Lab, cluster: LabRayCluster, service: Serve, tmp_path: Path) -> None:
+    require(unavailable())
+    db = PostgresServer(lab.nodes["db"].address, within=lambda argv: lab.command("db", argv))
+    steps, figures = 150, {}
+    try:
+        leader = lab_serve(lab, cluster, tmp_path, "ctl-a", db.url).start()
+        standby = lab_serve(lab, cluster, tmp_path, "ctl-b", db.url, "--standby")
+        waits = standby.launch()
+        until_said(standby, waits, "ready to take over", 120)
+        submit_with_spare(leader, lab_spec(tmp_path, "handover", steps=steps))
+        wait_for(leader, "handover", lambda s: s["step"] >= 10)
+
+        # 1. The leader cut off from the cluster, not from the database: it yields to the standby.
+        said = len(leader.text())
+        lab.block("ctl-a", [lab.gateway, *(lab.nodes[h].address for h in ["head", *WORKERS])])
+        cut = time.monotonic()
+        figures["cluster cut: old leader stopped acting (s)"] = until_said(leader, said, "lost the Ray cluster", 10) - cut
+        assert "yielding the lock and the runs to it" in leader.text()[said:]
+        figures["cluster cut: standby leads (s)"] = until_said(standby, waits, "leading now", 60) - cut
+        assert leader.proc is not None and leader.proc.wait(10) == 3, leader.text()[-3000:]
+        standby.wait_api(waits, timeout_s=60)
+        at = wait_for(standby, "handover", lambda s: s["state"] == "running")["step"]
+        wait_for(standby, "handover", lambda s: s["step"] >= at + 5)
+        lab.kill_all("ctl-a")  # (its raylet, cut off meanwhile)
+        lab.unblock("ctl-a")
+
+        # 2. The new leader cut off from the database, not from the cluster: it stops; the old one,
+        # back as a standby, takes over.
+        leader, standby = standby, lab_serve(lab, cluster, tmp_path, "ctl-a", db.url, "--standby")
+        waits = standby.launch()
+        until_said(standby, waits, "ready to take over", 120)
+        lab.block("ctl-b", [lab.nodes["db"].address])
+        cut = time.monotonic()
+        assert leader.proc is not None
+        while leader.proc.poll() is None:
+            assert time.monotonic() - cut < 10, leader.text()[-3000:]
+            time.sleep(0.1)
+        figures["database cut: old leader stopped (s)"] = time.monotonic() - cut
+        assert leader.proc.returncode == 4 and "lost the registry's lock" in leader.text(), leader.text()[-3000:]
+        figures["database cut: standby leads (s)"] = until_said(standby, waits, "leading now", 60) - cut
+        standby.wait_api(waits, timeout_s=60)
+        run = wait_for(standby, "handover", lambda s: s["state"] == "succeeded")
+        print("\n" + json.dumps({k: round(v, 1) for k, v in figures.items()}))
+        assert run["step"] == steps
+        assert not events(standby, "handover", "failure_detected"), "no node was declared lost"
+    finally:
+        for host in CONTROLLERS:
+            lab.kill_all(host)
+            lab.unblock(host)
+        db.stop()

@@ -210,6 +210,22 @@ class Lab:
     def mend_controller(self) -> None:
         _sh("nft", "delete", "table", "inet", self.name, check=False)
 
+    def block(self, hostname: str, addresses: list[str]) -> None:
+        """A partial partition: nothing passes between the node and these addresses, in either
+        direction, and nothing closes (nftables in the node's own namespace; `unblock` ends it)."""
+        netns, table = self.nodes[hostname].netns, f"{self.name}_block"
+        peers = "{ " + ", ".join(addresses) + " }"
+        for command in (f"add table inet {table}",
+                        f"add chain inet {table} out {{ type filter hook output priority 0 ; }}",
+                        f"add chain inet {table} in {{ type filter hook input priority 0 ; }}",
+                        f"add rule inet {table} out ip daddr {peers} drop",
+                        f"add rule inet {table} in ip saddr {peers} drop"):
+            _sh("ip", "netns", "exec", netns, "nft", *command.split())
+
+    def unblock(self, hostname: str) -> None:
+        _sh("ip", "netns", "exec", self.nodes[hostname].netns, "nft", "delete", "table", "inet",
+            f"{self.name}_block", check=False)
+
     def mend(self, hostname: str) -> None:
         _sh("ip", "link", "set", self.nodes[hostname].veth, "up")
 

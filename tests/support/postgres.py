@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tests.support.s3 import free_port
 
@@ -38,7 +38,9 @@ def unavailable() -> str | None:
 
 
 class PostgresServer:
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", *, within: Callable[[list[str]], list[str]] | None = None) -> None:
+        """`within`: how a command runs where the server must (a lab host's `Lab.command`)."""
+        self.within = within or (lambda argv: argv)
         root = Path(tempfile.mkdtemp(prefix="goodput-pg-"))  # not under pytest's root-only tmp tree
         self.root = root
         bins = bin_dir()
@@ -59,13 +61,17 @@ class PostgresServer:
             os.chown(self.log, user.pw_uid, user.pw_gid)
             self._as = ["runuser", "-u", "postgres", "--"]
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8")
+        if not host.startswith("127."):  # (a lab host: its clients are the lab's other hosts)
+            with open(self.data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {host.rpartition('.')[0]}.0/24 trust\n")
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "-o",
                   f"-h {host} -p {self.port} -k {self.socket_dir} -c fsync=off", "start")
         self._run("createdb", "-h", host, "-p", str(self.port), "-U", "postgres", "goodput")
         self.url = f"postgresql+psycopg://postgres@{host}:{self.port}/goodput"
 
     def _run(self, tool: str, *args: str) -> None:
-        proc = subprocess.run([*self._as, str(self.bins / tool), *args], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(self.within([*self._as, str(self.bins / tool), *args]), capture_output=True,
+                              text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{tool} failed: {proc.stderr.strip() or proc.stdout.strip()}")
 

@@ -106,3 +106,42 @@ def test_a_killed_leader_s_lock_goes_with_it(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_leader_sees_a_standby_only_while_one_offers_itself(tmp_path: Path) -> None:
+    """A standby that reaches the cluster says so (a shared lock beside the database, PostgreSQL's
+    shared advisory lock in test_postgres.py); the leader reads it at each still_leads, and a cut-off
+    leader yields sooner to one (controller/service/main.py, YIELD_AFTER_S)."""
+    url = sqlite_url(str(tmp_path))
+    leader, standby, other = Registry(url), Registry(url), Registry(url)
+    leader.lead()
+    assert leader.still_leads() and not leader.standby_waiting
+    standby.offer_standby(True)
+    other.offer_standby(True)  # (shared: two standbys may wait)
+    assert leader.still_leads() and leader.standby_waiting
+    standby.offer_standby(False)
+    assert leader.still_leads() and leader.standby_waiting, "one still stands by"
+    other.close()  # (a standby that ends withdraws: its lock goes with it)
+    assert leader.still_leads() and not leader.standby_waiting
+    for r in (leader, standby):
+        r.close()
+
+
+def test_a_question_that_hangs_is_an_answer_no_and_is_not_asked_twice() -> None:
+    import threading
+
+    from controller.service.main import Asked
+
+    release, asked = threading.Event(), []
+
+    def question() -> bool:
+        asked.append(1)
+        release.wait(10)
+        return True
+
+    ask = Asked(question)
+    assert ask(timeout_s=0.1) is False and ask(timeout_s=0.1) is False
+    assert len(asked) == 1, "the question still in flight was not asked again"
+    release.set()
+    assert ask(timeout_s=5) is True, "its answer counts when it comes"
+    assert ask(timeout_s=5) is True and len(asked) == 2
