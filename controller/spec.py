@@ -212,6 +212,11 @@ class ClusterSpec(_Strict):
     simulated: SimulatedClusterSpec | None = None
     # node -> rack, over what the cluster says (Ray's `rack` label, Kubernetes node labels)
     racks: dict[str, str] = Field(default_factory=dict)
+    # The network interface(s) the ranks' collectives use (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME:
+    # "eth1", or NCCL's forms "ib0,eth1", "^docker"), where the node does not set them itself (a
+    # node knows its own NICs; a multi-NIC host should). Unset: gloo binds to the address the host's
+    # name resolves to, NCCL takes the first interface that is not loopback or docker.
+    interface: str | None = Field(default=None, pattern=r"^[=^]?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$")
 
     @field_validator("address")
     @classmethod

@@ -179,6 +179,18 @@ def build_model_parts(config: TrainerConfig, mesh: DeviceMesh, choice: DeviceCho
     return parts, stage_ids, num_stages
 
 
+INTERFACE_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Where gloo and NCCL read the interfaces their connections bind to (set before any group is made)."""
+
+
+def use_interface(interface: str | None) -> None:
+    """This process's collectives go over `interface` (the spec's cluster.interface), unless the node
+    named its own (its environment sets the variable already: the node knows its NICs)."""
+    if interface:
+        for name in INTERFACE_ENV:
+            os.environ.setdefault(name, interface)
+
+
 def init_process_group(*, rank: int, world_size: int, store: dist.Store, backend: str,
                        timeout_s: float) -> None:
     import datetime

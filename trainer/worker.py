@@ -25,7 +25,7 @@ from checkpointing.peer import PeerPoint
 from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import OutageGate, open_store
 from trainer.config import MeshShape, TrainerConfig, config_from_dict, state_fingerprint
-from trainer.parallel import build_mesh, choose_device, init_process_group
+from trainer.parallel import build_mesh, choose_device, init_process_group, use_interface
 from trainer.report import JsonlSink, ReportSink, StepReport
 from trainer.switches import DrillSwitches
 
@@ -92,6 +92,8 @@ class WorkerArgs:
     epoch the controller publishes in the store (epoch 0 before the launch)."""
     batch_while_healing: str = "keep"
     """failure_domain replica, while replicas are out: `keep` the global batch or `shrink` it."""
+    interface: str | None = None
+    """The run's network interface for collectives (cluster.interface), where the node sets none."""
     incarnation: int = 0
     """failure_domain replica: how many times this rank's replica was formed before (0: at the launch).
     A replica formed again waits for the epoch that lists it as joining and takes a live one's state."""
@@ -125,6 +127,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
     from trainer.train import Trainer  # torch-heavy; keep `import trainer.worker` cheap for launchers
 
     args.config.validate(world_size=args.world_size)
+    use_interface(args.interface)
     choice = choose_device(args.config.train.dtype)
     base = dist.TCPStore(args.store_host, args.store_port, is_master=False, wait_for_workers=False)
     store = dist.PrefixStore(args.store_prefix, base)

@@ -31,6 +31,17 @@ FAST_HEALTH_CHECK = {
     "health_check_failure_threshold": 3,
     "health_check_initial_delay_ms": 0,
 }
+DEPLOYED_HEALTH_CHECK = {
+    "health_check_period_ms": 2000,
+    "health_check_timeout_ms": 2000,
+    "health_check_failure_threshold": 5,
+}
+"""The Ray cluster deploy/ renders (its head's RAY_* environment): a node is dead to Ray ~10-12 s
+after its raylet stops answering (Ray's default: ~30 s). goodput does not wait for it (its own
+heartbeats declare a dark node lost in ~1.4 s); Ray's verdict frees the dead node's actors and
+resources, and lets a repaired host rejoin. The cost: the GCS sends one health RPC per node every
+2 s (1,024/s at 2,048 nodes, 1.5 times Ray's default rate), and a raylet that stalls for 10 s (a
+host swapping, a GCS overloaded) is declared dead for good: its actors end, and it must rejoin."""
 DEFAULT_GPU_MEMORY_GB = 80.0
 
 

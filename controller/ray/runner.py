@@ -40,7 +40,8 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
 
     spec = with_model_numbers(spec)
     store = checkpoint_store(spec)
-    group = RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s, warm=warm_workers)
+    group = RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s, warm=warm_workers,
+                           interface=spec.cluster.interface)
 
     def topology() -> Topology:
         return spec_view(cluster.topology(), spec)

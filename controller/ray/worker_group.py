@@ -51,7 +51,8 @@ class LaunchAborted(Exception):
 
 class RayWorkerGroup:
     def __init__(self, *, store_host: str = "127.0.0.1", launch_timeout_s: float = 120.0,
-                 collective_timeout_s: float = 120.0, warm: bool = True, name: str | None = None) -> None:
+                 collective_timeout_s: float = 120.0, warm: bool = True, name: str | None = None,
+                 interface: str | None = None) -> None:
         self.name = name
         """With a name (the run id), actors are detached and named `{name}/{node}/{k}`: they outlive the
         controller's process, and a restarted controller finds them again (`attach`)."""
@@ -59,6 +60,8 @@ class RayWorkerGroup:
         self.store_host = store_host
         self.launch_timeout_s = launch_timeout_s
         self.collective_timeout_s = collective_timeout_s
+        self.interface = interface
+        """The spec's cluster.interface, for the ranks' collectives (where their node sets none)."""
         self.warm = warm
         """Keep actors (and their imported torch) across attempts; False: fresh actors per attempt."""
         self._store: Any = None
@@ -182,7 +185,7 @@ class RayWorkerGroup:
             store_retry_budget_s=attempt.store_retry_budget_s, peer_every=attempt.peer_every,
             peer_buddy=attempt.peer_buddy, peer_restore=ray_replicas.peer_restore(attempt, rank, incarnation),
             peer_key=attempt.peer_key, replica_domain=self._replicas is not None, incarnation=incarnation,
-            batch_while_healing=attempt.batch_while_healing,
+            batch_while_healing=attempt.batch_while_healing, interface=self.interface,
         )
 
     # -- failure_domain replica ---------------------------------------------------------------------

@@ -253,7 +253,7 @@ def ray_service(registry: "Registry", cluster: LocalRayCluster | RemoteRayCluste
 
     def group(spec: RunSpec, run_id: str) -> RayWorkerGroup:
         # A long-lived service names its runs' actors so that they outlive it and it can re-attach.
-        return RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s,
+        return RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s, interface=spec.cluster.interface,
                               name=run_id if accept_submissions else None, store_host=store_host)
 
     def injector(g: Any) -> RayDrillInjector:

@@ -81,6 +81,7 @@ def lab_spec(tmp: Path, name: str, *, steps: int, replicas: int = 1) -> Path:
     spec = yaml.safe_load(path.read_text())
     spec["health"] = {"collective_timeout_s": COLLECTIVE_TIMEOUT_S, "hang_floor_s": HANG_FLOOR_S}
     spec["checkpoint"]["peer_every_steps"] = 1
+    spec.setdefault("cluster", {})["interface"] = "eth0"  # (a lab host's one link: what its ranks bind to)
     if replicas > 1:
         spec["parallelism"]["dp_replicas"] = replicas
         spec["elastic"] = {"failure_domain": "replica"}

@@ -127,6 +127,14 @@ def test_the_raycluster_validates_against_kuberays_crd(rendered: tuple[str, list
     bad["spec"]["workerGroupSpecs"][0]["replicas"] = "16"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)
+    (head,) = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    from controller.ray.cluster import DEPLOYED_HEALTH_CHECK
+
+    health = {e["name"].removeprefix("RAY_"): int(e["value"]) for e in head["env"] if e["name"].startswith("RAY_health")}
+    assert health == DEPLOYED_HEALTH_CHECK, "the head sets the health checks goodput documents"
+    dead_after_s = (health["health_check_period_ms"] * health["health_check_failure_threshold"]
+                    + health["health_check_timeout_ms"]) / 1000
+    assert 5 <= dead_after_s <= 15, "sooner than Ray's ~30 s, not so soon that a stalled raylet is lost"
     groups = {g["groupName"]: g for g in ray["spec"]["workerGroupSpecs"]}
     assert set(groups) == {"gpu", "spare"}
     for group in groups.values():
