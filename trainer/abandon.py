@@ -67,6 +67,9 @@ def build(store: dist.Store, rank: int, size: int, device: torch.device, timeout
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type != "cuda":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
+    # A non-blocking communicator's own operations (its init, its abort) wait this long at most, not
+    # NCCL's default 30 minutes (torchft sets it the same way).
+    os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(timeout_s)))
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     opts.config.blocking = 0  # non-blocking communicators: an abort never waits behind a hung init
@@ -101,6 +104,20 @@ def wait(work: Any, *, give_up: Callable[[], str | None], timeout_s: float) -> N
         time.sleep(pause)
         pause = min(pause * 2, 0.005)
     work.wait()  # (ended: returns at once, or raises the collective's error)
+
+
+def errored(group: Any) -> str | None:
+    """Why `group`'s communicators failed, or None. NCCL: a collective's work may say completed when
+    it failed or was aborted (its output then is not a sum of anything), and the error shows on the
+    group (`get_error`) once the device has caught up: synchronized first, as torchft's errored()
+    does, so that nothing it produced is voted on. gloo: a failed collective raises in its wait."""
+    get_error = getattr(group, "get_error", None)
+    if get_error is None:
+        return None
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    error = get_error()
+    return None if getattr(error, "name", str(error)) == "SUCCESS" else f"the communicator failed: {error}"
 
 
 def abort(group: Any, works: list[Any], graveyard: Graveyard) -> None:

@@ -143,6 +143,9 @@ class CrossReplica:
         self._works.append(work)
         try:
             abandon.wait(work, give_up=self.superseded, timeout_s=self.timeout_s)
+            failed = abandon.errored(self.group)
+            if failed is not None:  # (before anything it produced reaches the vote)
+                raise RuntimeError(failed)
         except Exception:
             self.abort()  # (given up, timed out or failed: this group is done with)
             raise
