@@ -87,3 +87,19 @@ def launch(c: "RunController", now: float) -> None:
         c._finish(now, RunState.SUCCEEDED, step=start_step)
         return
     c.state = RunState.RUNNING
+
+
+WARM_SPARES_EVERY_S = 5.0
+"""How often a running attempt looks for spares without warm workers (`warm_spares`)."""
+
+
+def warm_spares(c: "RunController", now: float) -> None:
+    """Spares the cluster gives this run that its worker group has no warm workers on (a node back
+    from repair refills the spare pool after the launch) get them now, not on the next recovery's
+    path (controller/ray/worker_group.py, `prewarm`)."""
+    prewarm = getattr(c.worker_group, "prewarm", None)
+    if prewarm is None or c.topology_source is None or now - c.warmed_at < WARM_SPARES_EVERY_S:
+        return
+    c.warmed_at = now
+    with c.outside_lock():
+        prewarm([n.name for n in c.topology_source().spares()])

@@ -111,6 +111,8 @@ class RunController:
         """Of those, the ones being formed again (their group reports `replica_rejoined`)."""
         self._isolated: str | None = None
         """Why the worker group last said this controller suspects itself (PollResult.isolated)."""
+        self.warmed_at = float("-inf")
+        """When the running attempt last looked for spares to warm workers on (launch.warm_spares)."""
         self._survivors_since: float | None = None
         """When the survivors were told to go on without lost replicas (their next step is the recovery)."""
         self.events.add(now, 0, EventKind.SUBMITTED, name=spec.name)
@@ -315,6 +317,7 @@ class RunController:
             self._isolated = result.isolated
         if result.isolated is not None:
             return  # it hears no node: it judges none (what it missed arrives once it hears them again)
+        launch.warm_spares(self, now)
         seen = self.watch.fold(now, result, self.progress)
         if seen.first_step is not None and self.attempt > 0:
             # When the ranks finished it (a report may reach us later than that: a peer snapshot's is

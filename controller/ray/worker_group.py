@@ -87,6 +87,8 @@ class RayWorkerGroup:
         self._growth_groups: list[Any] = []
         self._reservations = 0
         self._growth: list[tuple[str, Any]] = []
+        self._warming: dict[str, list[Any]] = {}
+        """node -> warm() refs of the actors `prewarm` started there, not yet waited for by a launch."""
         """(node, actor) of the last growth of the pool (undone together when it does not start)."""
         self._peer_key: str | None = None
         """The folder of the run's peer snapshots on the nodes (checkpointing.peer.run_key), once known."""
@@ -118,6 +120,8 @@ class RayWorkerGroup:
             wanted |= {spare: max(wanted.values()) for spare in placement.spares}
         self._forget_dead_nodes()
         new = self._grow_pool(wanted)
+        # actors started ahead of this launch (`prewarm`) are waited for as its own new ones are
+        new += [(node, ref) for node in wanted for ref in self._warming.pop(node, [])]
         if self._store is None:  # (while the new actors start)
             self._store, self._store_host = run_store.open_store(self.name, self.store_host)
         if new:
@@ -246,9 +250,26 @@ class RayWorkerGroup:
                 self._growth.append((node, actor))
         return new
 
+    def prewarm(self, nodes: list[str]) -> None:
+        """Warm actors on these nodes now, ahead of the recovery that may need them (spares the
+        cluster gave this run after its launch: a node back from repair refills the pool cold, and
+        a fresh actor importing torch costs a recovery ~5 s). Not waited for here: the launch that
+        uses them waits for them as for its own new actors."""
+        if not self.warm or self._attempt is None:
+            return
+        count = max(collections.Counter(self._attempt.placement.node_of_rank).values())
+        alive = _alive_names()
+        wanted = {n: count for n in nodes if n in alive and len(self._pool.get(n, [])) < count}
+        if not wanted:
+            return
+        for node, ref in self._grow_pool(wanted):
+            self._warming.setdefault(node, []).append(ref)
+        self._growth, self._growth_groups = [], []  # (held for the run, not part of any launch's gang)
+
     def _forget_node(self, node: str) -> None:
         """A node that died: its actors went with it; its reservations go too (else Ray would hold its
         GPUs for them again when it returns)."""
+        self._warming.pop(node, None)
         self._pool.pop(node, None)
         self._node_id.pop(node, None)
         for group in self._groups.pop(node, []):

@@ -412,3 +412,46 @@ def test_a_replica_failure_domain_is_refused_where_the_worker_group_cannot_keep_
     assert c.step(102.0) is RunState.FAILED and not g.started
     assert c.error is not None and c.error.code == "unsupported"
     assert "failure_domain: world" in c.error.message and "FakeWorkerGroup" in c.error.message
+
+
+class WarmingGroup(FakeWorkerGroup):
+    """A worker group that keeps warm workers (controller/ray/worker_group.py's `prewarm`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prewarmed: list[tuple[float, list[str]]] = []
+        self.now = 0.0
+
+    def prewarm(self, nodes: list[str]) -> None:
+        self.prewarmed.append((self.now, nodes))
+
+
+def test_a_spare_that_came_after_the_launch_gets_warm_workers_before_a_recovery_needs_them() -> None:
+    """A node back from repair refills the spare pool after the launch: the running attempt's
+    worker group is asked to warm it (every WARM_SPARES_EVERY_S at most), not the next recovery."""
+    from controller.launch import WARM_SPARES_EVERY_S
+    from controller.topology import NodeState
+
+    spec = parse_spec(BASE)
+    full = spec.topology()
+    (spare,) = [n.name for n in full.spares()]
+    live = {"topology": full}
+    g = WarmingGroup()
+    c = RunController(spec, full, g, now=100.0, topology_source=lambda: live["topology"])
+    start_running(c)
+    t = 110.0
+    for _ in range(20):
+        g.now = t
+        c.step(t)
+        t += 1.0
+    times = [at for at, _ in g.prewarmed]
+    assert times and all(b - a >= WARM_SPARES_EVERY_S for a, b in zip(times, times[1:]))
+    assert all(nodes == [spare] for _, nodes in g.prewarmed)
+    back = full.nodes[0].name  # (a training node lost earlier, back as a spare)
+    live["topology"] = full.with_states({back: NodeState.SPARE})
+    for _ in range(6):
+        g.now = t
+        c.step(t)
+        t += 1.0
+    assert sorted(g.prewarmed[-1][1]) == sorted([spare, back])
+    assert c.state is RunState.RUNNING
