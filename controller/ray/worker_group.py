@@ -87,9 +87,9 @@ class RayWorkerGroup:
         self._growth_groups: list[Any] = []
         self._reservations = 0
         self._growth: list[tuple[str, Any]] = []
+        """(node, actor) of the last growth of the pool (undone together when it does not start)."""
         self._warming: dict[str, list[Any]] = {}
         """node -> warm() refs of the actors `prewarm` started there, not yet waited for by a launch."""
-        """(node, actor) of the last growth of the pool (undone together when it does not start)."""
         self._peer_key: str | None = None
         """The folder of the run's peer snapshots on the nodes (checkpointing.peer.run_key), once known."""
         self._attempt: AttemptSpec | None = None
