@@ -30,14 +30,17 @@ def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str
     group._gone |= set(nodes) & set(group._node_of_rank) if not suspect else set()
     gone = group.on_gone_nodes(ranks)  # (not waited for: a dark node answers nothing)
     stops = [group.actors[rank].stop.remote() for rank in ranks if group.actors[rank] is not None and rank not in gone]
-    ray.wait(stops, num_returns=len(stops), timeout=15)
     r.out |= set(ranks)
     group._failed -= set(ranks)
     group._nodes = {node for rank, node in enumerate(group._node_of_rank) if rank not in r.out}
     for rank in ranks:
         group._drains.pop(rank, None)
+    # The survivors first: the lost replica's ranks are not members of the new epoch (nothing of
+    # theirs reaches its groups, and a rank that finds its epoch superseded ends), so its stops are
+    # waited for after the survivors are told, before any of its actors is used again.
     r.publish(live=r.live - set(replicas))
     told = time.time()
+    ray.wait(stops, num_returns=len(stops), timeout=15)
     if suspect and group._attempt.peer_every and group._peer_key is not None:  # (an SDC's nodes are alive)
         held_by = {group._node_of_rank[rank] for rank in ranks}
         drops = [group._pool[node][0].drop_peer_copies.remote(group._peer_key) for node in held_by if group._pool.get(node)]
