@@ -36,8 +36,9 @@ def test_a_malformed_interface_is_refused_with_the_field_named(interface: str) -
 
 
 def test_the_run_s_interface_is_used_only_where_the_node_names_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in INTERFACE_ENV:
-        monkeypatch.delenv(name, raising=False)
+    for name in INTERFACE_ENV:  # (set, then removed: monkeypatch restores both, whatever use_interface sets)
+        monkeypatch.setenv(name, "-")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the node's own
     use_interface("eth1")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "eth1" and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
