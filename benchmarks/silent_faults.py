@@ -13,6 +13,7 @@ path, the median and spread of: detection (fault -> node declared lost), the fir
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -65,8 +66,9 @@ def one_run(serve: Serve, cluster: LabRayCluster, tmp: Path, name: str, replicas
 
 
 def summary(rows: list[dict]) -> None:
-    print("\n| path | fault | n | detection s, median (min-max) | first step after s, median (min-max) | steps lost |")
-    print("|---|---|---|---|---|---|")
+    print("\n| path | fault | n | decisions | detection s, median (min-max) | first step after s, median (min-max) "
+          "| steps lost |")
+    print("|---|---|---|---|---|---|---|")
     for path in ("world", "replica"):
         for kind in ("kill-node", "power-off"):
             sel = [r for r in rows if r["path"] == path and r["kind"] == kind and r["outcome"] == "recovered"]
@@ -75,7 +77,9 @@ def summary(rows: list[dict]) -> None:
             det = [r["detection_s"] for r in sel]
             first = [r["first_step_s"] for r in sel]
             lost = [r["steps_lost"] for r in sel]
-            print(f"| {path} | {kind} | {len(sel)} | {statistics.median(det):.2f} ({min(det):.2f}-{max(det):.2f}) | "
+            decisions = ", ".join(f"{d} {n}" for d, n in collections.Counter(r["decision"] for r in sel).items())
+            print(f"| {path} | {kind} | {len(sel)} | {decisions} | {statistics.median(det):.2f} "
+                  f"({min(det):.2f}-{max(det):.2f}) | "
                   f"{statistics.median(first):.2f} ({min(first):.2f}-{max(first):.2f}) | {max(lost)} at most |")
     failed = [r for r in rows if r["outcome"] != "recovered"]
     if failed:
