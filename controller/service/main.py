@@ -341,27 +341,31 @@ def _kubernetes_enabled(mode: str) -> bool:
 class Asked:
     """A yes-or-no question asked on a thread of its own and waited for a while only: a process cut
     off from its cluster may wait a minute for Ray's answer, and the loop that must notice the cut
-    cannot. A question still unanswered is not asked twice; its answer counts when it comes."""
+    cannot. A question still unanswered is not asked twice; its answer counts when it comes. The
+    thread is a daemon: a question still hanging never holds the process's exit."""
 
     def __init__(self, question: Callable[[], bool]) -> None:
-        import concurrent.futures
-
         self.question = question
-        self._asker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="goodput-ask")
-        self._pending: concurrent.futures.Future | None = None
+        self._answered = threading.Event()
+        self._answer = False
+        self._asking: threading.Thread | None = None
+
+    def _ask(self) -> None:
+        try:
+            self._answer = bool(self.question())
+        except Exception:  # noqa: BLE001 - failing to ask is an answer: no
+            self._answer = False
+        self._answered.set()
 
     def __call__(self, *, timeout_s: float) -> bool:
-        import concurrent.futures
-
-        self._pending = self._pending or self._asker.submit(self.question)
-        try:
-            answer = bool(self._pending.result(timeout=timeout_s))
-        except concurrent.futures.TimeoutError:
+        if self._asking is None:
+            self._answered.clear()
+            self._asking = threading.Thread(target=self._ask, daemon=True, name="goodput-ask")
+            self._asking.start()
+        if not self._answered.wait(timeout_s):
             return False
-        except Exception:  # noqa: BLE001 - failing to ask is an answer: no
-            answer = False
-        self._pending = None
-        return answer
+        self._asking = None
+        return self._answer
 
 
 LEAD_CHECK_S = 2.0
