@@ -233,7 +233,12 @@ class Registry:
         if not ready:
             standby, self._standby = self._standby, None
             if hasattr(standby, "invalidate"):
-                standby.invalidate()  # its session ends, and the mark with it (not back to the pool)
+                try:  # (at once: a closed session's locks go only when its server process has ended)
+                    standby.execute(text("SELECT pg_advisory_unlock_shared(:key)"), {"key": self.STANDBY_KEY})
+                    standby.commit()
+                except Exception:  # noqa: BLE001 - a session already gone took the mark with it
+                    pass
+                standby.invalidate()  # its session ends too (not back to the pool)
             standby.close()
         elif self.engine.dialect.name == "sqlite":
             import fcntl
