@@ -256,14 +256,9 @@ class RemoteRayCluster(_RayClusterBase):
         """Whether this process started this host's raylet (it stays: a restarted service reuses it)."""
 
     def start(self) -> None:
-        if self.address != "auto":
-            host, _, port = self.address.removeprefix("ray://").rpartition(":")
-            try:
-                with socket.create_connection((host, int(port)), timeout=self.connect_timeout_s):
-                    pass
-            except (OSError, ValueError):
-                raise ClusterError(f"Ray address {self.address} does not answer within "
-                                   f"{self.connect_timeout_s:.0f} s; check cluster.address") from None
+        if not self.gcs_answers(self.connect_timeout_s):
+            raise ClusterError(f"Ray address {self.address} does not answer within "
+                               f"{self.connect_timeout_s:.0f} s; check cluster.address")
         extra: dict[str, Any] = {}
         if self._as_node():
             self.prepare()
