@@ -42,6 +42,7 @@ class EventKind(enum.StrEnum):
     REPLICA_REJOINED = "replica_rejoined"  # (rank) replicas formed again, their state from a live one, training
     REPLICA_READY = "replica_ready"  # (rank) a replica formed again has built its world and waits to join
     REPLICA_STEP_DISCARDED = "replica_step_discarded"  # (rank) a cross-replica collective failed: nothing applied
+    REPLICA_RESYNC = "replica_resync"  # a discarded step with no replica lost: an epoch of the same members evens them out
     SAMPLES_SKIPPED = "samples_skipped"  # (rank) batch_while_healing shrink: the out replicas' samples of these steps
     REPLICA_CHECKSUMS = "replica_checksums"  # (rank) every live replica's state checksum at one shard position
     DECISION = "decision"

@@ -12,6 +12,7 @@ from controller.events import EventKind
 from controller.failure_policy import Action, FailureCause, FailureEvent
 from controller.placement import ranks_on, swap_nodes
 from controller.topology import NodeState, merge_returned
+from trainer.protocol import form_order
 
 if TYPE_CHECKING:
     from controller.state import RunController
@@ -34,8 +35,11 @@ def contain(c: "RunController", now: float, failure: FailureEvent) -> bool:
         return False
     per = mesh.world_size // mesh.dp_replicas
     ranks = set(failure.ranks) | set(ranks_on(c.placement.node_of_rank, failure.nodes))
-    lost = sorted({r // per for r in ranks} - set(c.replicas_out))
-    live = mesh.dp_replicas - len(c.replicas_out) - len(lost)
+    # A replica out and waiting has no processes (its ranks still name its lost nodes); one being
+    # formed again (or joining, until its rejoin) is lost again: it forms once more elsewhere.
+    waiting = set(c.replicas_out) - c._forming
+    lost = sorted({r // per for r in ranks} - waiting)
+    live = mesh.dp_replicas - len(set(c.replicas_out) | set(lost))
     if not lost or live < 1:
         return False
     c.events.add(now, c.attempt, EventKind.FAILURE_DETECTED, cause=failure.cause.value, nodes=list(failure.nodes),
@@ -49,7 +53,8 @@ def contain(c: "RunController", now: float, failure: FailureEvent) -> bool:
     nodes_of = {replica: tuple(sorted({c.placement.node_of_rank[r] for r in range(replica * per, (replica + 1) * per)}
                                       & set(failure.nodes))) for replica in lost}
     for replica in lost:
-        c.replicas_out[replica] = nodes_of[replica]
+        c.replicas_out[replica] = nodes_of[replica]  # (formed again already: its nodes now are those it took)
+        c._forming.discard(replica)
     c.events.add(now, c.attempt, EventKind.DECISION, action=Action.HEAL_REPLICA.value, code="replica_out",
                     reason=f"{failure.cause.value} on {list(failure.nodes) or list(failure.ranks)}: replica(s) {lost} "
                            f"stop, {live} of {mesh.dp_replicas} train on ({c.spec.elastic.batch_while_healing} "
@@ -90,17 +95,18 @@ def form_replicas(c: "RunController", now: float) -> None:
         return
     if c.topology_source is not None:
         c.topology = merge_returned(c.topology, c.topology_source())
-    needed = [n for replica in waiting for n in c.replicas_out[replica]]
     healthy = c.topology.names_in(NodeState.HEALTHY)
-    missing = [n for n in needed if n not in healthy]
+    missing = {replica: [n for n in c.replicas_out[replica] if n not in healthy] for replica in waiting}
     used = c.placement.rack_of_node
-    # spares first, then healthy nodes the run does not use (repaired ones, or a replaced node back)
-    spares = [s.name for s in c.topology.spares()]
-    if len(spares) < len(missing):
-        spares += c.topology.in_node_order(healthy - used.keys())[:len(missing) - len(spares)]
-    if len(spares) < len(missing):
+    # spares first, then healthy nodes the run does not use (repaired ones, or a replaced node back);
+    # as many replicas form as there are nodes for, in replica order (the others stay out)
+    free = [s.name for s in c.topology.spares()]
+    free += [n for n in c.topology.in_node_order(healthy - used.keys()) if n not in free]
+    plan = form_order(waiting, missing, free)
+    if not plan:
         return  # degraded until a spare or a repaired node can take them
-    swaps = dict(zip(missing, spares))
+    waiting = sorted(plan)
+    swaps = {node: spare for replica in waiting for node, spare in plan[replica].items()}
     c.topology = c.topology.with_states({s: NodeState.HEALTHY for s in swaps.values()})
     c.placement = swap_nodes(c.placement, swaps, c.topology)
     assert c.watch is not None

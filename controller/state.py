@@ -331,7 +331,8 @@ class RunController:
         for rank, kind, detail in result.events:  # every event of the poll joins the timeline first
             # (a rejoin records where its replica now runs: a restarted service re-attaches there)
             moved = {"placement": self.placement.columns()} if kind == EventKind.REPLICA_REJOINED and self.placement else {}
-            self.events.add(now, self.attempt, kind, **{**detail, "rank": rank, **moved})  # the reporting rank wins
+            said_by = {"rank": rank} if rank >= 0 else {}  # (rank -1: the worker group's own word)
+            self.events.add(now, self.attempt, kind, **{**detail, **said_by, **moved})  # the reporting rank wins
             if kind == EventKind.REPLICA_REJOINED:
                 for replica in detail.get("replicas", ()):
                     self.replicas_out.pop(int(replica), None)

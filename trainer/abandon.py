@@ -62,8 +62,14 @@ def _done(work: Any) -> bool:
         return True
 
 
-def build(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
-    """A backend of `size` ranks on `store` (a fresh prefix per epoch and position)."""
+def build(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float,
+          give_up: Callable[[], str | None] | None = None) -> Any:
+    """A backend of `size` ranks on `store` (a fresh prefix per epoch and position). Every rank says
+    it has arrived first and the backend is built once all have: until then `give_up()` is asked
+    every WATCH_S (Abandoned: a member that will never come, or a newer epoch to form instead; the
+    backend's own rendezvous could only time out)."""
+    if give_up is not None:
+        _meet(store, rank, size, give_up, timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type != "cuda":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -84,6 +90,20 @@ def build(store: dist.Store, rank: int, size: int, device: torch.device, timeout
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
     group.eager_connect_single_device(device)  # the communicator now, not inside the first collective
     return group
+
+
+def _meet(store: dist.Store, rank: int, size: int, give_up: Callable[[], str | None], timeout_s: float) -> None:
+    store.set(f"arrived/{rank}", "1")
+    keys = [f"arrived/{r}" for r in range(size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        why = give_up()
+        if why is not None:
+            raise Abandoned(why)
+        if time.monotonic() > deadline:
+            missing = [r for r in range(size) if not store.check([f"arrived/{r}"])]
+            raise TimeoutError(f"cross-replica group: member(s) {missing} did not arrive in {timeout_s:.0f} s")
+        time.sleep(WATCH_S)
 
 
 def wait(work: Any, *, give_up: Callable[[], str | None], timeout_s: float) -> None:

@@ -1,45 +1,16 @@
 """Membership epochs: who trains, as the controller publishes it (the one authority on who is in), and
-the board of the run's store where it does. trainer/replica.py says what each epoch means to a rank."""
+the board of the run's store where it does. trainer/protocol.py decides what each epoch holds,
+trainer/replica.py what it means to a rank."""
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
+from trainer.protocol import Membership
+
 MEMBERSHIP_KEY = "membership"
-
-
-@dataclass(frozen=True)
-class Membership:
-    """Who trains, as the controller publishes it: epoch after epoch, never reused."""
-
-    epoch: int
-    replicas: tuple[int, ...]
-    """The live replica ids, ascending: the cross-replica groups' members in this order."""
-    joining: tuple[int, ...] = ()
-    """Replicas formed again that receive their state from a live one when the epoch starts."""
-    at_step: int = 0
-    """The first step trained under this epoch at the earliest (a replay of a membership log gives
-    each epoch's step; a live controller gives 0: at the next step boundary all replicas agree on)."""
-
-    def __post_init__(self) -> None:
-        if list(self.replicas) != sorted(set(self.replicas)) or not self.replicas:
-            raise ValueError(f"membership epoch {self.epoch}: replicas {self.replicas} must be distinct, ascending, non-empty")
-        if not set(self.joining) <= set(self.replicas):
-            raise ValueError(f"membership epoch {self.epoch}: joining {self.joining} not among replicas {self.replicas}")
-        if set(self.joining) == set(self.replicas):
-            raise ValueError(f"membership epoch {self.epoch}: every replica is joining, none can give its state")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "Membership":
-        raw = json.loads(text)
-        return cls(int(raw["epoch"]), tuple(raw["replicas"]), tuple(raw.get("joining", ())), int(raw.get("at_step", 0)))
 
 
 class MembershipBoard:

@@ -47,7 +47,8 @@ from torch import nn
 from health.sdc import minority
 from trainer import abandon
 from trainer.membership import Membership, MembershipBoard  # noqa: F401 - (imported from here too)
-from trainer.probes import local_tensor
+from trainer.probes import SilentDataCorruption, local_tensor
+from trainer.protocol import ProtocolFault, SyncPlan, SyncRow, gives_up, sync_plan
 
 FINGERPRINT_MASK = (1 << 52) - 1
 """State fingerprints travel in float64 collectives: 52 bits are exact there."""
@@ -63,13 +64,25 @@ class ReplicaBroken(RuntimeError):
     its ranks end."""
 
 
+class StateCorrupt(SilentDataCorruption):
+    """At an epoch switch, members hold different states at the same step, or a state changed at
+    rest (`plan` says who): the suspects leave, and with no majority nothing is copied anywhere."""
+
+    def __init__(self, message: str, plan: SyncPlan, replicas: tuple[int, ...], mine: bool) -> None:
+        super().__init__(message)
+        self.plan = plan
+        self.suspects = [replicas[i] for i in plan.suspects]
+        self.mine = mine
+        """Whether this rank's replica is a suspect (its ranks end and its nodes are quarantined)."""
+
+
 class CrossReplica:
     """This rank's side of the cross-replica groups: the group of its shard position over the live
     replicas of the current epoch, rebuilt (on a fresh store prefix) at each new epoch."""
 
     def __init__(self, store: dist.Store, *, replica: int, position: int, device: torch.device,
                  timeout_s: float = 60.0, board: MembershipBoard | None = None, replicas: int | None = None,
-                 keep_batch: bool = True) -> None:
+                 keep_batch: bool = True, faults: Sequence[ProtocolFault] = ()) -> None:
         self.store = store
         self.replica = replica
         self.replicas = replicas
@@ -93,8 +106,15 @@ class CrossReplica:
         self._works: list[Any] = []
         """The current group's collectives not known to have ended (held with it if it is given up)."""
         self.graveyard = abandon.Graveyard()
-        self._seen_epoch = -1
-        self._leaves_out = ""
+        self._seen_epoch: tuple[int, int] = (-1, -1)
+        self._newer: Membership | None = None
+        self.forming = False
+        """Whether this rank is forming its epoch (the group's init, the state transfer): any newer
+        epoch then wins (trainer/protocol.gives_up)."""
+        self.at_step = 0
+        """The step this rank's collectives serve (the one being trained, or the first trained after the switch)."""
+        self.faults = list(faults)
+        """Faults to inject at named points of the protocol (tests and the protocol-fault drill)."""
 
     @property
     def live(self) -> int:
@@ -108,15 +128,29 @@ class CrossReplica:
         return self.membership.replicas.index(self.replica)
 
     def configure(self, membership: Membership) -> None:
-        """Join this position's group of `membership` (every member's rank at this position meets here)."""
+        """Join this position's group of `membership` (every member's rank at this position meets
+        here); given up (abandon.Abandoned) when a newer epoch is published meanwhile."""
         if self.replica not in membership.replicas:
             raise ReplicaBroken(f"replica {self.replica} is not in membership epoch {membership.epoch}")
         self.abort()
         prefix = dist.PrefixStore(f"cross/e{membership.epoch}/p{self.position}", self.store)
         self.membership = membership
         size = len(membership.replicas)
-        self.group = abandon.build(prefix, self.index, size, self.device, self.timeout_s) if size > 1 else None
+        self.inject("init")
+        self.group = (abandon.build(prefix, self.index, size, self.device, self.timeout_s, give_up=self.superseded)
+                      if size > 1 else None)
         self.largest_group = max(self.largest_group, size)
+
+    def inject(self, point: str) -> None:
+        """A fault a test or drill asked for at this named point of the protocol, at this step: a
+        failed collective (RuntimeError), or one delayed by its seconds (past the timeout, when long)."""
+        for fault in self.faults:
+            if fault.point == point and fault.step == self.at_step:
+                self.faults.remove(fault)
+                if fault.delay_s is None:
+                    raise RuntimeError(f"injected protocol fault: {point} failed at step {self.at_step}")
+                time.sleep(fault.delay_s)
+                return
 
     def abort(self) -> None:
         """Give the current group up (a failed one may still have a collective pending on a dead peer:
@@ -126,18 +160,18 @@ class CrossReplica:
         self.group, self._works = None, []
 
     def superseded(self) -> str | None:
-        """Why a collective of this epoch is to be given up now: the controller published a newer
-        membership that leaves out one of its members (a lost replica). None otherwise (a newer
-        epoch that only adds joining replicas is switched to at the next step boundary)."""
+        """Why a collective of this epoch is to be given up now (trainer/protocol.gives_up): the
+        controller published a newer membership that leaves out one of its members (a lost replica)
+        or resolves a discarded step, or any newer one while this epoch forms. None otherwise."""
         assert self.membership is not None
         newest = self.board.newest_epoch()
-        if newest != self._seen_epoch:
-            self._seen_epoch = newest
-            later = self.board.get(newest) if newest > self.membership.epoch else None
-            out = sorted(set(self.membership.replicas) - set(later.replicas)) if later is not None else []
-            self._leaves_out = (f"membership epoch {newest} leaves out replica(s) {out}: the collective of epoch "
-                                f"{self.membership.epoch} is given up") if out else ""
-        return self._leaves_out or None
+        if newest <= self.membership.epoch:
+            return None
+        if (newest, self.at_step) != self._seen_epoch:  # (a replayed log's epochs come due at their steps)
+            self._seen_epoch = (newest, self.at_step)
+            due = self.board.due(self.membership.epoch, self.at_step)
+            self._newer = self.board.get(due) if due > self.membership.epoch else None
+        return gives_up(self.membership, self._newer, forming=self.forming) if self._newer is not None else None
 
     def _wait(self, work: Any) -> None:
         self._works.append(work)
@@ -178,6 +212,7 @@ class CrossReplica:
         per dtype. Whether every live replica gave its part (the loss travels with `agree`)."""
         grads = [local_tensor(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
         try:
+            self.inject("reduce")
             for dtype, same in _by_dtype(grads):
                 flat = torch.cat([g.reshape(-1) for g in same])
                 self._all_reduce(flat, dist.ReduceOp.SUM)
@@ -197,6 +232,7 @@ class CrossReplica:
         buf = torch.tensor([0.0 if ok else 1.0, float(epoch_seen), 1.0 if skip else 0.0, *marks], dtype=torch.float64,
                            device=self.device)
         try:
+            self.inject("vote")
             dist.all_reduce(buf, op=dist.ReduceOp.MAX)
         except Exception as e:  # noqa: BLE001 - a member of this replica is gone
             raise ReplicaBroken(f"replica {self.replica}'s own world failed: {e}") from e
@@ -221,6 +257,7 @@ class CrossReplica:
         buf = torch.tensor([0.0 if ok else 1.0, float(epoch), 1.0 if skip else 0.0, *slots, *losses],
                            dtype=torch.float64, device=self.device)
         try:
+            self.inject("agree")
             self._all_reduce(buf, dist.ReduceOp.MAX)
         except Exception as e:  # noqa: BLE001
             self.last_error = f"{type(e).__name__}: {e}"[:500]
@@ -257,43 +294,44 @@ class CrossReplica:
         return [int(v) for v in mine.tolist()]
 
     def sync(self, tensors: Callable[[], list[torch.Tensor]], step: int, cursor: int,
-             intact: bool = True) -> tuple[int, int, int | None]:
+             intact: bool | None = True) -> tuple[int, int, int | None, SyncPlan | None]:
         """Make every member's state the newest member's: the members exchange their steps and state
-        fingerprints; if any differs, or any member is joining, a vouched member broadcasts `tensors`
-        (and its step and cursor) to all. Vouched: not joining, at the newest step, its parameters
-        intact at rest (`intact`: its probes' check), and its fingerprint that of the majority of such
-        members; the first in replica order gives. A healing replica never copies from one the others
-        cannot vouch for: with no majority, SilentDataCorruption. (step, cursor, source replica or None
-        when nothing moved)."""
-        from trainer.probes import SilentDataCorruption, bits_checksum
+        fingerprints, and trainer/protocol.sync_plan decides; if anything is to move, the vouched
+        member broadcasts `tensors` (and its step and cursor) to all. `intact`: its probes' check of
+        the state at rest (None: not checked). StateCorrupt when members at the newest step disagree
+        (on every member: the suspects leave before the transfer, the others' transfer waits for the
+        epoch without them) or none can be vouched for (nothing is copied). (step, cursor, source
+        replica or None when nothing moved, the plan)."""
+        from trainer.probes import bits_checksum
 
         assert self.membership is not None
         m = self.membership
         if self.group is None:
-            return step, cursor, None
+            return step, cursor, None, None
         size = len(m.replicas)
         joining = self.replica in m.joining
-        fingerprint = -1.0 if joining or not intact else float(bits_checksum(tensors()) & FINGERPRINT_MASK)
-        mine = torch.zeros(size, 3, dtype=torch.float64, device=self.device)
-        mine[self.index] = torch.tensor([float(step), float(cursor), fingerprint], dtype=torch.float64)
-        if joining:
-            mine[self.index, 0] = -1.0  # a joining replica gives nothing
+        fingerprint = -1.0 if joining or intact is False else float(bits_checksum(tensors()) & FINGERPRINT_MASK)
+        mine = torch.zeros(size, 4, dtype=torch.float64, device=self.device)
+        mine[self.index] = torch.tensor([float(step), float(cursor), fingerprint,
+                                         (1.0 if joining else 0.0) + (2.0 if intact is None else 0.0)],
+                                        dtype=torch.float64)
         self._all_reduce(mine, dist.ReduceOp.SUM)
         rows = mine.tolist()
-        steps = [int(row[0]) for row in rows]
-        prints = [int(row[2]) for row in rows]
-        newest = max(steps)
-        if not m.joining and len(set(steps)) == 1 and len(set(prints)) == 1 and prints[0] >= 0:
-            return step, cursor, None
-        donors = {i: prints[i] for i in range(size) if steps[i] == newest and prints[i] >= 0}
-        odd, tie = minority(donors)
-        vouched = [i for i in sorted(donors) if i not in odd] if not tie else []
-        if not vouched:
-            raise SilentDataCorruption(
-                f"membership epoch {m.epoch}: no replica's state at step {newest} can be vouched for (replicas "
-                f"{[m.replicas[i] for i in sorted(donors)]} hold different states with no majority, or none is "
-                "intact at rest): nothing is copied; the run goes back to its last verified checkpoint")
-        root = vouched[0]
+        plan = sync_plan([SyncRow(int(row[0]), int(row[2]) if row[2] >= 0 else None, joining=int(row[3]) & 1 == 1,
+                                  checked=int(row[3]) & 2 == 0) for row in rows])
+        if plan.corrupt or self.index in plan.suspects:
+            suspects = [m.replicas[i] for i in plan.suspects]
+            why = ("no majority of the members at step {0} holds one state, or none is intact at rest" if plan.corrupt
+                   else "its state differs from the majority's at step {0}, or changed at rest").format(plan.newest)
+            raise StateCorrupt(f"membership epoch {m.epoch}: replica(s) {suspects}: {why}; nothing is copied from them",
+                               plan, m.replicas, mine=self.index in plan.suspects or plan.corrupt)
+        if plan.source is None:
+            return step, cursor, None, plan
+        if plan.suspects:  # (they left: this transfer waits for the epoch without them)
+            raise StateCorrupt(f"membership epoch {m.epoch}: replica(s) {[m.replicas[i] for i in plan.suspects]} hold "
+                               "a corrupted state and leave", plan, m.replicas, mine=False)
+        root = plan.source
+        self.inject("sync")
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         for t in tensors():
@@ -306,7 +344,7 @@ class CrossReplica:
             self._wait(self.group.broadcast([staged], opts))
             if staged is not t:
                 t.copy_(staged)
-        return newest, int(rows[root][1]), m.replicas[root]
+        return plan.newest, int(rows[root][1]), m.replicas[root], plan
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> Iterator[tuple[torch.dtype, list[torch.Tensor]]]:
@@ -366,7 +404,8 @@ def replica_step(trainer: Any, *, wait_s: float, log: list[dict[str, Any]],
     epoch every replica agreed on is switched to at the step boundary after it. Its StepReport.
     ReplicaBroken when this replica is no longer a member. `log` gets what happened, in order
     ({kind: step | discarded | switched | switch_failed, ...}); `on_discarded(detail)` is told of
-    each discarded step at once (the controller hears of the failure from the data plane)."""
+    each discarded step and failed switch at once (the controller publishes the epoch that resolves
+    it: trainer/protocol.Roster.resolve_discard)."""
     r: CrossReplica = trainer.replicas
     assert r.membership is not None, "configure the first membership (Trainer.switch) before training"
     while True:
@@ -378,36 +417,73 @@ def replica_step(trainer: Any, *, wait_s: float, log: list[dict[str, Any]],
             log.append(detail)
             if on_discarded is not None:
                 on_discarded(detail)
-            switch_to(trainer, r.board.wait_newer(r.membership.epoch, wait_s), wait_s=wait_s, log=log)
+            switch_to(trainer, r.board.wait_newer(r.membership.epoch, wait_s), wait_s=wait_s, log=log,
+                      on_failed=on_discarded)
             continue
         log.append({"kind": "step", "step": trainer.step, "epoch": r.membership.epoch, "loss": report.loss,
                     "time": report.end_time})
         if trainer.next_epoch is not None:
-            switch_to(trainer, r.board.get(trainer.next_epoch), wait_s=wait_s, log=log)
+            switch_to(trainer, r.board.get(trainer.next_epoch), wait_s=wait_s, log=log, on_failed=on_discarded)
         return report
 
 
-def switch_to(trainer: Any, membership: Membership, *, wait_s: float, log: list[dict[str, Any]]) -> None:
-    """`trainer.switch(membership)`; when a member fails while the epoch forms, the next one the
-    controller publishes instead. ReplicaBroken when this replica is not in it."""
+def switch_to(trainer: Any, membership: Membership, *, wait_s: float, log: list[dict[str, Any]],
+              on_failed: Any = None) -> None:
+    """`trainer.switch` to `membership`, or to a newer epoch: the replica's ranks first agree on the
+    newest epoch any of them read (each read the board on its own), and when a member fails while
+    it forms, they wait for the next one the controller publishes (told at once through
+    `on_failed`). ReplicaBroken when this replica is not in it; SilentDataCorruption when its state
+    is the corrupted one (its ranks end: an `sdc_suspect` names them)."""
     r: CrossReplica = trainer.replicas
     while True:
+        _, newest, _, _ = r.vote(True, membership.epoch)
+        if newest > membership.epoch:  # (a sibling rank read a newer epoch: every rank forms that one)
+            membership = r.board.get(newest)
         t0 = time.time()
-        error = ""
+        error, corrupt = "", None
         try:
             source = trainer.switch(membership)
         except ReplicaBroken:
             raise
+        except StateCorrupt as e:  # (every position's verdict is voted on below: the replica decides as one)
+            error, corrupt = str(e)[:300], e
         except Exception as e:  # noqa: BLE001 - a member failed while the epoch formed: wait for the next
-            error = str(e)[:200]
-        ok, _, _, _ = r.vote(not error, 0)  # every position of the replica formed the epoch, or none goes on
+            error = f"{type(e).__name__}: {e}"[:300]
+        mark = [1.0 if corrupt is not None and corrupt.mine else 0.0,
+                1.0 if corrupt is not None and corrupt.plan.corrupt else 0.0]
+        ok, _, _, marks = r.vote(not error, membership.epoch, marks=mark)  # every position formed it, or none goes on
+        if marks[0] > 0:
+            _leave_corrupted(trainer, membership, contained=marks[1] == 0, here=mark[0] > 0, why=error)
         if not ok:
-            log.append({"kind": "switch_failed", "epoch": membership.epoch, "error": error or "another position's failed"})
+            detail = {"kind": "switch_failed", "epoch": membership.epoch, "step": trainer.step, "time": time.time(),
+                      "error": error or "another position's failed"}
+            log.append(detail)
+            if on_failed is not None and corrupt is None:  # (a suspect's leaving brings the next epoch anyway)
+                on_failed(detail)
             membership = r.board.wait_newer(membership.epoch, wait_s)
             continue
         log.append({"kind": "switched", "epoch": membership.epoch, "step": trainer.step, "live": r.live,
                     "source": source, "time": time.time(), "seconds": time.time() - t0})
         return
+
+
+def _leave_corrupted(trainer: Any, membership: Membership, *, contained: bool, here: bool, why: str) -> None:
+    """An epoch switch found this replica's state corrupted (at some position: `here` at this
+    rank's): its replica-world rank 0 says so (`sdc_suspect`: the ranks whose shard diverged, or all
+    of them; `contained` when the other members vouch for their own state), and every rank ends."""
+    r: CrossReplica = trainer.replicas
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=r.device)
+    flags[dist.get_rank()] = 1 if here else 0
+    dist.all_reduce(flags)
+    offset = getattr(trainer, "rank_offset", 0)
+    ranks = [offset + i for i, v in enumerate(flags.tolist()) if v] or [offset + i for i in range(dist.get_world_size())]
+    if dist.get_rank() == 0 and trainer.sink is not None:
+        trainer.sink.event("sdc_suspect", {
+            "step": trainer.step, "check": "replica_sync", "anomaly": None, "ranks": ranks,
+            "evidence": {str(rank): [why] for rank in ranks}, "replicas": [r.replica], "contained": contained,
+            "clean_through_step": r.agreed_step, "epoch": membership.epoch})
+    raise SilentDataCorruption(f"membership epoch {membership.epoch}: replica {r.replica}'s state is corrupted "
+                               f"(ranks {ranks}): {why}")
 
 
 def train_replica(trainer: Any, steps: int, *, wait_s: float, on_step: Any = None) -> list[dict[str, Any]]:

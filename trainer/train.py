@@ -196,6 +196,7 @@ class Trainer:
         r = self.replicas
         assert r is not None and r.membership is not None
         current = r.membership.epoch
+        r.at_step = self.step + 1
         ok = r.reduce(self.parts)
         loss_value = None
         seen = r.board.due(current, self.step + 2) if dist.get_rank() == 0 else current  # (the replica's rank 0)
@@ -231,10 +232,15 @@ class Trainer:
         all), and the data split over the live replicas. The replica the state came from, if any."""
         r = self.replicas
         assert r is not None
-        r.configure(membership)
-        intact = self.probes is None or self.probes.recorded is None or self.probes.checksum() == self.probes.recorded
-        self.step, self.cursor, source = r.sync(lambda: state_tensors(self.parts, self.optimizers),
-                                                    self.step, self.cursor, intact=intact)
+        r.at_step, r.forming = self.step + 1, True
+        try:
+            r.configure(membership)
+            intact = (None if self.probes is None or self.probes.recorded is None
+                      else self.probes.checksum() == self.probes.recorded)
+            self.step, self.cursor, source, _ = r.sync(lambda: state_tensors(self.parts, self.optimizers),
+                                                       self.step, self.cursor, intact=intact)
+        finally:
+            r.forming = False
         r.agreed_step = self.step  # (every member now holds the vouched state of this step)
         if self.probes is not None:  # what was received is this rank's state at rest now
             self.probes.recorded = self.probes.checksum()

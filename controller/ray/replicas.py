@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from trainer.protocol import Roster
+
 if TYPE_CHECKING:
     from controller.attempt import AttemptSpec
     from controller.ray.worker_group import RayWorkerGroup
@@ -26,19 +28,21 @@ def lose_replicas(group: "RayWorkerGroup", replicas: list[int], nodes: tuple[str
 
     r = group._replicas
     assert r is not None and group._attempt is not None
-    ranks = [rank for replica in replicas for rank in r.ranks(replica)]
+    ranks = [rank for replica in replicas for rank in r.ranks(replica) if rank not in r.out]
     group._gone |= set(nodes) & set(group._node_of_rank) if not suspect else set()
     gone = group.on_gone_nodes(ranks)  # (not waited for: a dark node answers nothing)
     stops = [group.actors[rank].stop.remote() for rank in ranks if group.actors[rank] is not None and rank not in gone]
-    r.out |= set(ranks)
+    membership = r.roster.lose(replicas)  # (NotContainable: no replica holding the state is left; nothing changed)
     group._failed -= set(ranks)
     group._nodes = {node for rank, node in enumerate(group._node_of_rank) if rank not in r.out}
     for rank in ranks:
         group._drains.pop(rank, None)
     # The survivors first: the lost replica's ranks are not members of the new epoch (nothing of
     # theirs reaches its groups, and a rank that finds its epoch superseded ends), so its stops are
-    # waited for after the survivors are told, before any of its actors is used again.
-    r.publish(live=r.live - set(replicas))
+    # waited for after the survivors are told, before any of its actors is used again. (A replica
+    # lost while it formed was no member: no epoch changes.)
+    if membership is not None:
+        r.board.publish(membership)
     told = time.time()
     ray.wait(stops, num_returns=len(stops), timeout=15)
     if suspect and group._attempt.peer_every and group._peer_key is not None:  # (an SDC's nodes are alive)
@@ -72,8 +76,7 @@ def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) 
             group.actors[rank] = actor
             group._runs[rank] = actor.run.remote(group._worker_args(group._attempt, rank, incarnation))
             group._finished.discard(rank)
-            r.out.discard(rank)
-        r.forming[replica] = incarnation
+        r.roster.form(replica, incarnation)
 
 
 def reattach(group: "RayWorkerGroup", attempt: "AttemptSpec", incarnation: dict[int, int]) -> bool:
@@ -93,8 +96,7 @@ def reattach(group: "RayWorkerGroup", attempt: "AttemptSpec", incarnation: dict[
     newest = board.newest_epoch()
     if newest < 0 or set(board.get(newest).replicas) != set(range(replicas)):
         return False
-    r = ReplicaTracking(board, replicas, world)
-    r.epoch = newest
+    r = ReplicaTracking(board, replicas, world, Roster.resume(replicas, board.get(newest)))
     r.incarnation = {k: incarnation.get(k * r.per, 0) for k in range(replicas) if incarnation.get(k * r.per)}
     if any(incarnation.get(rank, 0) != r.incarnation.get(k, 0) for k in range(replicas) for rank in r.ranks(k)):
         return False  # (the ranks of a replica run different incarnations: it was being formed)
@@ -127,42 +129,63 @@ def collective_reach(group: "RayWorkerGroup", ranks: set[int]) -> set[int]:
 
 def forming_ranks(group: "RayWorkerGroup") -> set[int]:
     r = group._replicas
-    return {rank for replica in r.forming for rank in r.ranks(replica)} if r is not None else set()
+    return {rank for replica in r.roster.forming for rank in r.ranks(replica)} if r is not None else set()
 
 
 def publish_joining(group: "RayWorkerGroup") -> None:
     """Replicas formed again whose every rank has built its world join at the next epoch."""
     r = group._replicas
-    if r is None or not r.forming:
+    if r is None or not r.roster.forming:
         return
-    ready = [k for k, inc in r.forming.items()
+    ready = [k for k, inc in r.roster.forming.items()
              if r.board.store.check([f"ready/{k}/{inc}/{local}" for local in range(r.per)])]
-    if ready:
-        for k in ready:
-            del r.forming[k]
-        r.publish(live=r.live | set(ready), joining=set(ready))
+    if (membership := r.roster.ready(ready)) is not None:
+        r.board.publish(membership)
+
+
+def on_events(group: "RayWorkerGroup", events: list[tuple[int, str, dict[str, Any]]], *, lost: bool) -> None:
+    """What the ranks said that moves the membership: a rejoin (the replica holds the state now: a
+    holder in later epochs), and a step discarded or an epoch switch failed with no node `lost` in
+    the same poll (a transient collective error, or a replica slower than the timeout): the epoch
+    that resolves it (trainer/protocol.Roster.resolve_discard), at once."""
+    from controller.events import EventKind
+
+    r = group._replicas
+    if r is None:
+        return
+    for _, kind, detail in events:
+        if kind == EventKind.REPLICA_REJOINED:
+            r.roster.rejoined(int(k) for k in detail.get("replicas", ()))
+    if lost:
+        return  # (the loss's own epoch answers the survivors' discards)
+    for _, kind, detail in events:
+        if kind == EventKind.REPLICA_STEP_DISCARDED and "epoch" in detail:
+            if (membership := r.roster.resolve_discard(int(detail["epoch"]))) is not None:
+                r.board.publish(membership)
+                r.resolved.append({"epoch": membership.epoch, "discarded_at": int(detail["epoch"]),
+                                   "step": detail.get("step")})
 
 
 class ReplicaTracking:
-    """An attempt's replicas under failure_domain replica: the membership epochs published, the ranks
-    out (their replica lost and not yet formed again), each replica's incarnation, and the replicas
-    being formed (replica -> incarnation) until all their ranks are ready."""
+    """An attempt's replicas under failure_domain replica on Ray: who is in (trainer/protocol.Roster,
+    whose epochs go to the run's store), each replica's incarnation (its ranks' processes), and the
+    epochs published to resolve a discarded step (`resolved`, for the timeline)."""
 
-    def __init__(self, board: Any, replicas: int, world: int) -> None:
+    def __init__(self, board: Any, replicas: int, world: int, roster: Roster | None = None) -> None:
         self.board = board
         self.per = world // replicas
-        self.live: set[int] = set(range(replicas))
-        self.epoch = 0
-        self.out: set[int] = set()
+        self.roster = roster if roster is not None else Roster(replicas, 0, frozenset(range(replicas)))
         self.incarnation: dict[int, int] = {}
-        self.forming: dict[int, int] = {}
+        self.resolved: list[dict[str, Any]] = []
+
+    @property
+    def out(self) -> set[int]:
+        """The ranks of replicas neither members nor forming (lost, waiting for nodes)."""
+        return {rank for replica in self.roster.out for rank in self.ranks(replica)}
+
+    @property
+    def live(self) -> set[int]:
+        return set(self.roster.members)
 
     def ranks(self, replica: int) -> range:
         return range(replica * self.per, (replica + 1) * self.per)
-
-    def publish(self, *, live: set[int], joining: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-        from trainer.replica import Membership
-
-        self.epoch += 1
-        self.live = set(live)
-        self.board.publish(Membership(self.epoch, tuple(sorted(live)), tuple(sorted(joining))))

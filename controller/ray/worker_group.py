@@ -155,15 +155,17 @@ class RayWorkerGroup:
         self._replicas = None
         prefix = f"{attempt.run_id}/attempt-{attempt.attempt}/"
         if attempt.failure_domain == "replica" and placement.mesh.dp_replicas > 1:
-            from trainer.replica import Membership, MembershipBoard
+            from trainer.protocol import Roster
+            from trainer.replica import MembershipBoard
 
-            self._replicas = ray_replicas.ReplicaTracking(MembershipBoard(dist.PrefixStore(prefix, self._store)),
-                                             placement.mesh.dp_replicas, world)
             # replicas whose nodes do not hold the peer snapshot loaded join at epoch 0: a loading one gives them its state
             receiving = tuple(k for k in range(placement.mesh.dp_replicas)
                               if attempt.peer_restore is not None and attempt.peer_replicas is not None
                               and k not in attempt.peer_replicas)
-            self._replicas.board.publish(Membership(0, tuple(range(placement.mesh.dp_replicas)), receiving))
+            roster, first = Roster.start(placement.mesh.dp_replicas, receiving)
+            self._replicas = ray_replicas.ReplicaTracking(MembershipBoard(dist.PrefixStore(prefix, self._store)),
+                                                          placement.mesh.dp_replicas, world, roster)
+            self._replicas.board.publish(first)
         taken: dict[str, int] = {}
         self.actors = []
         for node in placement.node_of_rank:
@@ -340,6 +342,8 @@ class RayWorkerGroup:
             result.silent_nodes = self._silent(silence, result)
             result.dead_nodes |= set(result.silent_nodes)
         self._gone |= result.dead_nodes | result.suspect_nodes
+        if result.isolated is None:
+            self._resolve(result)
         for rank in [r for r in self._drains if self._node_of_rank[r] in self._gone]:
             del self._drains[rank]  # (a lost node's actors say nothing more: not waited for below)
         if result.suspect_nodes:
@@ -355,6 +359,17 @@ class RayWorkerGroup:
         if result.status is not GroupStatus.RUNNING and self._drains:  # the attempt ends: what the ranks still had to say
             self._collect(result, wait_s=SETTLE_WAIT_S)
         return result
+
+    def _resolve(self, result: PollResult) -> None:
+        """The membership the ranks' words move (controller/ray/replicas.on_events): a rejoin, or a
+        discarded step with nothing lost in this poll; an epoch published for the latter joins the timeline."""
+        r = self._replicas
+        if r is None:
+            return
+        lost = bool(result.dead_nodes or result.suspect_nodes or result.dead_ranks or result.errors or self._failed)
+        ray_replicas.on_events(self, result.events, lost=lost)
+        result.events.extend((-1, EventKind.REPLICA_RESYNC, detail) for detail in r.resolved)
+        r.resolved.clear()
 
     def _collect(self, result: PollResult, wait_s: float = DRAIN_WAIT_S) -> None:
         """Drain every live rank's reports, waiting `wait_s` at most for the answers (a drain not

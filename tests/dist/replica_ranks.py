@@ -69,7 +69,7 @@ def sync_member(*, rank: int, world_size: int, store_port: int, replicas: tuple[
                 values: dict[int, float], steps: dict[int, int], intact: dict[int, bool] | None = None) -> dict[str, Any]:
     """Replica `replicas[rank]` (a world of one: no process group of its own) takes membership epoch
     0 of `replicas` with `joining`, holding a state tensor full of `values[replica]` at step
-    `steps[replica]`; what `CrossReplica.sync` made of it: {step, value, source} or {sdc}."""
+    `steps[replica]`; what `CrossReplica.sync` made of it: {step, value, source} or {sdc, suspects, mine, value}."""
     from trainer.probes import SilentDataCorruption
     from trainer.replica import CrossReplica, Membership
 
@@ -79,9 +79,11 @@ def sync_member(*, rank: int, world_size: int, store_port: int, replicas: tuple[
     cross.configure(Membership(0, replicas, joining=joining))
     state = torch.full((4,), values.get(replica, 0.0), dtype=torch.float64)
     try:
-        step, _, source = cross.sync(lambda: [state], steps.get(replica, 0), 0, intact=(intact or {}).get(replica, True))
+        step, _, source, _ = cross.sync(lambda: [state], steps.get(replica, 0), 0,
+                                        intact=(intact or {}).get(replica, True))
     except SilentDataCorruption as e:
-        return {"sdc": str(e)}
+        return {"sdc": str(e), "suspects": getattr(e, "suspects", None), "mine": getattr(e, "mine", None),
+                "value": float(state[0])}
     finally:
         cross.abort()
     return {"step": step, "value": float(state[0]), "source": source}

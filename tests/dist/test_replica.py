@@ -230,12 +230,17 @@ def sync_once(replicas: tuple[int, ...], joining: tuple[int, ...], values: dict[
 def test_a_healing_replica_copies_only_a_state_the_others_vouch_for() -> None:
     """`CrossReplica.sync` gives a joining replica the state of a member the others vouch for: at the
     newest step, intact at rest, and held by the majority of such members. Replica 0 differs from 1
-    and 2: replica 3 (joining) and replica 0 get replica 1's state. Two members that differ with no
-    majority, or a single member not intact at rest, give nothing: every member ends with
+    and 2 at the same step: it is corrupted, not quietly overwritten (issue 44, item 2): it ends as
+    the suspect, the others give nothing in that epoch (they wait for the one without it), and in
+    that one replica 3 (joining) gets replica 1's state. Two members that differ with no majority,
+    or a single member not intact at rest, give nothing: every member ends with
     SilentDataCorruption instead of copying either."""
     got = sync_once((0, 1, 2, 3), (3,), {0: 9.0, 1: 1.0, 2: 1.0, 3: 0.0}, {0: 5, 1: 5, 2: 5})
-    assert [g["value"] for g in got] == [1.0] * 4 and {g["source"] for g in got} == {1}, got
-    assert {g["step"] for g in got} == {5}
+    assert all("sdc" in g and g["suspects"] == [0] for g in got), got
+    assert [g["mine"] for g in got] == [True, False, False, False] and [g["value"] for g in got] == [9.0, 1.0, 1.0, 0.0]
+    without = sync_once((1, 2, 3), (3,), {1: 1.0, 2: 1.0, 3: 0.0}, {1: 5, 2: 5})
+    assert [g["value"] for g in without] == [1.0] * 3 and {g["source"] for g in without} == {1}, without
+    assert {g["step"] for g in without} == {5}
     split = sync_once((0, 1, 2), (2,), {0: 9.0, 1: 1.0}, {0: 5, 1: 5})
     assert all("sdc" in g and "no majority" in g["sdc"] for g in split), split
     flipped = sync_once((0, 1), (1,), {0: 2.0}, {0: 5}, intact={0: False})
