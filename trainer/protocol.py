@@ -221,8 +221,8 @@ def sync_plan(rows: Sequence[SyncRow]) -> SyncPlan:
     if not rows:
         raise ValueError("an epoch switch needs at least one member")
     holding = [i for i, row in enumerate(rows) if not row.joining]
-    if not holding:
-        raise ValueError("every member is joining: none holds the state")
+    if not holding:  # (a transfer cut off everywhere: no member holds a whole state)
+        return SyncPlan(-1, None, corrupt=True)
     newest = max(rows[i].step for i in holding)
     changed = tuple(i for i in holding if rows[i].fingerprint is None)
     if (len(holding) == len(rows) and not changed and len({rows[i].step for i in holding}) == 1

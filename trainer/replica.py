@@ -108,6 +108,9 @@ class CrossReplica:
         self.graveyard = abandon.Graveyard()
         self._seen_epoch: tuple[int, int] = (-1, -1)
         self._newer: Membership | None = None
+        self.partial = False
+        """Whether this rank's state is part received (a transfer given up): it holds nothing it may give,
+        as if it were joining, until a transfer completes."""
         self.forming = False
         """Whether this rank is forming its epoch (the group's init, the state transfer): any newer
         epoch then wins (trainer/protocol.gives_up)."""
@@ -309,7 +312,7 @@ class CrossReplica:
         if self.group is None:
             return step, cursor, None, None
         size = len(m.replicas)
-        joining = self.replica in m.joining
+        joining = self.replica in m.joining or self.partial  # (a transfer cut off left a state no one vouches for)
         fingerprint = -1.0 if joining or intact is False else float(bits_checksum(tensors()) & FINGERPRINT_MASK)
         mine = torch.zeros(size, 4, dtype=torch.float64, device=self.device)
         mine[self.index] = torch.tensor([float(step), float(cursor), fingerprint,
@@ -331,6 +334,7 @@ class CrossReplica:
             raise StateCorrupt(f"membership epoch {m.epoch}: replica(s) {[m.replicas[i] for i in plan.suspects]} hold "
                                "a corrupted state and leave", plan, m.replicas, mine=False)
         root = plan.source
+        self.partial = self.index != root  # (until every tensor is in: a donor dying mid-transfer leaves a mix)
         self.inject("sync")
         opts = dist.BroadcastOptions()
         opts.rootRank = root
@@ -344,6 +348,7 @@ class CrossReplica:
             self._wait(self.group.broadcast([staged], opts))
             if staged is not t:
                 t.copy_(staged)
+        self.partial = False
         return plan.newest, int(rows[root][1]), m.replicas[root], plan
 
 
