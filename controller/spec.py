@@ -355,6 +355,23 @@ class RunSpec(_Strict):
     """`goodput simulate` only."""
 
     @model_validator(mode="after")
+    def _batch_while_healing(self) -> "RunSpec":
+        """failure_domain replica keeping the batch: the live replicas split it, at every live count
+        the run can reach (trainer/protocol.batch_problem), refused here rather than at the epoch
+        switch that first meets such a count."""
+        from trainer.protocol import batch_problem
+
+        e, p = self.elastic, self.parallelism
+        if e.failure_domain != "replica" or e.batch_while_healing != "keep" or p == "auto" or p.dp_replicas < 2:
+            return self
+        problem = batch_problem(self.train.global_batch, dp_shard=p.dp // p.dp_replicas,
+                                micro_batch=self.train.micro_batch, replicas=p.dp_replicas,
+                                max_failures=e.max_failures)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _timeouts(self) -> "RunSpec":
         """The top of the timeout hierarchy: a hang must be declared before the run gives up waiting for
         capacity (health.collective_timeout_s < health.hang_floor_s is HealthSpec's own check)."""

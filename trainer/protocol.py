@@ -271,9 +271,10 @@ def batch_problem(global_batch: int, *, dp_shard: int, micro_batch: int, replica
     bad = [n for n in healing_counts(replicas, max_failures) if global_batch % (n * dp_shard * micro_batch)]
     if not bad:
         return None
-    need = dp_shard * micro_batch
+    need = 1
     for n in healing_counts(replicas, max_failures):
-        need = need * n // _gcd(need, n)
+        split = n * dp_shard * micro_batch
+        need = need * split // _gcd(need, split)
     return (f"train.global_batch = {global_batch} does not split over {_counts(bad)} live replica(s) x dp_shard "
             f"{dp_shard} x micro_batch {micro_batch}, which elastic.batch_while_healing: keep reaches (up to "
             f"{min(max_failures, replicas - 1)} of {replicas} replicas out): choose a global batch that is a multiple of "

@@ -49,7 +49,7 @@ def test_a_reduce_whose_communicator_failed_is_a_failed_reduce(monkeypatch: pyte
     cross = replica.CrossReplica.__new__(replica.CrossReplica)
     cross.group, cross._works, cross.graveyard, cross.timeout_s = group, [], replica.abandon.Graveyard(), 5.0
     cross.superseded = lambda: None  # type: ignore[method-assign]
-    cross.last_error = None
+    cross.last_error, cross.faults, cross.at_step = None, [], 1
     monkeypatch.setattr(replica.CrossReplica, "live", property(lambda self: 2))
     layer = torch.nn.Linear(2, 2)
     layer(torch.ones(1, 2)).sum().backward()

@@ -99,3 +99,19 @@ def test_the_whole_timeout_hierarchy_is_checked(health: dict, elastic: dict, exp
     """collective_timeout_s < hang_floor_s < wait_for_capacity_s, as the README says."""
     with pytest.raises(SpecError, match=re.escape(expected)):
         parse_spec(with_changes(health=health, elastic=elastic))
+
+
+def test_a_batch_the_live_replicas_cannot_split_is_refused_at_submission() -> None:
+    """Issue 44, item 6: failure_domain replica keeping the batch met a live count that does not split
+    it only at the epoch switch (the error swallowed, the run stalled, then the world path). Three
+    replicas of dp_shard 1 with micro_batch 2 reach 3, 2 and 1 live: global batch 8 does not split
+    over 3; 12 does; `shrink` never splits it over fewer."""
+    replicas = {"dp": 3, "tp": 1, "pp": 1, "dp_replicas": 3}
+    keep = {"failure_domain": "replica", "batch_while_healing": "keep"}
+    with pytest.raises(SpecError, match=r"global_batch = 8 does not split over 3 live replica.*multiple of 12"):
+        parse_spec(with_changes(parallelism=replicas, elastic=keep, train={"global_batch": 8, "micro_batch": 2}))
+    parse_spec(with_changes(parallelism=replicas, elastic=keep, train={"global_batch": 12, "micro_batch": 2}))
+    parse_spec(with_changes(parallelism=replicas, elastic={**keep, "max_failures": 0},
+                            train={"global_batch": 6, "micro_batch": 2}))  # (no failure: 3 live only)
+    parse_spec(with_changes(parallelism=replicas, elastic={**keep, "batch_while_healing": "shrink"},
+                            train={"global_batch": 6, "micro_batch": 2}))
