@@ -172,6 +172,25 @@ def sdc_failure(now: float, detail: dict[str, Any], node_of_rank: tuple[str, ...
                         evidence=detail.get("evidence") or {}, contained=bool(detail.get("contained"))), clean
 
 
+def checksums_suspect(detail: dict[str, Any]) -> dict[str, Any]:
+    """A `replica_checksums` that says the replicas' final states differ, as the `sdc_suspect` it
+    is: the ranks at that position of the replicas outside the majority (every listed one, with no
+    majority), not contained (the replica that saved the final step may be one of them), clean
+    through the last step the replicas were seen to agree on. The run does not end `succeeded`: it
+    goes back there and trains the rest again."""
+    from health.sdc import minority
+
+    sums = [int(v) for v in detail.get("checksums", ())]
+    ranks = [int(r) for r in detail.get("ranks", ())]
+    odd, _ = minority(dict(enumerate(sums)))
+    named = [ranks[i] for i in sorted(odd)] if len(ranks) == len(sums) else []
+    why = (f"replicas {detail.get('replicas')} end step {detail.get('step')} with different states at shard "
+           f"position {detail.get('position')} (checksums {sums})")
+    return {"step": detail.get("step"), "check": "replica_checksums", "ranks": named, "contained": False,
+            "clean_through_step": int(detail.get("agreed_step", 0)), "evidence": {str(r): [why] for r in named},
+            "why": why}
+
+
 def final_save_failure(now: float, last_step: int, error: str) -> FailureEvent:
     """The workers finished but the last step's checkpoint did not commit: not done until it is saved."""
     return FailureEvent(time=now, cause=FailureCause.FINAL_SAVE_FAILED,
@@ -336,6 +355,8 @@ class AttemptWatch:
                 self.final_save_error = detail.get("error", "failed") if kind == EventKind.CHECKPOINT_FAILED else None
             if kind == EventKind.SDC_SUSPECT and suspect is None:
                 suspect = detail
+            if kind == EventKind.REPLICA_CHECKSUMS and detail.get("agree") is False and suspect is None:
+                suspect = checksums_suspect(detail)
             if kind == EventKind.RESTORE_FAILED and "step" in detail:
                 why = str(detail.get("error", ""))
                 if detail.get("source") == "peer":

@@ -289,10 +289,12 @@ def _compare_replicas(trainer: Any, cross: Any, sink: ReportSink) -> None:
     from trainer.replica import state_tensors
 
     sums = cross.compare(bits_checksum(state_tensors(trainer.parts, trainer.optimizers)))
-    if cross.index == 0:
+    if cross.index == 0:  # (the controller reads a disagreement as an SDC: controller/attribution.checksums_suspect)
+        per = dist.get_world_size()
         sink.event("replica_checksums", {"position": cross.position, "step": trainer.step,
                                          "replicas": list(cross.membership.replicas), "checksums": sums,
-                                         "agree": len(set(sums)) == 1})
+                                         "ranks": [k * per + cross.position for k in cross.membership.replicas],
+                                         "agreed_step": cross.agreed_step, "agree": len(set(sums)) == 1})
 
 
 def _replica_step(trainer: Any, args: WorkerArgs, sink: ReportSink, log: list[dict[str, Any]]) -> StepReport:

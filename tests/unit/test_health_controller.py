@@ -166,3 +166,28 @@ def test_drill_targets_may_be_ints_and_parameters_must_fit_the_kind() -> None:
     raw["drills"] = [{"kind": "slow-rank", "at_step": 3, "factor": 0.5}]
     with pytest.raises(SpecError, match="factor"):
         parse_spec(raw)
+
+
+def test_replicas_that_end_with_different_states_do_not_end_the_run_succeeded(tmp_path: Path) -> None:
+    """Issue 44, item 7: `replica_checksums` had no consumer: a run could end `succeeded` with replicas
+    that disagree. The last comparison says replica 1's final state differs from replicas 0 and 2's:
+    an SDC, not contained (replica 0 saved the final step, but which saved is not trusted), the
+    ranks at that position of the odd replica named, and the run goes back to the last step they
+    agreed on instead of succeeding."""
+    c, g = make(tmp_path)
+    for step in (10, 20, 30):
+        commit_step(c.checkpoints.store, "tiny-gpt", step)  # type: ignore[arg-type]
+    report_steps(g, 1, 30)
+    c.step(110.0)
+    g.emit(0, "replica_checksums", position=1, step=30, replicas=[0, 1, 2], checksums=[7, 9, 7], ranks=[1, 5, 9],
+           agreed_step=24, agree=False)
+    g.complete()
+    assert c.step(111.0) is not RunState.SUCCEEDED
+    detected = c.events.of_kind("failure_detected")[-1].detail
+    assert detected["cause"] == "sdc" and detected["ranks"] == [5]
+    t = 112.0
+    while c.state is not RunState.RUNNING:
+        c.step(t)
+        t += 1
+    assert g.started[-1].resume_step == 20, "the newest commit at or before the last agreed step (24)"
+    assert committed_steps(c.checkpoints.store, "tiny-gpt") == [10, 20]  # type: ignore[arg-type]
