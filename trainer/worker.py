@@ -262,9 +262,10 @@ def _join_replicas(trainer: Any, cross: Any, args: WorkerArgs, sink: ReportSink,
     from trainer.replica import switch_to
 
     wait_s = max(args.collective_timeout_s, 60.0)
+    failed = functools.partial(_discarded, sink)  # (the controller answers a failed forming as a discard)
     if args.incarnation == 0:
         first = cross.board.get(0)
-        switch_to(trainer, first, wait_s=wait_s, log=log)
+        switch_to(trainer, first, wait_s=wait_s, log=log, on_failed=failed)
         if cross.replica in first.joining:  # its nodes held no copy of the peer step the others loaded
             done = log[-1]
             sink.event("restored", {"source": "replica", "replica": done["source"], "step": trainer.step,
@@ -275,7 +276,7 @@ def _join_replicas(trainer: Any, cross: Any, args: WorkerArgs, sink: ReportSink,
         sink.event("replica_ready", {"replica": cross.replica, "incarnation": args.incarnation})
     cross.store.set(f"ready/{cross.replica}/{args.incarnation}/{dist.get_rank()}", "1")
     membership = cross.board.wait_joining(cross.replica, wait_s)
-    switch_to(trainer, membership, wait_s=wait_s, log=log)
+    switch_to(trainer, membership, wait_s=wait_s, log=log, on_failed=failed)
     done = log[-1]
     if first:
         sink.event("replica_rejoined", {"replicas": [cross.replica], "epoch": done["epoch"], "step": trainer.step,
@@ -303,17 +304,20 @@ def _replica_step(trainer: Any, args: WorkerArgs, sink: ReportSink, log: list[di
     batch_while_healing shrink, the steps that skipped the out replicas' samples are recorded."""
     from trainer.replica import replica_step
 
-    def discarded(detail: dict[str, Any]) -> None:
-        if dist.get_rank() == 0:
-            sink.event("replica_step_discarded", {k: v for k, v in detail.items() if k != "kind"})
-
     r = trainer.replicas
-    report = replica_step(trainer, wait_s=max(args.collective_timeout_s, 60.0), log=log, on_discarded=discarded)
+    report = replica_step(trainer, wait_s=max(args.collective_timeout_s, 60.0), log=log,
+                          on_discarded=functools.partial(_discarded, sink))
     if not r.keep_batch:
         done = next(e for e in reversed(log) if e["kind"] == "step")
         missing = tuple(sorted(set(range(r.replicas)) - set(r.board.get(done["epoch"]).replicas)))
         _skipped(trainer, r, sink, (done["step"], missing) if missing else None)
     return report
+
+
+def _discarded(sink: ReportSink, detail: dict[str, Any]) -> None:
+    """A discarded step or a failed epoch switch, told to the controller by the replica's rank 0."""
+    if dist.get_rank() == 0:
+        sink.event("replica_step_discarded", {k: v for k, v in detail.items() if k != "kind"})
 
 
 _skipping: dict[str, Any] = {}
