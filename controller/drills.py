@@ -178,8 +178,31 @@ def default_target(kind: DrillKind, placement: Placement) -> str:
     return placement.node_of_rank[last] if kind.target == "node" else str(last)
 
 
+REPLICA_TARGET = "replica:"
+"""`--target replica:K`: a data-parallel replica (its last rank, or that rank's node)."""
+
+
+def concrete_target(kind: DrillKind, target: str, placement: Placement) -> str:
+    """`replica:K` as the rank or node it hits on this placement (the replica's last rank, as a
+    drill with no target takes the run's last); any other target as it is."""
+    if not target.startswith(REPLICA_TARGET) or kind.target == "store":
+        return target
+    mesh = placement.mesh
+    k = target[len(REPLICA_TARGET):]
+    if not k.isdigit() or int(k) >= mesh.dp_replicas:
+        return target  # (target_problem says why)
+    last = (int(k) + 1) * (mesh.world_size // mesh.dp_replicas) - 1
+    return placement.node_of_rank[last] if kind.target == "node" else str(last)
+
+
 def target_problem(kind: DrillKind, target: str, placement: Placement) -> str | None:
     """Why `target` cannot be hit by `kind` on this placement, or None if it can."""
+    if target.startswith(REPLICA_TARGET) and kind.target != "store":
+        k, replicas = target[len(REPLICA_TARGET):], placement.mesh.dp_replicas
+        if not k.isdigit() or int(k) >= replicas:
+            return (f"target {target!r} is not a data-parallel replica of the current attempt; give replica:0 to "
+                    f"replica:{replicas - 1}")
+        return None
     if kind.target == "store":
         return None if target == "store" else f"{kind} hits the run's object store; give no target (got {target!r})"
     if kind.target == "node":
@@ -382,10 +405,12 @@ class RunDrills:
 
     def _inject(self, drill: DrillRequest, step: int, placement: Placement, injector: DrillInjector,
                 outside_lock: Callable[[], ContextManager[Any]]) -> tuple[EventKind, dict[str, Any]]:
-        target = drill.target or default_target(drill.kind, placement)
+        asked = drill.target or default_target(drill.kind, placement)
+        problem = target_problem(drill.kind, asked, placement)
+        target = concrete_target(drill.kind, asked, placement)
         facts = {"id": drill.id, "drill": drill.kind, "target": target, "step": step,
+                 **({"asked": asked} if asked != target else {}),
                  **{k: v for k, v in drill.to_dict().items() if k in PARAMS}}
-        problem = target_problem(drill.kind, target, placement)
         try:
             if problem is not None:
                 raise DrillError(problem)

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument("run")
     drill.add_argument("kind", choices=[k.value for k in DrillKind],
                        help="; ".join(f"{k}: {k.effect}" for k in DrillKind))
-    drill.add_argument("--target", help="node name (kill-node, the silent faults) or rank number; default: the last rank")
+    drill.add_argument("--target", help="node name (kill-node, the silent faults), rank number, or replica:K (a data-parallel "
+                       "replica: its last rank, or that rank's node); default: the last rank")
     drill.add_argument("--at-step", type=int, help="inject once this step is done; default: now")
     drill.add_argument("--factor", type=float, help="slow-rank: how many times slower (default 1.5)")
     drill.add_argument("--seconds", type=float, help="storage-outage: how long writes are refused (default 30); "

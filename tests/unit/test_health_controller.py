@@ -191,3 +191,27 @@ def test_replicas_that_end_with_different_states_do_not_end_the_run_succeeded(tm
         t += 1
     assert g.started[-1].resume_step == 20, "the newest commit at or before the last agreed step (24)"
     assert committed_steps(c.checkpoints.store, "tiny-gpt") == [10, 20]  # type: ignore[arg-type]
+
+
+def test_a_drill_may_target_a_replica() -> None:
+    """Issue 44: `--target replica:K` hits the replica's last rank (a rank drill) or that rank's node (a
+    node drill); a replica the attempt does not have is refused with the ones it has."""
+    from controller.drills import DrillError, DrillKind, concrete_target, target_problem
+    from controller.spec import load_spec
+
+    spec = load_spec(ROOT / "examples" / "tiny-gpt-replicas.yaml")
+    c = RunController(spec, spec.topology(), FakeWorkerGroup(), now=100.0, topology_source=spec.topology)
+    t = 101.0
+    while c.state is not RunState.RUNNING:
+        c.step(t)
+        t += 1
+    placement = c.placement
+    assert placement is not None and placement.mesh.dp_replicas == 2 and placement.mesh.world_size == 8
+    assert concrete_target(DrillKind.KILL_RANK, "replica:0", placement) == "3"
+    assert concrete_target(DrillKind.KILL_NODE, "replica:1", placement) == placement.node_of_rank[7]
+    assert concrete_target(DrillKind.KILL_NODE, "replica:0", placement) == placement.node_of_rank[3]
+    assert target_problem(DrillKind.KILL_NODE, "replica:1", placement) is None
+    assert "replica:0 to replica:1" in (target_problem(DrillKind.KILL_RANK, "replica:2", placement) or "")
+    assert c.request_drill(t, "kill-node", target="replica:1").target == "replica:1"
+    with pytest.raises(DrillError, match="replica:0 to replica:1"):
+        c.request_drill(t, "kill-rank", target="replica:9")
