@@ -141,6 +141,19 @@ def run_overview() -> dashboard.Dashboard:
                            q(f"goodput_run_replicas{{{RUN}}}", "of {{run}}", ref="B"), w=24, h=6,
                            description="Under failure_domain replica a lost replica stops alone and the others train "
                                        "on until it rejoins: the dip is the degraded span"))
+            .with_panel(ts("Replica protocol", "none",
+                           q(f"increase(goodput_replica_steps_discarded_total{{{RUN}}}[$__rate_interval])",
+                             "steps discarded {{run}}"),
+                           q(f"increase(goodput_replica_resyncs_total{{{RUN}}}[$__rate_interval])",
+                             "resync epochs {{run}}", ref="B"),
+                           description="Steps the live replicas discarded (a cross-replica collective failed: nothing "
+                                       "applied), and the epochs that resolved one with no replica lost"))
+            .with_panel(ts("Replica heal time", "s",
+                           q(f"histogram_quantile(0.5, sum by (run, le) (rate(goodput_replica_heal_seconds_bucket{{{RUN}}}"
+                             "[$__rate_interval])))", "p50 {{run}}"),
+                           q(f"histogram_quantile(0.95, sum by (run, le) (rate(goodput_replica_heal_seconds_bucket{{{RUN}}}"
+                             "[$__rate_interval])))", "p95 {{run}}", ref="B"),
+                           description="A lost replica's decision to its rejoin with the others' state"))
             .with_row(dashboard.Row("Training"))
             .with_panel(ts("Loss", "none", q(f"goodput_run_loss{{{RUN}}}", "{{run}}")))
             .with_panel(ts("Tokens per second", "short", q(f"goodput_run_tokens_per_second{{{RUN}}}", "{{run}}")))

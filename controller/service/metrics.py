@@ -115,6 +115,12 @@ RECOVERIES = _m("goodput_recoveries", "counter", "Recoveries by where the next a
                 "snapshots in the nodes' memory, store: a checkpoint, scratch: none)", ("run", "source"))
 STEPS_REDONE = _m("goodput_steps_redone", "counter", "Steps trained again after recoveries (the step each failure "
                   "was detected at - the step the next attempt started from)", ("run",))
+DISCARDED = _m("goodput_replica_steps_discarded", "counter", "Steps the live replicas discarded (a cross-replica "
+               "collective failed or timed out: nothing applied anywhere), failure_domain replica", ("run",))
+RESYNCS = _m("goodput_replica_resyncs", "counter", "Membership epochs published to resolve a discarded step with no "
+             "replica lost (the members re-form and even out their state)", ("run",))
+HEAL = _m("goodput_replica_heal_seconds", "histogram", "A lost replica's decision (replica_lost) to its rejoin with "
+          "the others' state, failure_domain replica", ("run",), SLOW_BUCKETS)
 CKPT_BYTES = _m("goodput_checkpoint_last_bytes", "gauge", "Bytes of the latest committed checkpoint", ("run",))
 CKPT_STEP = _m("goodput_checkpoint_last_step", "gauge", "Step of the latest committed checkpoint", ("run",))
 CKPT_AGE = _m("goodput_checkpoint_age_seconds", "gauge",
@@ -184,6 +190,12 @@ class _Fold:
     recoveries: dict[str, int] = field(default_factory=lambda: {"peer": 0, "store": 0, "scratch": 0})
     steps_redone: int = 0
     failed_at_step: int | None = None
+    discarded: set[tuple[int, int, int]] = field(default_factory=set)
+    """(attempt, epoch, step) of each discarded step (every replica that discards it says so)."""
+    resyncs: int = 0
+    heal: _Histogram = field(default_factory=lambda: _Histogram(HEAL.buckets))
+    lost_at: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(attempt, replica) -> when it was lost, until it rejoins."""
 
     def fold(self, c: RunController) -> None:
         spans = c.progress.spans
@@ -213,6 +225,17 @@ class _Fold:
                 self.stall.observe(float(d["blocked_s"]))
             elif e.kind == EventKind.CHECKPOINT_FAILED:
                 self.checkpoint_failures += 1
+            elif e.kind == EventKind.REPLICA_STEP_DISCARDED:
+                self.discarded.add((e.attempt, int(d.get("epoch", -1)), int(d.get("step", -1))))
+            elif e.kind == EventKind.REPLICA_RESYNC:
+                self.resyncs += 1
+            elif e.kind == EventKind.REPLICA_LOST:
+                for replica in d.get("replicas", ()):
+                    self.lost_at[(e.attempt, int(replica))] = e.time
+            elif e.kind == EventKind.REPLICA_REJOINED:
+                for replica in d.get("replicas", ()):
+                    if (lost := self.lost_at.pop((e.attempt, int(replica)), None)) is not None:
+                        self.heal.observe(max(0.0, float(d.get("at", e.time)) - lost))
             elif e.kind == EventKind.CHECKPOINT_INTERVAL and d.get("steps"):
                 self.interval_steps = int(d["steps"])
             elif e.kind == EventKind.ATTEMPT_STARTED:
@@ -321,6 +344,10 @@ class ServiceCollector(Collector):
         for source, n in sorted(fold.recoveries.items()):
             out(RECOVERIES).add_metric([run, source], n)
         out(STEPS_REDONE).add_metric([run], fold.steps_redone)
+        out(DISCARDED).add_metric([run], len(fold.discarded))
+        out(RESYNCS).add_metric([run], fold.resyncs)
+        buckets, total = fold.heal.samples()
+        out(HEAL).add_metric([run], buckets, total)
 
         if fold.last_commit is not None:
             out(CKPT_BYTES).add_metric([run], fold.last_commit["bytes"])

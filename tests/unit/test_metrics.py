@@ -148,3 +148,22 @@ def test_metrics_need_the_token() -> None:
     api = TestClient(create_app(service, token="s3cret"))
     assert api.get("/metrics").status_code == 401
     assert "goodput_run_state" in scrape(api, authorization="Bearer s3cret")
+
+
+def test_the_replica_protocol_is_counted_and_a_heal_is_timed() -> None:
+    """Issue 44: discarded steps (once per step, however many replicas say so), the epochs that
+    resolved one, and each lost replica's heal (its loss to its rejoin) are exported for the run."""
+    c, g, _, service, live = live_run()
+    api = TestClient(create_app(service))
+    g.emit(0, "replica_step_discarded", step=5, epoch=0, error="injected")
+    g.emit(4, "replica_step_discarded", step=5, epoch=0, error="injected")  # (the other replica's rank 0)
+    g.emit(-1, "replica_resync", epoch=1, discarded_at=0, step=5)
+    live.step(110.0)
+    c.events.add(111.0, c.attempt, "replica_lost", replicas=[1], nodes=["n"], live=1, of=2, batch="keep")
+    g.emit(4, "replica_rejoined", replicas=[1], epoch=2, step=9, source=0, at=118.5, seconds=0.4)
+    live.step(119.0)
+    families = scrape(api)
+    assert value(families, "goodput_replica_steps_discarded_total", run="tiny-gpt") == 1
+    assert value(families, "goodput_replica_resyncs_total", run="tiny-gpt") == 1
+    assert value(families, "goodput_replica_heal_seconds_count", run="tiny-gpt") == 1
+    assert value(families, "goodput_replica_heal_seconds_sum", run="tiny-gpt") == pytest.approx(7.5)
