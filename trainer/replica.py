@@ -108,6 +108,8 @@ class CrossReplica:
         self.graveyard = abandon.Graveyard()
         self._seen_epoch: tuple[int, int] = (-1, -1)
         self._newer: Membership | None = None
+        self.last_plan: SyncPlan | None = None
+        """The last epoch switch's plan (what vouched for the state given, `vouched_by`)."""
         self.partial = False
         """Whether this rank's state is part received (a transfer given up): it holds nothing it may give,
         as if it were joining, until a transfer completes."""
@@ -320,7 +322,7 @@ class CrossReplica:
                                         dtype=torch.float64)
         self._all_reduce(mine, dist.ReduceOp.SUM)
         rows = mine.tolist()
-        plan = sync_plan([SyncRow(int(row[0]), int(row[2]) if row[2] >= 0 else None, joining=int(row[3]) & 1 == 1,
+        plan = self.last_plan = sync_plan([SyncRow(int(row[0]), int(row[2]) if row[2] >= 0 else None, joining=int(row[3]) & 1 == 1,
                                   checked=int(row[3]) & 2 == 0) for row in rows])
         if plan.corrupt or self.index in plan.suspects:
             suspects = [m.replicas[i] for i in plan.suspects]

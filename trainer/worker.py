@@ -279,8 +279,10 @@ def _join_replicas(trainer: Any, cross: Any, args: WorkerArgs, sink: ReportSink,
     switch_to(trainer, membership, wait_s=wait_s, log=log, on_failed=failed)
     done = log[-1]
     if first:
+        plan = cross.last_plan
         sink.event("replica_rejoined", {"replicas": [cross.replica], "epoch": done["epoch"], "step": trainer.step,
-                                        "source": done["source"], "at": done["time"], "seconds": done["seconds"]})
+                                        "source": done["source"], "at": done["time"], "seconds": done["seconds"],
+                                        **({"vouched_by": plan.vouched_by} if plan is not None and plan.vouched_by else {})})
 
 
 def _compare_replicas(trainer: Any, cross: Any, sink: ReportSink) -> None:
