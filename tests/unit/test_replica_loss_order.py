@@ -33,3 +33,30 @@ def test_the_epoch_without_the_lost_replica_is_published_before_its_stops_are_wa
     told = ray_replicas.lose_replicas(group, [1], ("d",))  # type: ignore[arg-type]
     assert calls == ["publish", "wait 1 stop(s)"], "told first; the live node's rank of replica 1 stopped after"
     assert told > 0 and tracking.live == {0} and tracking.out == {2, 3}
+
+
+def test_a_discard_with_nothing_lost_in_the_poll_publishes_one_resync_epoch() -> None:
+    """Issue 44, item 1, the worker group's side (controller/ray/replicas.on_events): a discarded step
+    with no node, rank or error in the same poll gets the resync epoch at once (and joins the
+    timeline); the other replicas' reports of the same discard publish nothing more; a discard that
+    comes with a loss is answered by the loss's own epoch; a rejoin makes the replica a holder."""
+    from controller.events import EventKind
+    from trainer.protocol import Membership, Roster
+
+    published: list[Membership] = []
+    board = SimpleNamespace(publish=published.append)
+    roster, _ = Roster.start(3)
+    tracking = ray_replicas.ReplicaTracking(board, replicas=3, world=6, roster=roster)
+    group = SimpleNamespace(_replicas=tracking)
+    discard = (0, EventKind.REPLICA_STEP_DISCARDED, {"epoch": 0, "step": 7})
+    ray_replicas.on_events(group, [discard], lost=True)  # type: ignore[arg-type]
+    assert published == [], "a loss in the same poll: its own epoch answers the discard"
+    ray_replicas.on_events(group, [discard, (2, EventKind.REPLICA_STEP_DISCARDED, {"epoch": 0, "step": 7})],
+                           lost=False)  # type: ignore[arg-type]
+    assert [(m.epoch, m.replicas, m.resync) for m in published] == [(1, (0, 1, 2), True)]
+    assert tracking.resolved == [{"epoch": 1, "discarded_at": 0, "step": 7}]
+    ray_replicas.on_events(group, [discard], lost=False)  # type: ignore[arg-type]
+    assert len(published) == 1, "an epoch already answers it"
+    roster.lose([2]), roster.form(2, 1), roster.ready([2])
+    ray_replicas.on_events(group, [(4, EventKind.REPLICA_REJOINED, {"replicas": [2]})], lost=False)  # type: ignore[arg-type]
+    assert roster.holders == {0, 1, 2}
