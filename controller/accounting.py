@@ -19,16 +19,21 @@ category, so productive time plus the badput categories add up to wall time (to 
                         flight when a failure struck
 - straggler_slowdown    in kept steps after a `straggler` verdict: the time above the attempt's
                         median step before it
-- degraded_capacity     kept steps on a mesh smaller than the planned one (shrunk for want of
-                        spares): the share of their time the planned mesh would not have needed;
-                        and kept steps while data-parallel replicas are out (`replica_lost` ->
-                        `replica_rejoined`, failure_domain replica): the share the missing replicas
-                        would have done (keeping the batch: the full mesh's median step over theirs;
-                        shrinking it: the missing replicas' share of the batch).
-                        A shrunk attempt's throughput against the planned mesh is the planned
-                        mesh's median step time over its own (the global batch is the same), at
-                        most 1; with no step measured on the planned mesh, its share of the planned
-                        mesh's ranks (ideal scaling)
+- degraded_capacity     the share of kept steps' time (straggler excess aside) that did not train
+                        the planned mesh's share of the batch, in two parts (`degraded_s`):
+                        smaller_mesh: an attempt on a mesh smaller than the planned one (shrunk for
+                        want of nodes) trains at its throughput against the planned mesh, the planned
+                        mesh's median step over its own (the global batch is the same), at most 1;
+                        with no step measured on the planned mesh, its share of the planned mesh's
+                        ranks (ideal scaling). The rest of its steps' time is degraded.
+                        replicas_out: a step begun while k of the attempt's D data-parallel replicas
+                        were out (`replica_lost` -> `replica_rejoined`, failure_domain replica) trains
+                        (D-k)/D of what it would have: k/D of its time is degraded, whether the live
+                        replicas kept the batch (a step D/(D-k) as long: the excess is k/D of it) or
+                        shrank it (as long, k/D of the batch missing). Each of the k replicas' 1/D is
+                        charged to the failure that took it out, so overlapping failures never charge
+                        the same step twice. A step's time is therefore productive * (D-k)/D * the
+                        mesh's throughput, and degraded for the rest
 - waiting_for_capacity  a `decision` to wait (below min_dp) -> the next attempt started
 - other                 everything else (gaps between steps, shutdown)
 
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -85,10 +91,10 @@ class FailureTiming:
     next_attempt: int | None = None
     """The attempt the recovery started (None while none has)."""
     degraded_s: float = 0.0
-    """What running that attempt on a mesh smaller than the planned one cost (its `degraded_capacity`):
-    a shrink's price after the recovery, until the next failure or grow; for a failure that stopped
-    only some replicas, what training without them cost until they rejoined. Not in `lost_seconds`,
-    which is time the run did not train at all."""
+    """What running that attempt on a mesh smaller than the planned one cost (its smaller_mesh
+    `degraded_capacity`): a shrink's price after the recovery, until the next failure or grow; for a
+    failure that stopped only some replicas, its replicas' 1/D share of the steps while they were out
+    (replicas_out). Not in `lost_seconds`, which is time the run did not train at all."""
     contained: bool = False
     """The failure stopped only some replicas (failure_domain replica); the attempt went on."""
     rejoined_at: float | None = None
@@ -126,6 +132,8 @@ class Accounting:
     attempt: int | None = None
     """Which attempt this is (None for the whole run)."""
     failures: list[FailureTiming] = field(default_factory=list)
+    degraded_s: dict[str, float] = field(default_factory=dict)
+    """`degraded_capacity` by its cause: smaller_mesh and replicas_out (the module docstring)."""
 
     @property
     def ettr(self) -> float:
@@ -133,7 +141,7 @@ class Accounting:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ettr": self.ettr, "wall_seconds": self.wall_s, "productive_seconds": self.productive_s,
-                               "badput_seconds": dict(self.badput_s)}
+                               "badput_seconds": dict(self.badput_s), "degraded_seconds": dict(self.degraded_s)}
         if self.attempt is not None:
             return {"attempt": self.attempt, **out}
         out["attempts"] = [a.to_dict() for a in self.attempts]
@@ -195,6 +203,9 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         if e["kind"] == EventKind.RESTORED:
             restore_s[e["attempt"]] = max(restore_s.get(e["attempt"], 0.0), float(e["detail"].get("seconds") or 0.0))
     out_spans = _replicas_out(events, end)
+    back_at: dict[float, float] = {}  # failure time -> when the last of its replicas trained again
+    for o in out_spans:
+        back_at[o.failure] = max(back_at.get(o.failure, o.end), o.end)
     for e in events:  # the survivors' stall while formed replicas receive their state and join
         if e["kind"] == EventKind.REPLICA_REJOINED and "at" in e["detail"]:
             at = float(e["detail"]["at"])
@@ -212,10 +223,10 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
             k = bisect.bisect_left(starts, t_detected)
             resumed = starts[k] if k < len(starts) else None
             intervals.append((t_detected, resumed if resumed is not None else end, "restart_restore"))
-            span = out_spans.get(t_detected)
+            back = back_at.get(t_detected, end)
             failures.append(FailureTiming(attempt, str(failure["detail"].get("cause", "unknown")), onset, t_detected,
                                           resumed, recomputation_s=onset - last_end, contained=True,
-                                          rejoined_at=span[1] if span is not None and span[1] < end else None))
+                                          rejoined_at=back if back < end else None))
             continue
         j = bisect.bisect_left(attempt_starts, t_detected)
         later = j < len(attempt_starts)
@@ -240,16 +251,11 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
 
     segments = _partition(intervals, start, end)
     excess = _straggler_excess(events, kept, by_attempt)
-    degraded = _degraded(events, kept, by_attempt, excess)
-    out_cost = _out_costs(out_spans, kept)
-    for t, (a, b, *_rest) in out_spans.items():
-        i = bisect.bisect_right(attempt_starts, a) - 1  # the attempt the replicas were lost in
-        if i >= 0:
-            owner = attempt_at[attempt_starts[i]]
-            degraded[owner] = degraded.get(owner, 0.0) + out_cost[t]
-    whole = _total(segments, start, end, sum(excess.values()), sum(degraded.values()))
-    whole.failures = [dataclasses.replace(f, degraded_s=degraded.get(f.next_attempt, 0.0))
-                      if f.next_attempt is not None else dataclasses.replace(f, degraded_s=out_cost.get(f.detected_at, 0.0))
+    costs = _capacity(events, kept, excess, out_spans)
+    straggler = _by_attempt(excess)
+    whole = _total(segments, start, end, sum(straggler.values()), costs.total())
+    whole.failures = [dataclasses.replace(f, degraded_s=costs.smaller_mesh.get(f.next_attempt, 0.0))
+                      if f.next_attempt is not None else dataclasses.replace(f, degraded_s=costs.by_failure.get(f.detected_at, 0.0))
                       for f in failures]
     bounds = sorted((t, a) for a, t in started.items())
     seg_ends = [y for _, y, _ in segments]  # segments are in time order and do not overlap
@@ -263,24 +269,27 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
                 break
             if min(y, b) > max(x, a):
                 window.append((max(x, a), min(y, b), c))
-        part = _total(window, a, max(a, b), excess.get(attempt, 0.0), degraded.get(attempt, 0.0))
+        part = _total(window, a, max(a, b), straggler.get(attempt, 0.0), costs.total(attempt))
         part.attempt = attempt
         whole.attempts.append(part)
     return whole
 
 
 def _total(segments: list[tuple[float, float, str]], start: float, end: float, straggler: float,
-           degraded: float = 0.0) -> Accounting:
+           degraded: dict[str, float]) -> Accounting:
     totals: dict[str, float] = {}
     for a, b, category in segments:
         totals[category] = totals.get(category, 0.0) + (b - a)
     productive = totals.pop("productive", 0.0)
+    # Neither bound holds back anything when kept steps do not overlap (the costs are shares of their time).
     straggler = min(straggler, productive)
-    degraded = min(degraded, productive - straggler)
+    scale = min(1.0, (productive - straggler) / sum(degraded.values())) if sum(degraded.values()) > 0 else 1.0
+    degraded = {cause: v * scale for cause, v in degraded.items()}
     badput = {c: totals.get(c, 0.0) for c in CATEGORIES}
     badput["straggler_slowdown"] = straggler
-    badput["degraded_capacity"] = degraded
-    return Accounting(wall_s=end - start, productive_s=productive - straggler - degraded, badput_s=badput)
+    badput["degraded_capacity"] = sum(degraded.values())
+    return Accounting(wall_s=end - start, productive_s=productive - straggler - badput["degraded_capacity"],
+                      badput_s=badput, degraded_s=degraded)
 
 
 def _world(mesh: Any) -> int:
@@ -288,88 +297,110 @@ def _world(mesh: Any) -> int:
     return int(mesh.get("dp", 1)) * int(mesh.get("pp", 1)) * int(mesh.get("tp", 1))
 
 
-def _degraded(events: Sequence[dict[str, Any]], kept: set[StepSpan], by_attempt: dict[int, list[StepSpan]],
-              excess: dict[int, float]) -> dict[int, float]:
-    """attempt -> the time of its kept steps that a mesh smaller than the planned one cost (its
-    straggler excess aside)."""
+@dataclass(frozen=True)
+class _Out:
+    """One replica out of training (failure_domain replica)."""
+    failure: float
+    """The time of the failure that took it out (its `replica_lost`, and its `failure_detected`)."""
+    start: float
+    end: float
+    """When it trained again: its `replica_rejoined` (`at`), a new attempt (which forms every replica),
+    or the accounting's end."""
+    of: int
+    """The attempt's replicas (D)."""
+
+
+def _replicas_out(events: Sequence[dict[str, Any]], end: float) -> list[_Out]:
+    """Each replica's stretches out of training. A replica lost again while out stays the first
+    failure's until it rejoins."""
+    out: list[_Out] = []
+    lost: dict[int, tuple[float, int]] = {}  # replica -> (lost at, of)
+    for e in events:
+        d = e["detail"]
+        if e["kind"] == EventKind.REPLICA_LOST:
+            for r in d.get("replicas", ()):
+                lost.setdefault(int(r), (float(e["time"]), int(d.get("of", 1))))
+        elif e["kind"] == EventKind.REPLICA_REJOINED:
+            at = float(d.get("at", e["time"]))
+            for r in d.get("replicas", ()):
+                if (was := lost.pop(int(r), None)) is not None:
+                    out.append(_Out(was[0], was[0], max(at, was[0]), was[1]))
+        elif e["kind"] == EventKind.ATTEMPT_STARTED:  # a new attempt forms every replica
+            out += [_Out(t, t, max(float(e["time"]), t), of) for t, of in lost.values()]
+            lost = {}
+    return out + [_Out(t, t, max(end, t), of) for t, of in lost.values()]
+
+
+@dataclass
+class _Costs:
+    """degraded_capacity's two parts (the module docstring)."""
+    smaller_mesh: dict[int, float] = field(default_factory=dict)
+    """attempt -> what its mesh being smaller than the planned one cost."""
+    replicas_out: dict[int, float] = field(default_factory=dict)
+    """attempt -> what training without its replicas that were out cost."""
+    by_failure: dict[float, float] = field(default_factory=dict)
+    """failure time -> of replicas_out, the share of the replicas it took out."""
+
+    def total(self, attempt: int | None = None) -> dict[str, float]:
+        parts = {"smaller_mesh": self.smaller_mesh, "replicas_out": self.replicas_out}
+        return {cause: (sum(v.values()) if attempt is None else v.get(attempt, 0.0)) for cause, v in parts.items()}
+
+
+def _capacity(events: Sequence[dict[str, Any]], kept: set[StepSpan], excess: dict[StepSpan, float],
+              outs: list[_Out]) -> _Costs:
+    """Each kept step's time (its straggler excess aside) split as the module docstring says: one pass
+    over the steps in time order, each replica's stretch out found by bisection (a 54-day run at
+    131,072 GPUs has thousands of them, overlapping)."""
+    ordered = sorted(kept, key=lambda s: s.start)
+    starts = [s.start for s in ordered]
+    diff = [0.0] * (len(ordered) + 1)
+    bounds = []
+    for o in outs:
+        i, j = bisect.bisect_left(starts, o.start), bisect.bisect_left(starts, o.end)
+        bounds.append((i, j))
+        diff[i] += 1.0 / o.of
+        diff[j] -= 1.0 / o.of
+    out_share = [min(1.0, max(0.0, x)) for x in itertools.accumulate(diff[:-1])]  # k/D when each step began
+    throughput = _throughput(events, ordered, out_share)
+    costs = _Costs()
+    trained = [0.0]  # prefix sums of each step's time at its mesh's throughput
+    for s, share in zip(ordered, out_share):
+        rest = s.end - s.start - excess.get(s, 0.0)
+        mesh = throughput.get(s.attempt, 1.0)
+        if mesh < 1.0:
+            costs.smaller_mesh[s.attempt] = costs.smaller_mesh.get(s.attempt, 0.0) + rest * (1.0 - mesh)
+        if share > 0.0:
+            costs.replicas_out[s.attempt] = costs.replicas_out.get(s.attempt, 0.0) + rest * mesh * share
+        trained.append(trained[-1] + rest * mesh)
+    for o, (i, j) in zip(outs, bounds):
+        costs.by_failure[o.failure] = costs.by_failure.get(o.failure, 0.0) + (trained[j] - trained[i]) / o.of
+    return costs
+
+
+def _throughput(events: Sequence[dict[str, Any]], ordered: list[StepSpan], out_share: list[float]) -> dict[int, float]:
+    """attempt -> its mesh's throughput against the planned mesh's (1 where it is the planned mesh):
+    medians of the steps with every replica in."""
     planned = next((_world(e["detail"].get("mesh")) for e in events if e["kind"] == EventKind.PLANNED), 0)
     worlds = {e["attempt"]: _world(e["detail"].get("mesh")) for e in events if e["kind"] == EventKind.ATTEMPT_STARTED}
     if not planned and worlds:
         planned = worlds[min(worlds)]
     if not planned or all(w >= planned for w in worlds.values()):
         return {}
-    full = [s.end - s.start for a, own in by_attempt.items() if worlds.get(a, 0) >= planned for s in own if s in kept]
+    whole: dict[int, list[float]] = {}
+    every: dict[int, list[float]] = {}
+    for s, share in zip(ordered, out_share):
+        every.setdefault(s.attempt, []).append(s.end - s.start)
+        if share == 0.0:
+            whole.setdefault(s.attempt, []).append(s.end - s.start)
+    full = [d for a, durations in whole.items() if worlds.get(a, 0) >= planned for d in durations]
     reference = statistics.median(full) if full else None
     out: dict[int, float] = {}
     for attempt, world in worlds.items():
-        own = [s for s in by_attempt.get(attempt, []) if s in kept]
+        own = whole.get(attempt) or every.get(attempt)
         if world >= planned or not own:
             continue
-        durations = [s.end - s.start for s in own]
-        if reference is not None:
-            throughput = min(1.0, reference / max(statistics.median(durations), 1e-12))
-        else:
-            throughput = world / planned
-        out[attempt] = max(0.0, (sum(durations) - excess.get(attempt, 0.0)) * (1.0 - throughput))
-    return out
-
-
-def _replicas_out(events: Sequence[dict[str, Any]], end: float) -> dict[float, tuple[float, float, int, int, str]]:
-    """failure time -> (replicas lost at, all of them back at (or `end`), live replicas, of how
-    many, batch policy), for each `replica_lost` (its failure's `failure_detected` has the same time)."""
-    out: dict[float, tuple[float, float, int, int, str]] = {}
-    pending: list[tuple[float, set[int], int, int, str]] = []
-    for e in events:
-        d = e["detail"]
-        if e["kind"] == EventKind.REPLICA_LOST:
-            pending.append((e["time"], {int(r) for r in d.get("replicas", ())}, int(d.get("live", 1)),
-                            int(d.get("of", 1)), str(d.get("batch", "keep"))))
-        elif e["kind"] == EventKind.REPLICA_REJOINED:
-            back = {int(r) for r in d.get("replicas", ())}
-            at = float(d.get("at", e["time"]))
-            for lost_at, replicas, live, of, batch in list(pending):
-                replicas -= back
-                if not replicas:
-                    out[lost_at] = (lost_at, max(at, lost_at), live, of, batch)
-                    pending.remove((lost_at, replicas, live, of, batch))
-        elif e["kind"] == EventKind.ATTEMPT_STARTED:  # a new attempt forms every replica
-            for lost_at, _, live, of, batch in pending:
-                out[lost_at] = (lost_at, max(e["time"], lost_at), live, of, batch)
-            pending = []
-    for lost_at, _, live, of, batch in pending:
-        out[lost_at] = (lost_at, max(end, lost_at), live, of, batch)
-    return out
-
-
-def _out_costs(out_spans: dict[float, tuple[float, float, int, int, str]], kept: set[StepSpan]) -> dict[float, float]:
-    """failure time -> what the kept steps while its replicas were out cost for want of them: keeping
-    the batch, the share of their time the full mesh would not have needed (the median kept step of
-    the same attempt outside such spans, over theirs; the live share when none was measured);
-    shrinking it, the missing replicas' share. Bisected: a 54-day run has thousands of failures."""
-    if not out_spans:
-        return {}
-    ordered = sorted(kept, key=lambda s: s.start)
-    starts = [s.start for s in ordered]
-    windows = sorted((a, b) for a, b, *_ in out_spans.values())
-    full: dict[int, list[float]] = {}
-    w = 0
-    for s in ordered:  # the kept steps outside every out span, by attempt (one merge pass)
-        while w < len(windows) and windows[w][1] <= s.start:
-            w += 1
-        if not any(a <= s.start < b for a, b in windows[w:w + 2]):
-            full.setdefault(s.attempt, []).append(s.end - s.start)
-    reference = {attempt: statistics.median(d) for attempt, d in full.items()}
-    out: dict[float, float] = {}
-    for t, (a, b, live, of, batch) in out_spans.items():
-        inside = [s for s in ordered[bisect.bisect_left(starts, a):bisect.bisect_left(starts, b)] if s.end <= b]
-        if not inside:
-            out[t] = 0.0
-            continue
-        share = live / max(of, 1)
-        ref = reference.get(inside[0].attempt)
-        if batch == "keep" and ref is not None:
-            share = min(1.0, ref / max(statistics.median([s.end - s.start for s in inside]), 1e-12))
-        out[t] = sum(s.end - s.start for s in inside) * (1.0 - share)
+        out[attempt] = (min(1.0, reference / max(statistics.median(own), 1e-12)) if reference is not None
+                        else world / planned)
     return out
 
 
@@ -412,10 +443,10 @@ def _partition(intervals: list[tuple[float, float, str]], start: float, end: flo
 
 
 def _straggler_excess(events: Sequence[dict[str, Any]], kept: set[StepSpan],
-                      by_attempt: dict[int, list[StepSpan]]) -> dict[int, float]:
+                      by_attempt: dict[int, list[StepSpan]]) -> dict[StepSpan, float]:
     """In each attempt, kept steps after its first straggler verdict cost what they took above the
     attempt's median step before the verdict."""
-    excess: dict[int, float] = {}
+    excess: dict[StepSpan, float] = {}
     flagged_by_attempt: dict[int, list[int]] = {}
     for e in events:
         if e["kind"] == EventKind.STRAGGLER:
@@ -429,5 +460,12 @@ def _straggler_excess(events: Sequence[dict[str, Any]], kept: set[StepSpan],
         if not before:
             continue
         baseline = statistics.median(before)
-        excess[attempt] = sum(max(0.0, (s.end - s.start) - baseline) for s in own if s.step >= since and s in kept)
+        excess.update((s, max(0.0, (s.end - s.start) - baseline)) for s in own if s.step >= since and s in kept)
     return excess
+
+
+def _by_attempt(per_step: dict[StepSpan, float]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for s, v in per_step.items():
+        out[s.attempt] = out.get(s.attempt, 0.0) + v
+    return out

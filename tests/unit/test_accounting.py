@@ -168,3 +168,73 @@ def test_a_recovery_splits_into_restart_and_the_slowest_ranks_restore() -> None:
     assert d["recovery_seconds"] == pytest.approx(3.6)
     assert d["restore_seconds"] == pytest.approx(1.5) and d["restart_seconds"] == pytest.approx(2.1)
     assert d["lost_seconds"] == pytest.approx(1.0 + 2.1 + 1.5 + 2.4)
+
+
+def overlapping_outs(batch: str) -> tuple[list[dict[str, Any]], list[StepSpan]]:
+    """Four replicas, 1 s a step with all of them in. Replica 1 is lost at 10 s (failure A), replica 2
+    at 14 s (failure B) while 1 is still out; 1 rejoins at 20 s, 2 at 24 s. Keeping the batch, a step
+    with k of 4 out takes 4/(4-k) s; shrinking it, 1 s."""
+    def took(k: int) -> float:
+        return 4 / (4 - k) if batch == "keep" else 1.0
+
+    spans, t = [], 0.0
+    for first, last, k in ((1, 10, 0), (11, 13, 1), (14, 16, 2), (17, 19, 1), (20, 21, 0)):
+        spans += steps(first, last, t, seconds=took(k))
+        t += (last - first + 1) * took(k)
+    a, b, back_a, back_b = 10.0, 10.0 + 3 * took(1), 10.0 + 3 * took(1) + 3 * took(2), t - 2.0
+    mesh = {"dp": 4, "pp": 1, "tp": 1}
+    events = [ev(0.0, "submitted"), ev(0.0, "planned", mesh=mesh), ev(0.0, "attempt_started", mesh=mesh),
+              ev(a, "failure_detected", cause="node_lost", replicas=[1]),
+              ev(a, "replica_lost", replicas=[1], live=3, of=4, batch=batch),
+              ev(b, "failure_detected", cause="node_lost", replicas=[2]),
+              ev(b, "replica_lost", replicas=[2], live=2, of=4, batch=batch),
+              ev(back_a, "replica_rejoined", replicas=[1], at=back_a, seconds=0.0),
+              ev(back_b, "replica_rejoined", replicas=[2], at=back_b, seconds=0.0), ev(t, "succeeded")]
+    return events, spans
+
+
+@pytest.mark.parametrize("batch", ["keep", "shrink"])
+def test_overlapping_replica_losses_charge_each_step_k_of_d_once(batch: str) -> None:
+    """By hand: a step begun with k of 4 replicas out trains (4-k)/4 of what the full mesh would, so
+    keeping the batch every step's productive time is the full mesh's 1 s (the rest, k/4 of a longer
+    step, is degraded), and shrinking it a step of 1 s is (4-k)/4 productive. Each out replica's
+    quarter goes to the failure that took it out: overlapping failures never charge a step twice (a
+    span's median slowdown charged per failure charged keep 8 s of degraded capacity for 5)."""
+    events, spans = overlapping_outs(batch)
+    wall = spans[-1].end
+    result = account(events, spans, end=wall)
+    if batch == "keep":  # 26 s: 21 steps of 1 s of work; A's quarter of 3 steps of 4/3 s and 3 of 2 s, B's of 3 of 2 s and 3 of 4/3 s
+        per_failure = 3 * (4 / 3) / 4 + 3 * 2 / 4
+        check(result, wall=26.0, productive=21.0, degraded_capacity=2 * per_failure)
+    else:  # 21 s of steps, each replica's quarter of the 6 steps it missed
+        per_failure = 6 * 1.0 / 4
+        check(result, wall=21.0, productive=21.0 - 2 * per_failure, degraded_capacity=2 * per_failure)
+    assert result.degraded_s == pytest.approx({"smaller_mesh": 0.0, "replicas_out": 2 * per_failure})
+    a, b = result.failures
+    assert a.contained and b.contained
+    assert (a.degraded_s, b.degraded_s) == (pytest.approx(per_failure), pytest.approx(per_failure))
+    assert a.rejoined_at == pytest.approx(20.0 if batch == "keep" else 16.0)
+
+
+def test_a_replica_out_on_a_shrunk_mesh_pays_both_shares() -> None:
+    """Planned dp4 in 4 replicas, 1 s a step. No node to spare: attempt 1 runs dp2 (2 replicas, 2 s a
+    step, throughput 1/2), and one of its replicas is out for two steps keeping the batch (4 s each).
+    A 4 s step trains what the planned mesh does in 1 s: 2 s of it is the smaller mesh's, 1 s the
+    missing replica's (half of what the smaller mesh trained)."""
+    dp4, dp2 = {"dp": 4, "pp": 1, "tp": 1}, {"dp": 2, "pp": 1, "tp": 1}
+    spans = steps(1, 4, 0.0) + steps(5, 6, 5.0, seconds=2.0, attempt=1) + steps(7, 8, 9.0, seconds=4.0, attempt=1) \
+        + steps(9, 10, 17.0, seconds=2.0, attempt=1)
+    events = [ev(0.0, "submitted"), ev(0.0, "planned", mesh=dp4), ev(0.0, "attempt_started", mesh=dp4),
+              ev(4.0, "failure_detected", cause="node_lost"), ev(4.0, "decision", action="shrink"),
+              ev(4.5, "attempt_started", attempt=1, mesh=dp2),
+              ev(9.0, "failure_detected", attempt=1, cause="node_lost", replicas=[1]),
+              ev(9.0, "replica_lost", attempt=1, replicas=[1], live=1, of=2, batch="keep"),
+              ev(17.0, "replica_rejoined", attempt=1, replicas=[1], at=17.0, seconds=0.0),
+              ev(21.0, "succeeded", attempt=1)]
+    result = account(events, spans, end=21.0)
+    check(result, wall=21.0, productive=4.0 + 6 * 1.0, restart_restore=1.0,
+          degraded_capacity=(4 * 2.0 + 2 * 4.0) / 2 + 2 * 1.0)
+    assert result.degraded_s == pytest.approx({"smaller_mesh": 8.0, "replicas_out": 2.0})
+    shrink, contained = result.failures
+    assert shrink.degraded_s == pytest.approx(8.0) and contained.degraded_s == pytest.approx(2.0)
+    assert result.ettr == pytest.approx(10.0 / 21.0)
