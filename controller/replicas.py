@@ -38,7 +38,12 @@ def contain(c: "RunController", now: float, failure: FailureEvent) -> bool:
     # A replica out and waiting has no processes (its ranks still name its lost nodes); one being
     # formed again (or joining, until its rejoin) is lost again: it forms once more elsewhere.
     waiting = set(c.replicas_out) - c._forming
-    lost = sorted({r // per for r in ranks} - waiting)
+    touched = {r // per for r in ranks}
+    if touched and touched <= waiting:  # (news of replicas already out: nothing more stops)
+        assert c.watch is not None
+        c.watch.contained(ranks)
+        return True
+    lost = sorted(touched - waiting)
     live = mesh.dp_replicas - len(set(c.replicas_out) | set(lost))
     if not lost or live < 1:
         return False

@@ -11,6 +11,7 @@ in. The controller decides; the worker group only does what it is told.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from controller.drills import DrillError, DrillInjector, DrillRequest, RunDrills
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, GrowWatch, RunPolicy, taken_out,
 )
-from controller.topology import NodeState, Topology, merge_returned
+from controller.topology import Node, NodeState, Topology, merge_returned
 from controller.views import GoodputView, health_view, run_view
 from trainer.config import TrainerConfig
 
@@ -221,14 +222,35 @@ class RunController:
         self.failures = failures_from(events)
         self.drills.restore(events)
 
-    def adopt(self, now: float, attempt: AttemptSpec) -> None:
-        """Go on driving an attempt whose workers run on (a restarted service re-attached to them)."""
+    def adopt(self, now: float, attempt: AttemptSpec, replicas_out: dict[int, tuple[str, ...]] | None = None) -> None:
+        """Go on driving an attempt whose workers run on (a restarted service re-attached to them);
+        `replicas_out`: replicas it lost and had not formed again (replica -> the nodes they lost),
+        formed again from here as after any loss."""
         self.attempt = attempt.attempt
         self.placement = attempt.placement
         self.config = attempt.config
         self.progress.committed = attempt.start_step
         self._track_attempt(now)
+        if replicas_out:
+            self.replicas_out = dict(replicas_out)
+            lost = {n for nodes in replicas_out.values() for n in nodes}
+            self.topology = self._known_lost(lost, attempt.placement)
+            per = attempt.placement.mesh.world_size // attempt.placement.mesh.dp_replicas
+            assert self.watch is not None
+            self.watch.contained({r for k in replicas_out for r in range(k * per, (k + 1) * per)})
         self.state = RunState.RUNNING
+
+    def _known_lost(self, lost: set[str], placement: Placement) -> Topology:
+        """The topology with `lost` (nodes of `placement`) as LOST, listed if the cluster no longer
+        shows them: a node back from repair under its name is then seen as returned (merge_returned)."""
+        missing = sorted(n for n in lost if n not in self.topology)
+        if missing:
+            ranks = collections.Counter(placement.node_of_rank)
+            memory = self.topology.smallest_gpu_bytes
+            self.topology = Topology(self.topology.nodes + tuple(
+                Node(name=n, rack=placement.rack_of_node.get(n, ""), num_gpus=ranks[n], gpu_memory_bytes=memory,
+                     state=NodeState.LOST) for n in missing))
+        return self.topology.with_states({n: NodeState.LOST for n in lost})
 
     def _track_attempt(self, now: float) -> None:
         """Fresh per-attempt bookkeeping: failure signals, progress timestamps, straggler scores."""

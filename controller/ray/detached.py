@@ -15,6 +15,13 @@ if TYPE_CHECKING:
     from controller.ray.worker_group import RayWorkerGroup
 
 
+def _nothing() -> Any:
+    """A finished ref in the place of a rank that has no process (its replica is out)."""
+    import ray
+
+    return ray.put(None)
+
+
 def named_reservations(run: str | None) -> list[Any]:
     """This run's placement groups that an earlier controller left (they are detached). Found by
     name in the cluster's table and taken by id: a lookup by name only sees the placement groups
@@ -49,9 +56,11 @@ def named_actors(run: str | None) -> list[tuple[str, Any]]:
     return found
 
 
-def attach(group: "RayWorkerGroup", attempt: "AttemptSpec") -> bool:
+def attach(group: "RayWorkerGroup", attempt: "AttemptSpec", out: frozenset[int] = frozenset()) -> bool:
     """Take over the live workers of `attempt` that an earlier controller started: True when every
-    rank's training process is still running (then `poll` goes on as if nothing happened)."""
+    rank's training process is still running (then `poll` goes on as if nothing happened), but
+    those of the replicas `out` (failure_domain replica: lost and not rejoined when the earlier
+    controller ended; whatever it had started to form them again is stopped: they are formed anew)."""
     import ray
 
     run = group.name
@@ -69,18 +78,25 @@ def attach(group: "RayWorkerGroup", attempt: "AttemptSpec") -> bool:
     except Exception:  # noqa: BLE001 - a dead or stuck actor: not attachable
         return False
     world = attempt.placement.mesh.world_size
+    per = world // max(attempt.placement.mesh.dp_replicas, 1)
+    out_ranks = {rank for k in out for rank in range(k * per, (k + 1) * per)}
     by_rank: dict[int, Any] = {}
     by_node: dict[int, str] = {}
     incarnation: dict[int, int] = {}
+    forming: list[Any] = []
     for (name, handle), ident in zip(named, identities):
         node = name.split("/")[-2]
         group._pool.setdefault(node, []).append(handle)
         group._made[node] = max(group._made.get(node, 0), int(name.rsplit("/", 1)[1]) + 1)
         if ident.get("attempt") == attempt.attempt and ident.get("alive") and not ident.get("done"):
-            by_rank[int(ident["rank"])] = handle
-            by_node[int(ident["rank"])] = node
-            incarnation[int(ident["rank"])] = int(ident.get("incarnation") or 0)
-    if sorted(by_rank) != list(range(world)) or any(
+            rank = int(ident["rank"])
+            incarnation[rank] = max(incarnation.get(rank, 0), int(ident.get("incarnation") or 0))
+            if rank in out_ranks:
+                forming.append(handle)  # (an earlier controller's forming of a replica out: formed anew)
+                continue
+            by_rank[rank] = handle
+            by_node[rank] = node
+    if sorted(by_rank) != sorted(set(range(world)) - out_ranks) or any(
             node != attempt.placement.node_of_rank[rank] for rank, node in by_node.items()):
         return False  # (a rank gone, or a replica formed again elsewhere since the placement recorded)
     found = run_store.find_store(run)  # the membership and the groups' rendezvous go on there
@@ -89,12 +105,14 @@ def attach(group: "RayWorkerGroup", attempt: "AttemptSpec") -> bool:
     if found is not None:
         group._store, group._store_host = found
     group._attempt = attempt
-    if not ray_replicas.reattach(group, attempt, incarnation):
+    if not ray_replicas.reattach(group, attempt, incarnation, out):
         return False
-    group.actors = [by_rank[r] for r in range(world)]
-    group._runs = [actor.wait_done.remote() for actor in group.actors]
+    if forming:
+        ray.wait([handle.stop.remote() for handle in forming], num_returns=len(forming), timeout=15)
+    group.actors = [by_rank.get(r) for r in range(world)]  # (a replica out has none until it forms again)
+    group._runs = [actor.wait_done.remote() if actor is not None else _nothing() for actor in group.actors]
     group._finished, group._failed, group._drains = set(), set(), {}
-    group._nodes = set(attempt.placement.node_of_rank)
+    group._nodes = {node for rank, node in enumerate(attempt.placement.node_of_rank) if rank not in out_ranks}
     group._node_of_rank = tuple(attempt.placement.node_of_rank)
     group.watch_heartbeats(f"{attempt.run_id}/attempt-{attempt.attempt}/")
     return True

@@ -64,6 +64,7 @@ def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) 
     if group._hearts is not None:
         group._hearts.moved(group._node_of_rank)
     busy = {id(a) for rank, a in enumerate(group.actors) if rank not in r.out and a is not None}
+    _warm_for(group, [placement.node_of_rank[rank] for k in replicas for rank in r.ranks(k)], busy)
     for replica in replicas:
         incarnation = r.incarnation.get(replica, 0) + 1
         r.incarnation[replica] = incarnation
@@ -79,29 +80,76 @@ def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) 
         r.roster.form(replica, incarnation)
 
 
-def reattach(group: "RayWorkerGroup", attempt: "AttemptSpec", incarnation: dict[int, int]) -> bool:
+def _warm_for(group: "RayWorkerGroup", nodes: list[str], busy: set[int]) -> None:
+    """Idle warm actors on `nodes` (one per rank placed there), started now where there are too few
+    (a node back from repair under its name, a spare the prewarm has not reached yet) and waited for:
+    a replica forms on warm workers or not at all (RuntimeError: the world path takes over)."""
+    import collections
+
+    import ray
+
+    need = collections.Counter(nodes)
+    short = {node: len(group._pool.get(node, [])) + n - sum(id(a) not in busy for a in group._pool.get(node, []))
+             for node, n in need.items() if sum(id(a) not in busy for a in group._pool.get(node, [])) < n}
+    warming = [ref for node in need for ref in group._warming.pop(node, [])]
+    new = group._grow_pool(short) if short else []
+    group._growth, group._growth_groups = [], []  # (held for the run, not part of any launch's gang)
+    refs = warming + [ref for _, ref in new]
+    if refs:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=group.launch_timeout_s)
+        if len(ready) < len(refs):
+            raise RuntimeError(f"warm workers on {sorted(short)} did not start in {group.launch_timeout_s:.0f} s")
+        ray.get(ready)
+
+
+def reattach(group: "RayWorkerGroup", attempt: "AttemptSpec", incarnation: dict[int, int],
+             out: frozenset[int] = frozenset()) -> bool:
     """A restarted controller takes over a failure_domain replica attempt: its membership goes on from
     the newest epoch in the run's store (which outlived the earlier controller), each replica's
-    incarnation from its ranks' (`incarnation`: rank -> the incarnation its process runs). False when
-    a replica was out or still forming then (the world path's resume takes over, as before)."""
+    incarnation from its ranks' (`incarnation`: rank -> the incarnation its process runs, the
+    highest seen). The replicas `out` (lost and not rejoined then, being formed again perhaps) are
+    out of the membership (an epoch without them, if the newest still lists one joining) and are
+    formed anew, with an incarnation past any their ranks ran. False when the membership does not
+    match (the world path's resume takes over)."""
     group._replicas = None
     replicas, world = attempt.placement.mesh.dp_replicas, attempt.placement.mesh.world_size
     if attempt.failure_domain != "replica" or replicas < 2:
-        return True
+        return not out
     import torch.distributed as dist
 
+    from trainer.protocol import NotContainable
     from trainer.replica import MembershipBoard
 
     board = MembershipBoard(dist.PrefixStore(f"{attempt.run_id}/attempt-{attempt.attempt}/", group._store))
     newest = board.newest_epoch()
-    if newest < 0 or set(board.get(newest).replicas) != set(range(replicas)):
+    if newest < 0:
         return False
-    r = ReplicaTracking(board, replicas, world, Roster.resume(replicas, board.get(newest)))
-    r.incarnation = {k: incarnation.get(k * r.per, 0) for k in range(replicas) if incarnation.get(k * r.per)}
-    if any(incarnation.get(rank, 0) != r.incarnation.get(k, 0) for k in range(replicas) for rank in r.ranks(k)):
-        return False  # (the ranks of a replica run different incarnations: it was being formed)
+    roster = Roster.resume(replicas, board.get(newest))
+    try:
+        membership = roster.lose(out)
+    except NotContainable:
+        return False
+    if roster.members != set(range(replicas)) - out:
+        return False
+    r = ReplicaTracking(board, replicas, world, roster)
+    live = [k for k in range(replicas) if k not in out]
+    r.incarnation = {k: incarnation.get(k * r.per, 0) for k in live if incarnation.get(k * r.per)}
+    if any(incarnation.get(rank, 0) != r.incarnation.get(k, 0) for k in live for rank in r.ranks(k)):
+        return False  # (the ranks of a live replica run different incarnations)
+    for k in out:  # (past any incarnation an earlier controller started, ready or not)
+        r.incarnation[k] = max([incarnation.get(rank, 0) for rank in r.ranks(k)] + [_readied(board, k)])
+    if membership is not None:
+        board.publish(membership)
     group._replicas = r
     return True
+
+
+def _readied(board: Any, replica: int) -> int:
+    """The newest incarnation of `replica` whose first rank said it was ready (0: none)."""
+    n = 0
+    while board.store.check([f"ready/{replica}/{n + 1}/0"]):
+        n += 1
+    return n
 
 
 def peer_restore(attempt: "AttemptSpec", rank: int, incarnation: int) -> Any:

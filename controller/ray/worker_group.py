@@ -443,7 +443,7 @@ class RayWorkerGroup:
     def where(self) -> list[dict[str, Any]]:
         import ray
 
-        return ray.get([a.where.remote() for a in self.actors], timeout=60)
+        return ray.get([a.where.remote() for a in self.actors if a is not None], timeout=60)
 
     def shutdown(self) -> None:
         """End the attempt: every rank's training process is gone when this returns, but those that left
@@ -456,7 +456,8 @@ class RayWorkerGroup:
             self.close(keep_snapshots=True)
             return
         gone = self.on_gone_nodes(range(len(self.actors)))  # (a dark node answers nothing: not waited for)
-        live = [(actor, run) for rank, (actor, run) in enumerate(zip(self.actors, self._runs)) if rank not in gone]
+        live = [(actor, run) for rank, (actor, run) in enumerate(zip(self.actors, self._runs))
+                if rank not in gone and actor is not None]
         stops = [actor.stop.remote(keep_parked=True) for actor, _ in live]
         done, _ = ray.wait(stops, num_returns=len(stops), timeout=15)
         for (actor, _), ref in zip(live, stops):
@@ -553,11 +554,11 @@ class RayWorkerGroup:
     def _named(self) -> list[tuple[str, Any]]:
         return detached.named_actors(self.name)
 
-    def attach(self, attempt: AttemptSpec) -> bool:
+    def attach(self, attempt: AttemptSpec, out: frozenset[int] = frozenset()) -> bool:
         """Take over the live workers of `attempt` that an earlier controller started (controller/ray/
         detached.py): True when every rank's training process is still running (then `poll` goes on
-        as if nothing happened)."""
-        return detached.attach(self, attempt)
+        as if nothing happened), but those of the replicas `out` (lost, not rejoined: formed anew)."""
+        return detached.attach(self, attempt, out)
 
 
 def _alive_names() -> set[str]:

@@ -65,9 +65,10 @@ def reattach(c: RunController, events: list[dict[str, Any]], now: float) -> bool
     if attach is None or not started or started[-1]["attempt"] != c.attempt:
         return False
     d = started[-1]["detail"]
+    since = events[events.index(started[-1]):]
     # a replica formed again on other nodes since: its placement is the one its rejoin recorded
-    moved = [e for e in events[events.index(started[-1]):]
-             if e["kind"] == EventKind.REPLICA_REJOINED and e["detail"].get("placement")]
+    moved = [e for e in since if e["kind"] == EventKind.REPLICA_REJOINED and e["detail"].get("placement")]
+    out = replicas_out(since)
     try:
         recorded = d.get("mesh") or {}
         mesh = MeshShape(dp=recorded.get("dp", 1), pp=recorded.get("pp", 1), tp=recorded.get("tp", 1),
@@ -76,13 +77,30 @@ def reattach(c: RunController, events: list[dict[str, Any]], now: float) -> bool
         point = LoadPoint(start_step=int(d.get("start_step") or 0), cursor=int(d.get("cursor") or 0),
                           resume_step=d.get("resume_step"), unusable=[], discarded=[])
         attempt = attempt_spec(c, now, c.spec.trainer_config(placement.mesh), placement, point)
-        if not attach(attempt):
+        per = mesh.world_size // mesh.dp_replicas
+        out = {k: tuple(n for n in nodes if n in placement.node_of_rank[k * per:(k + 1) * per]) for k, nodes in out.items()}
+        if not (attach(attempt, frozenset(out)) if out else attach(attempt)):
             return False
     except Exception as e:  # noqa: BLE001 - not attachable: the caller resumes from a checkpoint
         print(f"goodput: run {c.run_id}: cannot re-attach ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return False
-    c.adopt(now, attempt)
+    c.adopt(now, attempt, replicas_out=out)
     c.confine(set(placement.nodes_used()) | set(placement.spares))
     c.record(now, EventKind.SERVICE_RESTARTED, previous_state="running",
-             action=f"re-attached to the live workers of attempt {c.attempt}")
+             action=f"re-attached to the live workers of attempt {c.attempt}"
+                    + (f"; replica(s) {sorted(out)}, lost and not rejoined, are formed again" if out else ""))
     return True
+
+
+def replicas_out(events: list[dict[str, Any]]) -> dict[int, tuple[str, ...]]:
+    """failure_domain replica: the replicas an attempt's timeline (`events`, from its start) shows lost
+    and not rejoined since (a service that ended in the middle of a heal), with the nodes they lost."""
+    out: dict[int, tuple[str, ...]] = {}
+    for e in events:
+        if e["kind"] == EventKind.REPLICA_LOST:
+            for k in e["detail"].get("replicas", ()):
+                out[int(k)] = tuple(e["detail"].get("nodes") or ())
+        elif e["kind"] == EventKind.REPLICA_REJOINED:
+            for k in e["detail"].get("replicas", ()):
+                out.pop(int(k), None)
+    return out

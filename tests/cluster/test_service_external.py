@@ -121,6 +121,61 @@ def test_replica_run_heals_and_is_reattached_after_the_service_dies(cluster: Ray
         serve.stop()
 
 
+def test_a_service_killed_in_the_middle_of_a_heal_reattaches_and_forms_the_replica(
+        cluster: RayStartCluster, loopback_env: None, tmp_path: Path) -> None:
+    """Issue 44, item 5: a service restarted between `replica_lost` and `replica_rejoined` refused to
+    re-attach and closed the group: the run resumed from the store as a new attempt. Here, by
+    construction: every node of the cluster but two lost first (killed by PID, as a power loss
+    would), two replicas on those two, a node of replica 1 killed by a drill, and with no node to form it
+    on, the replica stays out while replica 0 trains on. The service is SIGKILLed then, started
+    again: it re-attaches to the same attempt with the replica out; the node comes back from repair
+    (a raylet under its name joins), the replica is formed there again, receives replica 0's state and rejoins;
+    the run succeeds in attempt 0 with nothing restored from the store."""
+    path = write_spec(tmp_path / "mid.yaml", "mid", steps=600, dp=4)
+    spec = yaml.safe_load(path.read_text())
+    spec["parallelism"]["dp_replicas"] = 2
+    spec["elastic"] = {"failure_domain": "replica"}
+    path.write_text(yaml.safe_dump(spec))
+    alive = cluster.node_labels()
+    keep = sorted(n for n, (labels, _) in alive.items() if labels.get("spare") != "true")[:2]
+    assert len(keep) == 2, alive
+    for node in set(alive) - set(keep):
+        cluster.kill_node(node)  # (nothing left but the run's two nodes: no node to form a replica on)
+    time.sleep(5)  # (Ray declares them dead within ~2 s here: FAST_HEALTH_CHECK)
+    serve = Serve(tmp_path / "state", tmp_path / "serve.log", "--address", cluster.address)
+    try:
+        serve.start()
+        serve.cli("submit", str(path))
+        wait_for(serve, "mid", lambda s: s["step"] >= 10)
+        drill = serve.json("drill", "mid", "kill-node", "--target", "replica:1")
+        assert isinstance(drill, dict) and drill["decision"] == "heal_replica", drill
+        assert serve.proc is not None
+        serve.proc.send_signal(signal.SIGKILL)  # the replica is out, waiting for a node: mid-heal
+        serve.proc.wait()
+        serve.start()
+        wait_for(serve, "mid", lambda s: s["state"] == "running")
+        events = serve.json("events", "mid")
+        assert isinstance(events, list)
+        restarted = [e for e in events if e["kind"] == "service_restarted"]
+        assert len(restarted) == 1 and "re-attached" in restarted[0]["detail"]["action"], restarted
+        assert "formed again" in restarted[0]["detail"]["action"]
+        cluster.ray_start("--address", cluster.address, "--num-cpus", "2", "--num-gpus", "2",
+                          "--labels", f"node={drill['target']},rack=rack-0")  # the node back from repair
+        run = wait_for(serve, "mid", lambda s: s["state"] == "succeeded", timeout_s=600)
+        events = serve.json("events", "mid")
+        assert isinstance(events, list)
+        kinds = [e["kind"] for e in events]
+        assert run["attempt"] == 0 and kinds.count("attempt_started") == 1, kinds
+        rejoined = [e["detail"] for e in events if e["kind"] == "replica_rejoined"]
+        assert [d["replicas"] for d in rejoined] == [[1]], rejoined
+        assert kinds.index("service_restarted") < kinds.index("replica_rejoined")
+        assert not any(e["kind"] == "restored" and e["detail"].get("source") == "store" for e in events)
+        agreed = [e for e in events if e["kind"] == "replica_checksums"]
+        assert agreed and all(e["detail"]["agree"] for e in agreed), agreed[-3:]
+    finally:
+        serve.stop()
+
+
 def _rejoined(serve: Serve) -> int:
     events = serve.json("events", "rep")
     assert isinstance(events, list)

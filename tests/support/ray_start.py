@@ -116,6 +116,27 @@ class RayStartCluster:
                 continue
         return ips
 
+    def node_labels(self) -> dict[str, tuple[dict[str, str], psutil.Process]]:
+        """Every labelled raylet of this cluster alive now: its `node` label -> (its labels, its process)."""
+        out = {}
+        for p in self.processes():
+            try:
+                if p.name() != "raylet":
+                    continue
+                for arg in p.cmdline():
+                    if arg.startswith("--labels=") and len(arg) > len("--labels="):
+                        labels = json.loads(arg.split("=", 1)[1])
+                        if labels.get("node"):
+                            out[labels["node"]] = (labels, p)
+            except (psutil.NoSuchProcess, ValueError):
+                continue
+        return out
+
+    def kill_node(self, node: str) -> None:
+        """A node lost: its raylet and every process under it (its workers, its agents), by PID."""
+        _, raylet = self.node_labels()[node]
+        kill([*children(raylet), raylet])
+
     def stop(self) -> None:
         """By PID: `ray stop` would end every Ray process on the machine, not just ours."""
         kill(self.processes())

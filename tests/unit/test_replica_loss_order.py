@@ -60,3 +60,17 @@ def test_a_discard_with_nothing_lost_in_the_poll_publishes_one_resync_epoch() ->
     roster.lose([2]), roster.form(2, 1), roster.ready([2])
     ray_replicas.on_events(group, [(4, EventKind.REPLICA_REJOINED, {"replicas": [2]})], lost=False)  # type: ignore[arg-type]
     assert roster.holders == {0, 1, 2}
+
+
+def test_a_restarted_service_finds_the_replicas_a_heal_left_out() -> None:
+    """Issue 44, item 5: the replicas an attempt's timeline shows lost and not rejoined since (a service
+    ended in the middle of a heal), with the nodes they lost: those the re-attached controller forms again."""
+    from controller.service.restore import replicas_out
+
+    def e(kind: str, **detail: object) -> dict:
+        return {"kind": kind, "detail": detail}
+
+    timeline = [e("attempt_started"), e("replica_lost", replicas=[1], nodes=["n3"]),
+                e("replica_rejoined", replicas=[1]), e("replica_lost", replicas=[0, 2], nodes=["n1", "n5"])]
+    assert replicas_out(timeline) == {0: ("n1", "n5"), 2: ("n1", "n5")}
+    assert replicas_out(timeline[:3]) == {}
