@@ -56,7 +56,8 @@ def named_actors(run: str | None) -> list[tuple[str, Any]]:
     return found
 
 
-def attach(group: "RayWorkerGroup", attempt: "AttemptSpec", out: frozenset[int] = frozenset()) -> bool:
+def attach(group: "RayWorkerGroup", attempt: "AttemptSpec", out: frozenset[int] = frozenset(),
+           rejoined: frozenset[int] = frozenset()) -> bool:
     """Take over the live workers of `attempt` that an earlier controller started: True when every
     rank's training process is still running (then `poll` goes on as if nothing happened), but
     those of the replicas `out` (failure_domain replica: lost and not rejoined when the earlier
@@ -105,7 +106,7 @@ def attach(group: "RayWorkerGroup", attempt: "AttemptSpec", out: frozenset[int] 
     if found is not None:
         group._store, group._store_host = found
     group._attempt = attempt
-    if not ray_replicas.reattach(group, attempt, incarnation, out):
+    if not ray_replicas.reattach(group, attempt, incarnation, out, rejoined):
         return False
     if forming:
         ray.wait([handle.stop.remote() for handle in forming], num_returns=len(forming), timeout=15)

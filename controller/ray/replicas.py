@@ -103,14 +103,15 @@ def _warm_for(group: "RayWorkerGroup", nodes: list[str], busy: set[int]) -> None
 
 
 def reattach(group: "RayWorkerGroup", attempt: "AttemptSpec", incarnation: dict[int, int],
-             out: frozenset[int] = frozenset()) -> bool:
+             out: frozenset[int] = frozenset(), rejoined: frozenset[int] = frozenset()) -> bool:
     """A restarted controller takes over a failure_domain replica attempt: its membership goes on from
     the newest epoch in the run's store (which outlived the earlier controller), each replica's
     incarnation from its ranks' (`incarnation`: rank -> the incarnation its process runs, the
     highest seen). The replicas `out` (lost and not rejoined then, being formed again perhaps) are
     out of the membership (an epoch without them, if the newest still lists one joining) and are
-    formed anew, with an incarnation past any their ranks ran. False when the membership does not
-    match (the world path's resume takes over)."""
+    formed anew, with an incarnation past any their ranks ran. A replica the newest epoch lists as
+    joining that the timeline saw rejoin (`rejoined`) holds the state (it may give it). False when
+    the membership does not match (the world path's resume takes over)."""
     group._replicas = None
     replicas, world = attempt.placement.mesh.dp_replicas, attempt.placement.mesh.world_size
     if attempt.failure_domain != "replica" or replicas < 2:
@@ -124,7 +125,7 @@ def reattach(group: "RayWorkerGroup", attempt: "AttemptSpec", incarnation: dict[
     newest = board.newest_epoch()
     if newest < 0:
         return False
-    roster = Roster.resume(replicas, board.get(newest))
+    roster = Roster.resume(replicas, board.get(newest), confirmed=rejoined)
     try:
         membership = roster.lose(out)
     except NotContainable:

@@ -554,11 +554,13 @@ class RayWorkerGroup:
     def _named(self) -> list[tuple[str, Any]]:
         return detached.named_actors(self.name)
 
-    def attach(self, attempt: AttemptSpec, out: frozenset[int] = frozenset()) -> bool:
+    def attach(self, attempt: AttemptSpec, out: frozenset[int] = frozenset(),
+               rejoined: frozenset[int] = frozenset()) -> bool:
         """Take over the live workers of `attempt` that an earlier controller started (controller/ray/
         detached.py): True when every rank's training process is still running (then `poll` goes on
-        as if nothing happened), but those of the replicas `out` (lost, not rejoined: formed anew)."""
-        return detached.attach(self, attempt, out)
+        as if nothing happened), but those of the replicas `out` (lost, not rejoined: formed anew);
+        `rejoined`: replicas the timeline saw rejoin (they hold the state, whatever the newest epoch says)."""
+        return detached.attach(self, attempt, out, rejoined)
 
 
 def _alive_names() -> set[str]:

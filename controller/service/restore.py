@@ -69,6 +69,7 @@ def reattach(c: RunController, events: list[dict[str, Any]], now: float) -> bool
     # a replica formed again on other nodes since: its placement is the one its rejoin recorded
     moved = [e for e in since if e["kind"] == EventKind.REPLICA_REJOINED and e["detail"].get("placement")]
     out = replicas_out(since)
+    rejoined = {int(k) for e in since if e["kind"] == EventKind.REPLICA_REJOINED for k in e["detail"].get("replicas", ())}
     try:
         recorded = d.get("mesh") or {}
         mesh = MeshShape(dp=recorded.get("dp", 1), pp=recorded.get("pp", 1), tp=recorded.get("tp", 1),
@@ -79,7 +80,7 @@ def reattach(c: RunController, events: list[dict[str, Any]], now: float) -> bool
         attempt = attempt_spec(c, now, c.spec.trainer_config(placement.mesh), placement, point)
         per = mesh.world_size // mesh.dp_replicas
         out = {k: tuple(n for n in nodes if n in placement.node_of_rank[k * per:(k + 1) * per]) for k, nodes in out.items()}
-        if not (attach(attempt, frozenset(out)) if out else attach(attempt)):
+        if not (attach(attempt, frozenset(out), frozenset(rejoined - set(out))) if out or rejoined else attach(attempt)):
             return False
     except Exception as e:  # noqa: BLE001 - not attachable: the caller resumes from a checkpoint
         print(f"goodput: run {c.run_id}: cannot re-attach ({type(e).__name__}: {e})", file=sys.stderr, flush=True)

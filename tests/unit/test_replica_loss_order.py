@@ -74,3 +74,28 @@ def test_a_restarted_service_finds_the_replicas_a_heal_left_out() -> None:
                 e("replica_rejoined", replicas=[1]), e("replica_lost", replicas=[0, 2], nodes=["n1", "n5"])]
     assert replicas_out(timeline) == {0: ("n1", "n5"), 2: ("n1", "n5")}
     assert replicas_out(timeline[:3]) == {}
+
+
+def test_a_restarted_controller_knows_a_rejoined_replica_holds_the_state() -> None:
+    """The newest epoch of a healed attempt still lists the healed replica as joining (no epoch follows
+    a rejoin): a restarted controller that believed it would refuse to contain a later loss of the
+    other replica (no holder left) and stop the world. The timeline's rejoin says it holds the state."""
+    import torch.distributed as dist
+
+    from trainer.membership import MembershipBoard
+    from trainer.protocol import Membership, NotContainable
+
+    store = dist.HashStore()
+    board = MembershipBoard(dist.PrefixStore("run/attempt-0/", store))
+    for m in (Membership(0, (0, 1)), Membership(1, (0,)), Membership(2, (0, 1), joining=(1,))):
+        board.publish(m)
+    attempt = SimpleNamespace(failure_domain="replica", run_id="run", attempt=0,
+                              placement=SimpleNamespace(mesh=SimpleNamespace(dp_replicas=2, world_size=4)))
+    incarnation = {0: 0, 1: 0, 2: 1, 3: 1}
+    group = SimpleNamespace(_store=store, _replicas=None)
+    assert ray_replicas.reattach(group, attempt, incarnation, rejoined=frozenset({1}))  # type: ignore[arg-type]
+    assert group._replicas.roster.holders == {0, 1} and group._replicas.incarnation == {1: 1}
+    assert group._replicas.roster.lose([0]) is not None, "replica 1 holds the state: the loss is contained"
+    assert ray_replicas.reattach(group, attempt, incarnation)  # type: ignore[arg-type]
+    with pytest.raises(NotContainable):
+        group._replicas.roster.lose([0])
