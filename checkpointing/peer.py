@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -293,11 +294,14 @@ def peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, nodes: set[
     parts: dict[tuple[int, int], list[tuple[int, ...]]] = {}
     reports: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
     excluded_steps: set[int] = set()
+    after_of: dict[int, float] = {}  # attempt -> its first excluded step less one (a run has an entry per attempt)
+    for attempt, after in excluded:
+        after_of[attempt] = min(after_of.get(attempt, math.inf), after)
     for node in sorted(nodes.intersection(held)):
         for h in held[node]:
             if h.identity != identity:
                 continue
-            if excluded and any(h.attempt == attempt and h.step > after for attempt, after in excluded):
+            if h.step > after_of.get(h.attempt, math.inf):
                 excluded_steps.add(h.step)
                 continue
             ranks = parts.get(key := (h.attempt, h.step))

@@ -119,6 +119,9 @@ class Topology:
             coming = {name for name, new in states.items() if new is state}
             by_state[state] = (by_state.get(state, frozenset()) - leaving) | coming
         out.__dict__["_by_state"] = by_state
+        if "_healthy_names" in self.__dict__:  # (16,384 names: changed where the states changed)
+            now_healthy = {name for name, state in states.items() if state is NodeState.HEALTHY}
+            out.__dict__["_healthy_names"] = (self._healthy_names - (states.keys() - now_healthy)) | now_healthy
         return out
 
     def without(self, names: "frozenset[str]") -> "Topology":
@@ -240,5 +243,13 @@ def merge_returned(ours: Topology, live: Topology) -> Topology:
             or ours.node(name).ray_node_id != live.node(name).ray_node_id}
     if not back:
         return ours
-    return Topology(tuple(replace(n, state=NodeState.HEALTHY, ray_node_id=live.node(n.name).ray_node_id)
-                          if n.name in back else n for n in ours.nodes))
+    merged = ours.with_states({name: NodeState.HEALTHY for name in back})  # (what it computed, carried over)
+    ids = {name: live.node(name).ray_node_id for name in back}
+    if all(merged.node(name).ray_node_id == i for name, i in ids.items()):
+        return merged
+    nodes = list(merged.nodes)
+    for name, i in ids.items():
+        nodes[merged._index[name]] = replace(nodes[merged._index[name]], ray_node_id=i)
+    out = Topology(tuple(nodes))
+    out.__dict__.update({k: v for k, v in merged.__dict__.items() if k not in ("nodes", "placed")})  # (no id in them)
+    return out

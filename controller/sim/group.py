@@ -1,5 +1,6 @@
-"""The simulated edge: a cluster, a worker group and an object store that exist on a virtual clock,
-for the real RunController to drive (controller.sim.run). Pure: no ray, torch or boto3.
+"""The simulated edge's worker group, on a virtual clock with a simulated cluster (controller.sim.cluster)
+and an object store, for the real RunController to drive (controller.sim.run). Pure: no ray, torch or
+boto3.
 
 The worker group behaves as the Ray one does, seen from the controller: a launch costs the cost
 model's restart (plus its restore when resuming), then steps end every `step_s`; a save blocks the
@@ -38,6 +39,12 @@ on their new nodes, and at the first step boundary after that the survivors stal
 and one more cross-replica init, and report `replica_rejoined`. An incident on a node that holds only
 replicas already out stops nothing.
 
+Polls: the group says when it next has something to say (`next_wake`): a signal, a formed replica's
+rejoin, the end of a chunk of steps, and a commit only from `commits_from` on (the driver sets it to
+when the controller could act on one). The commits before it are heard at the next poll, with the
+steps, as a controller that polls rarely hears them: at 131,072 GPUs Young/Daly saves every step,
+and a poll per commit made a 54-day run a poll per step.
+
 Reports come from one rank of the last pipeline stage (the one carrying the loss), one per step:
 the controller's progress and accounting need no more, and 16,384 ranks' reports per step would
 make a 54-day simulation take days.
@@ -61,7 +68,6 @@ from controller.events import EventKind
 from controller.placement import rank_index, ranks_on
 from controller.sim.model import CostModel, Incident
 from controller.sim.replicas import SimReplicas
-from controller.topology import Topology
 from health.straggler import StragglerConfig
 from trainer.config import state_fingerprint
 from trainer.report import StepReport
@@ -78,42 +84,6 @@ COMPUTE_NOISE = 0.02
 """Relative spread (one standard deviation) of a healthy rank's compute time around its stage's."""
 HANG_POLL_S = 5.0
 """How often a stopped group is polled (as the service polls a live one: its silence is evidence)."""
-
-
-class VirtualClock:
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-
-
-class SimCluster:
-    """The cluster's nodes (`cluster.simulated`); a node under repair is missing from its topology."""
-
-    def __init__(self, topology: Topology, clock: Callable[[], float]) -> None:
-        self.full = topology
-        self.clock = clock
-        self.down_until: dict[str, float] = {}
-        self._down: frozenset[str] = frozenset()
-        self._topology = topology
-
-    def topology(self) -> Topology:
-        now = self.clock()
-        down = frozenset(n for n, t in self.down_until.items() if t > now)
-        if down != self._down:  # one Topology per set of nodes under repair (the controller asks often)
-            self._down = down
-            self._topology = self.full.without(down)
-        return self._topology
-
-    def take_down(self, node: str, until: float) -> None:
-        self.down_until[node] = max(self.down_until.get(node, -math.inf), until)
-
-    def next_repair(self, after: float) -> float | None:
-        later = [t for t in self.down_until.values() if t > after]
-        return min(later) if later else None
 
 
 @dataclass
@@ -140,10 +110,12 @@ class SimWorkerGroup(SimReplicas):
         """Committed steps still in the store, oldest first."""
         self.wake_at_step: int | None = None
         """Poll right after this step (the driver sets it to the next drill's step)."""
-        self.wake_at_commits = True
-        """Poll at every commit (the driver clears it while the controller cannot act on one: nothing to
-        grow back into, no straggler to replace, no drill to report on; the commits are then heard at the
-        next poll, as a real controller hears steps and commits late when it polls rarely)."""
+        self.commits_from = -math.inf
+        """Poll at every commit due from this time on (the driver sets it: -inf while the controller may
+        act on any commit, the time a node is next back while only that can change what it would do, inf
+        while it cannot act on one: nothing to grow back into, no straggler to replace, no drill to report
+        on). The commits skipped are heard at the next poll, as a real controller hears steps and commits
+        late when it polls rarely."""
         self.full_world: int | None = None
         """World size of the first attempt: a smaller mesh keeps the global batch, so its steps are longer."""
         self.snapshot: tuple[AttemptSpec, int, float, float] | None = None
@@ -158,6 +130,8 @@ class SimWorkerGroup(SimReplicas):
         """failure_domain replica: the attempt's data-parallel replicas not training now."""
         self.forming: list[tuple[float, tuple[int, ...]]] = []
         """(ready at, replicas): replicas being formed again, ready to receive their state at that time."""
+        self.committed = 0
+        """Commits reported so far (the driver notes what the controller saw when it heard one)."""
 
     # -- the WorkerGroup protocol ------------------------------------------------------------------------
     def start(self, attempt: AttemptSpec) -> None:
@@ -355,21 +329,27 @@ class SimWorkerGroup(SimReplicas):
 
     def next_wake(self, now: float) -> float:
         """When a poll next has something to say."""
-        times = [s.at for s in self.signals] + [c[0] for c in self.commits] + [f[0] for f in self.forming if f[0] > now]
-        if self.running and self.stop_at is None and self.step < self.total_steps:
+        last = self.step >= self.total_steps  # (the run ends when its final save commits: that is heard)
+        times = [s.at for s in self.signals] + [f[0] for f in self.forming if f[0] > now]
+        times += [due for due, _ in self.commits if due >= self.commits_from or last]
+        if self.running and self.stop_at is None and not last:
+            step_s = self._step_s(self.next_start)
             chunk = min(CHUNK_STEPS, self.total_steps - self.step)
             if self.wake_at_step is not None and self.wake_at_step > self.step:
                 chunk = min(chunk, self.wake_at_step - self.step)  # a drill waits for this step
             if self.judging is not None:
                 chunk = min(chunk, self.judging[0])  # the judgement's verdict at its time, not the next commit's
-            if self.attempt is not None and self.attempt.checkpoint_uri is not None and self.wake_at_commits:
-                # the next save's commit: the controller acts on commits (growing back, replacing stragglers)
-                save = min((self.step // self.interval.every + 1) * self.interval.every, self.total_steps)
-                times.append(self.next_start + (save - self.step) * self._step_s(self.next_start)
-                             + self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s)
-            times.append(self.next_start + chunk * self._step_s(self.next_start))
+            if self.attempt is not None and self.attempt.checkpoint_uri is not None and self.commits_from < math.inf:
+                # the first save to commit from `commits_from` on: the controller may act on it (grow back,
+                # replace a straggler). Later saves' stalls are left out: a wake too early finds no commit
+                # and the next one is planned from there.
+                lag = self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s
+                steps = max(1, math.ceil((self.commits_from - lag - self.next_start) / step_s)) \
+                    if self.commits_from > -math.inf else 1
+                save = min(math.ceil((self.step + steps) / self.interval.every) * self.interval.every, self.total_steps)
+                times.append(self.next_start + (save - self.step) * step_s + lag)
+            times.append(self.next_start + chunk * step_s)
             for ready, _ in self.forming:  # the step boundary a formed replica joins at: steps get faster there
-                step_s = self._step_s(self.next_start)
                 times.append(self.next_start + max(1, math.ceil((ready - self.next_start) / step_s)) * step_s)
         if self.running and self.stop_at is not None:
             times.append(now + HANG_POLL_S)  # stopped: the controller's own hang verdict may come first
@@ -484,15 +464,10 @@ class SimWorkerGroup(SimReplicas):
         except CheckpointError:  # already committed by an earlier attempt: nothing new
             return
         removed = apply_retention(self.store, a.run_id, a.checkpoint_keep)
+        self.committed += 1
         result.events.append((0, EventKind.CHECKPOINT_COMMITTED, {
             "step": step, "uri": f"{self.store.uri}/{step_prefix(a.run_id, step)}", "bytes": 0,
             "seconds": self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, "removed": removed}))
-
-
-def spare_topology(sim: Any) -> Topology:
-    """`cluster.simulated` as a Topology (the last `spares` nodes are hot spares)."""
-    return Topology.from_local(nodes=sim.nodes, gpus_per_node=sim.gpus_per_node, racks=sim.racks, spares=sim.spares,
-                               gpu_memory_gb=sim.gpu_memory_gb)
 
 
 def _grouped(names: list[str], node: np.ndarray, rank: np.ndarray) -> dict[str, tuple[int, ...]]:

@@ -17,7 +17,8 @@ from typing import Any
 from controller.events import EventKind
 from controller.drills import DrillKind
 from checkpointing.store import MemoryStore
-from controller.sim.group import SimCluster, SimWorkerGroup, VirtualClock, spare_topology
+from controller.sim.cluster import SimCluster, VirtualClock, spare_topology
+from controller.sim.group import SimWorkerGroup
 from controller.sim.model import Incident, cost_model, incidents, mtbf_hours
 from controller.spec import FailureModelSpec, RunSpec, SpecError, parse_spec
 from controller.planner import plan_run
@@ -90,6 +91,8 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
                       topology_source=cluster.topology)
     struck: Counter[str] = Counter()
     pending = list(planned)
+    heard: tuple[Any, ...] | None = None  # what the controller's action at the last commit it heard depended on
+    waiting_since = 0.0
     while not c.state.terminal and clock.t < horizon:
         while pending and pending[0].time <= clock.t:
             incident = pending.pop(0)
@@ -99,18 +102,19 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
                 struck[incident.component] += 1
         due = [r.at_step for r in c.drills.pending() if r.at_step is not None]
         group.wake_at_step = min(due) if due else None
-        before = c.state
+        before, commits = c.state, group.committed
         c.step(clock.t)
         if c.state is RunState.RUNNING and before is RunState.RUNNING:
-            # as the poll left them; while the ranks' times are judged, a verdict may come at any poll
-            group.wake_at_commits = bool(c.drills.pending()) or c.acts_on_commits() or group.judging is not None
-            wake = group.next_wake(clock.t)
-            if c.replicas_out:  # replicas out for want of a node: the controller forms them once one is back
-                repair = cluster.next_repair(clock.t)
-                wake = min(wake, repair if repair is not None else math.inf)
+            if group.committed != commits:
+                heard = commit_inputs(c, cluster)
+            wake = running_wake(c, group, cluster, heard, clock.t)
         elif c.state is RunState.RECOVERING:
+            # waiting for capacity: what the controller decides changes when a node is back, or when the
+            # wait is over
+            waiting_since = clock.t if before is not RunState.RECOVERING else waiting_since
             repair = cluster.next_repair(clock.t)
-            wake = min(repair if repair is not None else math.inf, clock.t + 10.0)
+            over = waiting_since + spec.elastic.wait_for_capacity_s
+            wake = min(repair if repair is not None else math.inf, over if over > clock.t else clock.t + 10.0)
         else:
             continue  # planning and launching go on at once
         nxt = min(wake, pending[0].time if pending else math.inf, horizon)
@@ -142,6 +146,43 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
         "ettr": goodput["ettr"],
         "_controller": c,
     }
+
+
+def running_wake(c: RunController, group: SimWorkerGroup, cluster: SimCluster, heard: tuple[Any, ...] | None,
+                 now: float) -> float:
+    """The next moment a running controller has something to hear, as the poll left the group: the
+    group's own (steps, signals, formed replicas) and the commits the controller may act on."""
+    acts = c.acts_on_commits()
+    if c.drills.pending() or group.judging is not None or (acts and not same_inputs(heard, commit_inputs(c, cluster))):
+        group.commits_from = -math.inf  # (while the ranks' times are judged, a verdict may come at any poll)
+    elif acts:  # what it would do changes once a node is back
+        repair = cluster.next_repair(now)
+        group.commits_from = repair if repair is not None else math.inf
+    else:
+        group.commits_from = math.inf
+    wake = group.next_wake(now)
+    if -math.inf < group.commits_from < math.inf:
+        # the commits skipped until then are heard just before the node is back: with what they would
+        # have been heard with, so none of them is acted on late
+        before_back = math.nextafter(group.commits_from, -math.inf)
+        wake = min(wake, before_back) if before_back > now else wake
+    if c.replicas_out:  # replicas out for want of a node: the controller forms them once one is back
+        repair = cluster.next_repair(now)
+        wake = min(wake, repair if repair is not None else math.inf)
+    return wake
+
+
+def commit_inputs(c: RunController, cluster: SimCluster) -> tuple[Any, ...]:
+    """What the controller's action at a commit depends on: growing back, its nodes and the cluster's
+    (immutable topologies: a change is a new object) and its mesh; replacing a straggler, its verdicts
+    and its spares. A commit heard with the inputs of the last one heard cannot make it act, so the
+    group need not wake for it (at 131,072 GPUs a shrunk run's Young/Daly interval is one step)."""
+    verdicts = frozenset(c.watch.stragglers.to_replace) if c.watch is not None else frozenset()
+    return (c.topology, cluster.topology(), c.config, verdicts)
+
+
+def same_inputs(a: tuple[Any, ...] | None, b: tuple[Any, ...]) -> bool:
+    return a is not None and all(x is y for x, y in zip(a[:3], b[:3])) and a[3] == b[3]
 
 
 LOST_TERMS = ("detection_seconds", "recovery_seconds", "restart_seconds", "restore_seconds", "waiting_seconds",

@@ -378,14 +378,19 @@ def test_skipping_the_commits_the_controller_cannot_act_on_changes_no_result(cas
         raw["failures"] = {"repair_hours": {"gpu": 2.0, "host": 4.0}}
     spec = parse_spec(raw)
 
-    def summary(r: dict[str, Any]) -> tuple:
-        return (r["ettr"], r["steps"], r["failures_by_cause"], r["decisions"], r["mttr_s"],
-                r["goodput"]["badput_seconds"], r["lost_per_failure"])
+    def summary(r: dict[str, Any]) -> dict[str, Any]:
+        flat = {"ettr": r["ettr"], "steps": r["steps"], "mttr": r["mttr_s"], **r["goodput"]["badput_seconds"]}
+        flat |= {f"failures {k}": v for k, v in r["failures_by_cause"].items()}
+        flat |= {f"decisions {k}": v for k, v in r["decisions"].items()}
+        return flat | {f"{cause} {k}": v for cause, row in r["lost_per_failure"].items() for k, v in row.items()}
 
     skipping = simulate(spec, days=days, seed=2)
     monkeypatch.setattr(RunController, "acts_on_commits", lambda self: True)
+    monkeypatch.setattr("controller.sim.run.same_inputs", lambda heard, now: False)  # and their inputs changed
     every = simulate(spec, days=days, seed=2)
-    assert summary(skipping) == summary(every)
+    # Equal to float precision: where wakes fall at once, the group's 1 µs floor between two polls can
+    # move a relaunch, and every step after it, by a microsecond.
+    assert summary(skipping) == pytest.approx(summary(every), rel=1e-9, abs=1e-5)
     assert sum(every["failures_by_cause"].values()) > 5
     if case == "stragglers-replaced":
         assert every["failures_by_cause"].get("straggler", 0) > 0, "a straggler was replaced at a commit"
