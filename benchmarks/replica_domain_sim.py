@@ -3,13 +3,15 @@ the same incidents (same seed): 54 days of the Llama 3 preset's model (examples/
 405B, pp16 x tp8 pipelines, 16 samples per pipeline) at 1,024, 16,384 and 131,072 GPUs, restart from
 the store (`world`) vs `elastic.failure_domain: replica` with dp_replicas = dp / 8 (dp_shard 8: what
 the model's memory needs, so 1,024 GPUs hold a single replica and the replica path has nothing to
-contain there), and at 131,072 GPUs Meta's FT-HSDP stall (~3 minutes per failure at ~100K GPUs,
+contain there; the batch shrinks while replicas are out, since the preset's global batch cannot be
+split over every live count of 16 or 128 replicas, which keeping it needs), and at 131,072 GPUs Meta's FT-HSDP stall (~3 minutes per failure at ~100K GPUs,
 arXiv 2602.00277) as a pessimistic preset for the survivors' stall.
 
 Per row: ETTR, the mean recovery of every failure (world: failure detected -> the new attempt's
 first step), the survivors' mean recovery over the failures a replica contained (-> their next step),
 interruptions, world restarts (failures no replica can contain: SDC rollbacks), the degraded hours
-(training without the replicas that were out), and the simulation's wall time.
+in their two parts (a mesh smaller than planned; training without the replicas that were out), and
+the simulation's wall time.
 
     python benchmarks/replica_domain_sim.py [--days 54] [--seed 0] [--scales 8,128,1024]
 """
@@ -41,13 +43,14 @@ def main() -> None:
     opts = parser.parse_args()
     raw = yaml.safe_load(PRESET.read_text())
     print(f"{'GPUs':>8} {'path':<22}{'D':>5}{'ETTR':>8}{'MTTR s':>9}{'survivors s (median)':>22}{'interruptions':>15}{'world restarts':>16}"
-          f"{'degraded h':>12}{'wall s':>8}")
+          f"{'degraded h (mesh + out)':>24}{'wall s':>8}")
     for dp in [int(x) for x in opts.scales.split(",")]:
         base = at_scale(raw, dp)
         replicas = dp // DP_SHARD
         rows = [("world (restart)", base, 1)]
         if replicas >= 2:
-            contained = variant(base, parallelism__dp_replicas=replicas, elastic__failure_domain="replica")
+            contained = variant(base, parallelism__dp_replicas=replicas, elastic__failure_domain="replica",
+                                elastic__batch_while_healing="shrink")
             rows.append(("replica", contained, replicas))
             if dp == 1024:
                 rows.append(("replica, FT-HSDP stall", variant(contained, cost__replica_stall_s=180.0), replicas))
@@ -63,7 +66,8 @@ def main() -> None:
                   + (f"{statistics.fmean(survivors):>13.1f} ({statistics.median(survivors):5.2f})" if survivors
                      else f"{'-':>22}")
                   + f"{sum(r['failures_by_cause'].values()):>15}{restarts:>16}"
-                  f"{g['badput_seconds']['degraded_capacity'] / 3600:>12.1f}{wall:>8.1f}", flush=True)
+                  f"{g['degraded_seconds']['smaller_mesh'] / 3600:>14.1f} + {g['degraded_seconds']['replicas_out'] / 3600:>7.1f}"
+                  f"{wall:>8.1f}", flush=True)
             del r
 
 
