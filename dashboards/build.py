@@ -148,12 +148,12 @@ def run_overview() -> dashboard.Dashboard:
                              "resync epochs {{run}}", ref="B"),
                            description="Steps the live replicas discarded (a cross-replica collective failed: nothing "
                                        "applied), and the epochs that resolved one with no replica lost"))
-            .with_panel(ts("Replica heal time", "s",
-                           q(f"histogram_quantile(0.5, sum by (run, le) (rate(goodput_replica_heal_seconds_bucket{{{RUN}}}"
-                             "[$__rate_interval])))", "p50 {{run}}"),
-                           q(f"histogram_quantile(0.95, sum by (run, le) (rate(goodput_replica_heal_seconds_bucket{{{RUN}}}"
-                             "[$__rate_interval])))", "p95 {{run}}", ref="B"),
-                           description="A lost replica's decision to its rejoin with the others' state"))
+            .with_panel(ts("Replica heals", "s",
+                           q(f"goodput_replica_heal_seconds_sum{{{RUN}}} / clamp_min(goodput_replica_heal_seconds_count"
+                             f"{{{RUN}}}, 1)", "mean heal {{run}}"),
+                           q(f"goodput_replica_heal_seconds_count{{{RUN}}}", "heals {{run}}", ref="B"),
+                           description="A lost replica's decision to its rejoin with the others' state: the mean so "
+                                       "far (0 before the first), and how many (a run of one failure domain has none)"))
             .with_row(dashboard.Row("Training"))
             .with_panel(ts("Loss", "none", q(f"goodput_run_loss{{{RUN}}}", "{{run}}")))
             .with_panel(ts("Tokens per second", "short", q(f"goodput_run_tokens_per_second{{{RUN}}}", "{{run}}")))
