@@ -19,21 +19,18 @@ from tests.dist.parity import full
 from trainer.config import TrainerConfig, config_from_dict, config_to_dict
 from trainer.membership import MembershipBoard
 from trainer.protocol import NotContainable, Roster
+from trainer.report import ListSink
 
 
-class StoreSink:
+class StoreSink(ListSink):
     """A rank's sink that also says each event through the store (what the worker group would drain)."""
 
     def __init__(self, store: dist.Store, rank: int) -> None:
+        super().__init__()
         self.store, self.rank = store, rank
-        self.reports: list[Any] = []
-        self.events: list[tuple[str, dict]] = []
-
-    def report(self, report: Any) -> None:
-        self.reports.append(report)
 
     def event(self, kind: str, detail: dict) -> None:
-        self.events.append((kind, detail))
+        super().event(kind, detail)
         n = self.store.add("events", 1)
         self.store.set(f"event/{n}", json.dumps({"rank": self.rank, "kind": kind, "detail": detail}))
 
