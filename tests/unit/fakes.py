@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from checkpointing.store import StoreError
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
@@ -21,6 +21,25 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def drive(controller: Any, until: Any, advance: Callable[[float], object] | None = None, t: float = 101.0, *,
+          limit: int = 300) -> float:
+    """Step `controller` (or call `advance(t)`) once a second from `t` until its state is `until`;
+    returns the next time. A run that ends elsewhere or never gets there fails the test with its last
+    events, instead of looping until the suite's timeout."""
+    advance = advance or controller.step
+    for _ in range(limit):
+        if controller.state is until:
+            return t
+        if controller.state.terminal:
+            break
+        advance(t)
+        t += 1
+    if controller.state is until:
+        return t
+    last = [(e.kind, e.detail) for e in controller.events.view()[-3:]]
+    raise AssertionError(f"the run is {controller.state.value}, not {until.value}, after {limit} steps: {last}")
 
 
 class FakeCluster:
@@ -150,3 +169,19 @@ class FlakyStore:
 
     def local_path(self, key: str) -> Path | None:
         return None
+
+
+class FakeReplicaGroup(FakeWorkerGroup):
+    """A worker group that can go on without a replica (`failure_domain: replica`), as the Ray one can:
+    it records the replicas it is told are out and stops nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost: list[tuple[list[int], tuple[str, ...]]] = []
+
+    def contains_replicas(self) -> bool:
+        return bool(self.started)
+
+    def lose_replicas(self, replicas: list[int], nodes: tuple[str, ...], *, suspect: bool = False) -> float:
+        self.lost.append((list(replicas), nodes))
+        return 0.0

@@ -21,7 +21,7 @@ from controller.service.registry import Registry
 from controller.service.service import Service
 from controller.spec import parse_spec
 from controller.state import RunController, RunState
-from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock
+from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock, drive
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
@@ -52,10 +52,7 @@ def live_run(**overrides: object) -> tuple[RunController, FakeWorkerGroup, FakeI
     service.schedule()
     c = service.controller("tiny-gpt")
     live = Live(service, clock)
-    t = 101.0
-    while c.state is not RunState.RUNNING:
-        live.step(t)
-        t += 1
+    drive(c, RunState.RUNNING, live.step)
     return c, group, injector, service, live
 
 

@@ -18,7 +18,7 @@ from controller.service.service import Service
 from controller.spec import RunSpec, parse_spec
 from controller.state import RunController, RunState
 from controller.topology import Topology
-from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock
+from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock, drive
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = yaml.safe_load((ROOT / "examples" / "tiny-gpt-replicas.yaml").read_text())
@@ -69,9 +69,11 @@ def replica_controller(group: FakeWorkerGroup) -> tuple[RunController, ManualClo
 
 
 def running(c: RunController, clock: ManualClock) -> None:
-    while c.state is not RunState.RUNNING:
+    def tick(_: float) -> None:
         clock.t += 1
         c.step(clock.t)
+
+    drive(c, RunState.RUNNING, tick)
 
 
 def test_a_relaunch_whose_node_died_while_its_workers_started_is_a_failure_of_the_launch_not_a_lost_replica() -> None:

@@ -14,7 +14,7 @@ from checkpointing.store import LocalStore
 from controller.spec import SpecError, parse_spec
 from controller.state import RunController, RunState
 from controller.topology import NodeState
-from tests.unit.fakes import FakeWorkerGroup
+from tests.unit.fakes import FakeReplicaGroup, FakeWorkerGroup, drive
 from trainer.report import StepReport
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,10 +32,7 @@ def make(tmp_path: Path | None = None, nodes: int = 5, spares: int = 1,
     store = LocalStore(tmp_path) if tmp_path is not None else None
     c = RunController(spec, spec.topology(), group, now=100.0, checkpoint_store=store,
                       topology_source=spec.topology)
-    t = 101.0
-    while c.state is not RunState.RUNNING:
-        c.step(t)
-        t += 1
+    drive(c, RunState.RUNNING)
     return c, group
 
 
@@ -130,10 +127,7 @@ def test_an_sdc_rollback_the_store_cannot_take_now_is_done_before_the_next_launc
     assert c.state is RunState.LAUNCHING and len(g.started) == started and c.error is None
     assert not c.events.of_kind("checkpoint_discarded")
     store.down = False
-    t = 240.0
-    while c.state is not RunState.RUNNING:
-        c.step(t)
-        t += 1
+    drive(c, RunState.RUNNING, t=240.0)
     assert g.started[-1].resume_step == 10
     assert [e.detail["step"] for e in c.events.of_kind("checkpoint_discarded")] == [15, 20]
 
@@ -200,11 +194,8 @@ def test_a_drill_may_target_a_replica() -> None:
     from controller.spec import load_spec
 
     spec = load_spec(ROOT / "examples" / "tiny-gpt-replicas.yaml")
-    c = RunController(spec, spec.topology(), FakeWorkerGroup(), now=100.0, topology_source=spec.topology)
-    t = 101.0
-    while c.state is not RunState.RUNNING:
-        c.step(t)
-        t += 1
+    c = RunController(spec, spec.topology(), FakeReplicaGroup(), now=100.0, topology_source=spec.topology)
+    t = drive(c, RunState.RUNNING)
     placement = c.placement
     assert placement is not None and placement.mesh.dp_replicas == 2 and placement.mesh.world_size == 8
     assert concrete_target(DrillKind.KILL_RANK, "replica:0", placement) == "3"

@@ -175,7 +175,7 @@ def test_the_service_cordons_what_a_run_quarantines_and_releases_on_request(kube
     from controller.service.service import Service
     from controller.spec import parse_spec
     from controller.state import RunState
-    from tests.unit.fakes import FakeCluster, FakeWorkerGroup, ManualClock
+    from tests.unit.fakes import FakeCluster, FakeWorkerGroup, ManualClock, drive
     from tests.unit.test_api import BASE
 
     raw = copy.deepcopy(BASE) | {"drills": [], "parallelism": {"dp": 2, "tp": 1, "pp": 1}}
@@ -189,10 +189,7 @@ def test_the_service_cordons_what_a_run_quarantines_and_releases_on_request(kube
     service.add(spec)
     service.schedule()
     c = service.controller("tiny-gpt")
-    t = 101.0
-    while c.state is not RunState.RUNNING:
-        service.advance("tiny-gpt", t)
-        t += 1
+    t = drive(c, RunState.RUNNING, lambda t: service.advance("tiny-gpt", t))
     group.finish_steps(1, 3)
     group.emit(1, "sdc_suspect", step=3, ranks=[1], check="anomaly", clean_through_step=2, evidence={"x": 1})
     service.advance("tiny-gpt", t)

@@ -16,7 +16,7 @@ import yaml
 from controller.spec import parse_spec
 from controller.state import RunController, RunState
 from health.straggler import StragglerConfig, StragglerTracker
-from tests.unit.fakes import FakeWorkerGroup
+from tests.unit.fakes import FakeWorkerGroup, drive
 from trainer.report import StepReport
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +33,7 @@ def test_100k_steps_of_64_ranks_keep_memory_and_cost_per_step_bounded() -> None:
     group = FakeWorkerGroup()
     c = RunController(spec, spec.topology(), group, now=0.0)
     t = 1.0
-    while c.state is not RunState.RUNNING:
-        c.step(t)
+    drive(c, RunState.RUNNING, lambda _: c.step(t))
     last_stage = [r for r in range(64) if (r % 4) // 2 == 1]
     block_s: list[float] = []
     memory: dict[int, int] = {}

@@ -12,7 +12,7 @@ from controller.spec import parse_spec
 from controller.topology import Topology
 from controller.state import RunController, RunState
 from controller.attribution import ATTRIBUTION_GRACE_S
-from tests.unit.fakes import FakeInjector, FakeWorkerGroup
+from tests.unit.fakes import FakeInjector, FakeWorkerGroup, drive
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
@@ -51,10 +51,7 @@ def test_happy_path_state_by_state() -> None:
 
 
 def start_running(c: RunController) -> None:
-    t = 101.0
-    while c.state is not RunState.RUNNING:
-        c.step(t)
-        t += 1
+    drive(c, RunState.RUNNING)
 
 
 def test_worker_error_restarts_after_attribution_grace() -> None:
@@ -198,8 +195,7 @@ def test_a_drill_recovers_when_the_ranks_finish_the_first_step_not_when_it_is_he
 @pytest.mark.parametrize("at_state", [RunState.PLANNING, RunState.LAUNCHING, RunState.RUNNING])
 def test_cancel_from_any_live_state(at_state: RunState) -> None:
     c, g = controller()
-    while c.state is not at_state:
-        c.step(101.0)
+    drive(c, at_state, lambda t: c.step(101.0))
     c.cancel()
     assert c.step(102.0) is RunState.CANCELLED
     assert g.shutdowns == 1
