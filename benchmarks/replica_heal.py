@@ -1,9 +1,10 @@
 """A kill-node healed two ways on the embedded Ray cluster, interleaved in one run, on `make run`'s
 mesh (dp2 x pp2 x tp2, 5 nodes with one hot spare, tuned failure detection, warm actors):
 - world: today's stop-the-world heal (`failure_domain: world`): every rank stops, the spare takes the
-  lost node's place, the new attempt restores from its peers' in-memory snapshots (every step);
+  lost node's place, the new attempt restores from its peers' in-memory snapshots;
 - replica: `failure_domain: replica` (two replicas of pp2 x tp2): the other replica trains on, the
   lost one is formed again on the spare and takes the survivor's state.
+Both paths take a peer snapshot every step (the same settings: what each costs is in the figures).
 Per drill (SIGKILL of the last rank's node at step 6 of 16):
 - detection: SIGKILL -> the controller's `failure_detected`;
 - first step: SIGKILL -> the first step finished after it (world: the new attempt's; replica: the
@@ -52,7 +53,8 @@ def heal_once(cluster: LocalRayCluster, path: str, index: int, root: str) -> dic
         "train": {"steps": STEPS, "global_batch": GLOBAL_BATCH, "micro_batch": 2, "lr": 3e-3},
         "parallelism": {"dp": 2, "pp": 2, "tp": 2, **({"dp_replicas": 2} if replica else {})},
         "cluster": {"local": {"nodes": 5, "gpus_per_node": 2, "racks": 2, "spares": 1}},
-        "checkpoint": {"uri": f"file://{root}", "every_steps": 5, "peer_every_steps": 0 if replica else 1},
+        # The same snapshot settings on both paths (a replica's peer snapshots stay inside it).
+        "checkpoint": {"uri": f"file://{root}", "every_steps": 5, "peer_every_steps": 1},
         "health": {"collective_timeout_s": 20, "hang_floor_s": 30},
         "elastic": {"min_dp": 1, "max_failures": 5, **PATHS[path]},
         "drills": [{"kind": "kill-node", "at_step": KILL_AT}],

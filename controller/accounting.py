@@ -17,6 +17,10 @@ category, so productive time plus the badput categories add up to wall time (to 
                         replicas receive their state (`replica_rejoined` seconds)
 - recomputation         steps whose progress was lost (done again after a rollback), and the step in
                         flight when a failure struck
+                        A step discarded with no replica lost (`replica_step_discarded`, then
+                        the controller's `replica_resync` epoch) charges the step in flight to
+                        recomputation, the wait for the epoch to failure_detection, and its forming
+                        to restart_restore
 - straggler_slowdown    in kept steps after a `straggler` verdict: the time above the attempt's
                         median step before it
 - degraded_capacity     the share of kept steps' time (straggler excess aside) that did not train
@@ -210,6 +214,7 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         if e["kind"] == EventKind.REPLICA_REJOINED and "at" in e["detail"]:
             at = float(e["detail"]["at"])
             intervals.append((at - float(e["detail"].get("seconds") or 0.0), at, "restart_restore"))
+    intervals += _resyncs(events, ends_by_attempt, starts, end)
     for failure in detected:
         attempt, t_detected = failure["attempt"], failure["time"]
         ends = ends_by_attempt.get(attempt, [])
@@ -273,6 +278,29 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         part.attempt = attempt
         whole.attempts.append(part)
     return whole
+
+
+def _resyncs(events: Sequence[dict[str, Any]], ends_by_attempt: dict[int, list[float]], starts: list[float],
+             end: float) -> list[tuple[float, float, str]]:
+    """A step discarded with nothing lost (`replica_step_discarded` -> `replica_resync`): the work of
+    the step in flight is recomputation, the wait for the controller's epoch detection, and the epoch's
+    forming up to the next step restart_restore."""
+    out: list[tuple[float, float, str]] = []
+    discards = sorted(e["time"] for e in events if e["kind"] == EventKind.REPLICA_STEP_DISCARDED)
+    for e in events:
+        if e["kind"] != EventKind.REPLICA_RESYNC:
+            continue
+        t = float(e["time"])
+        ends = ends_by_attempt.get(e["attempt"], [])
+        i = bisect.bisect_right(ends, t)
+        last_end = ends[i - 1] if i else t
+        d = bisect.bisect_left(discards, last_end)
+        discarded = min(discards[d], t) if d < len(discards) else t
+        k = bisect.bisect_left(starts, t)
+        resumed = starts[k] if k < len(starts) else end
+        out += [(last_end, discarded, "recomputation"), (discarded, t, "failure_detection"),
+                (t, resumed, "restart_restore")]
+    return out
 
 
 def _total(segments: list[tuple[float, float, str]], start: float, end: float, straggler: float,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 from controller.events import Event, EventKind
 from controller.placement import Placement
+from trainer.protocol import PROTOCOL_POINTS
 
 if TYPE_CHECKING:
     from controller.spec import DrillSpec
@@ -35,6 +36,9 @@ class DrillKind(enum.StrEnum):
     SLOW_LINK = "slow-link"
     LOSSY_LINK = "lossy-link"
     FREEZE_NODE = "freeze-node"
+    # The replica protocol's own faults (failure_domain: replica): one named collective between replicas
+    # fails, or comes too late, on one rank (trainer/protocol.ProtocolFault), with no process or node lost.
+    COLLECTIVE_FAULT = "collective-fault"
 
     @property
     def target(self) -> str:
@@ -49,16 +53,20 @@ class DrillKind(enum.StrEnum):
         return self.value in ("power-off", "partition", "slow-link", "lossy-link", "freeze-node")
 
     @property
-    def param(self) -> str | None:
-        """The parameter this kind takes (`factor`, `seconds`, `delay_ms`, `loss`), if any."""
-        return {"slow-rank": "factor", "storage-outage": "seconds", "partition": "seconds", "freeze-node": "seconds",
-                "slow-link": "delay_ms", "lossy-link": "loss"}.get(self.value)
+    def params(self) -> tuple[str, ...]:
+        """The parameters this kind takes (of PARAMS)."""
+        return {"slow-rank": ("factor",), "storage-outage": ("seconds",), "partition": ("seconds",),
+                "freeze-node": ("seconds",), "slow-link": ("delay_ms",), "lossy-link": ("loss",),
+                "collective-fault": ("point", "seconds")}.get(self.value, ())
 
-    @property
-    def default(self) -> float | None:
-        """Its parameter's default (None for partition and freeze-node: they last)."""
-        return {"slow-rank": DEFAULT_FACTOR, "storage-outage": DEFAULT_OUTAGE_S, "slow-link": DEFAULT_DELAY_MS,
-                "lossy-link": DEFAULT_LOSS}.get(self.value)
+    def default(self, param: str) -> float | str | None:
+        """A parameter's default (None for partition's and freeze-node's `seconds`: they last; for
+        collective-fault's: the collective fails instead of coming late)."""
+        defaults: dict[tuple[str, str], float | str] = {
+            ("slow-rank", "factor"): DEFAULT_FACTOR, ("storage-outage", "seconds"): DEFAULT_OUTAGE_S,
+            ("slow-link", "delay_ms"): DEFAULT_DELAY_MS, ("lossy-link", "loss"): DEFAULT_LOSS,
+            ("collective-fault", "point"): DEFAULT_POINT}
+        return defaults.get((self.value, param))
 
     @property
     def component(self) -> str:
@@ -66,7 +74,7 @@ class DrillKind(enum.StrEnum):
         return {"kill-node": "host", "kill-rank": "rank", "hang-rank": "hang", "bitflip": "sdc",
                 "slow-rank": "straggler", "storage-outage": "storage-outage", "power-off": "host",
                 "partition": "host", "slow-link": "network", "lossy-link": "network",
-                "freeze-node": "host"}[self.value]
+                "freeze-node": "host", "collective-fault": "collective"}[self.value]
 
     @property
     def effect(self) -> str:
@@ -80,7 +88,10 @@ class DrillKind(enum.StrEnum):
                 "partition": "cut the node's link, its processes alive; `seconds` heals it (silent)",
                 "slow-link": "delay everything the node sends by `delay_ms` (tc netem)",
                 "lossy-link": "drop `loss` percent of what the node sends (tc netem)",
-                "freeze-node": "SIGSTOP every process on the node; `seconds` thaws it (a hung host)"}[self.value]
+                "freeze-node": "SIGSTOP every process on the node; `seconds` thaws it (a hung host)",
+                "collective-fault": "the rank's next `point` of the replica protocol (reduce, vote, agree, init, "
+                                    "sync) fails, or with `seconds` starts that late (past the timeout: a replica "
+                                    "too slow); failure_domain: replica"}[self.value]
 
     @classmethod
     def names(cls) -> str:
@@ -96,13 +107,15 @@ DEFAULT_DELAY_MS = 50.0
 """slow-link: milliseconds added to everything the node sends."""
 DEFAULT_LOSS = 5.0
 """lossy-link: percent of the node's packets dropped."""
-PARAMS = ("factor", "seconds", "delay_ms", "loss")
-"""Every drill parameter; a kind takes at most one (DrillKind.param)."""
+DEFAULT_POINT = "reduce"
+"""collective-fault: the gradient all-reduce between replicas."""
+PARAMS = ("factor", "seconds", "delay_ms", "loss", "point")
+"""Every drill parameter (DrillKind.params says which a kind takes)."""
 
 
 class DrillInjector(Protocol):
     def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
-               delay_ms: float | None = None, loss: float | None = None) -> dict[str, Any]:
+               delay_ms: float | None = None, loss: float | None = None, point: str | None = None) -> dict[str, Any]:
         """Do it (`DrillKind.effect`) and say what was hit."""
         ...
 
@@ -131,15 +144,17 @@ class DrillRequest:
     """slow-link: milliseconds added to everything the node sends (default 50)."""
     loss: float | None = None
     """lossy-link: percent of the node's packets dropped (default 5)."""
+    point: str | None = None
+    """collective-fault: the protocol point that fails (default reduce; trainer/protocol.PROTOCOL_POINTS)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {"id": self.id, "kind": self.kind, "target": self.target, "at_step": self.at_step,
                "requested_at": self.requested_at}
-        if self.kind.param is not None:
-            out[self.kind.param] = getattr(self, self.kind.param) or self.kind.default
+        for name in self.kind.params:
+            out[name] = getattr(self, name) or self.kind.default(name)
         return out
 
-    def params(self) -> dict[str, float | None]:
+    def params(self) -> dict[str, Any]:
         """Its parameters, as the injector takes them."""
         return {name: getattr(self, name) for name in PARAMS}
 
@@ -154,11 +169,14 @@ def rank_target(target: str | int | None) -> str | None:
 
 
 def params_problem(kind: DrillKind, factor: float | None = None, seconds: float | None = None,
-                   delay_ms: float | None = None, loss: float | None = None) -> str | None:
-    for name, value in (("factor", factor), ("seconds", seconds), ("delay_ms", delay_ms), ("loss", loss)):
-        if value is not None and kind.param != name:
-            owners = ", ".join(k for k in DrillKind if k.param == name)
+                   delay_ms: float | None = None, loss: float | None = None, point: str | None = None) -> str | None:
+    for name, value in (("factor", factor), ("seconds", seconds), ("delay_ms", delay_ms), ("loss", loss),
+                        ("point", point)):
+        if value is not None and name not in kind.params:
+            owners = ", ".join(k for k in DrillKind if name in k.params)
             return f"{name} is for {owners} drills, not {kind}"
+    if point is not None and point not in PROTOCOL_POINTS:
+        return f"point = {point!r} is not a point of the replica protocol; give one of {', '.join(PROTOCOL_POINTS)}"
     if factor is not None and factor < 1.0:
         return f"factor = {factor} must be >= 1 (how many times slower the rank computes)"
     if seconds is not None and seconds <= 0:
@@ -167,6 +185,15 @@ def params_problem(kind: DrillKind, factor: float | None = None, seconds: float 
         return f"delay_ms = {delay_ms} must be in (0, 60000] (milliseconds added to what the node sends)"
     if loss is not None and not 0 < loss <= 100:
         return f"loss = {loss} must be in (0, 100] (percent of the node's packets dropped)"
+    return None
+
+
+def domain_problem(kind: DrillKind, failure_domain: str, replicas: int) -> str | None:
+    """Why a run of this failure domain and this many data-parallel replicas cannot take `kind`: a
+    collective-fault needs collectives between replicas to fail."""
+    if kind is DrillKind.COLLECTIVE_FAULT and (failure_domain != "replica" or replicas < 2):
+        return (f"{kind} fails a collective between data-parallel replicas: the run needs elastic.failure_domain: "
+                f"replica and parallelism.dp_replicas >= 2 (it has {failure_domain!r} and {replicas})")
     return None
 
 
@@ -229,7 +256,7 @@ class DrillSchedule:
         self._pending.sort(key=lambda r: -1 if r.at_step is None else r.at_step)
 
     def request(self, now: float, kind: str, *, target: str | None, at_step: int | None, step: int,
-                placement: Placement | None, **params: float | None) -> DrillRequest:
+                placement: Placement | None, **params: Any) -> DrillRequest:
         """Validate and queue a drill on a live run at `step` (`params`: PARAMS); DrillError says what to fix."""
         if kind not in set(DrillKind):
             raise DrillError(f"drill kind {kind!r} cannot be injected; use one of {DrillKind.names()}")
@@ -284,6 +311,8 @@ def drill_report(events: list[Event], i: int) -> dict[str, Any]:
     kind = ev.detail["drill"]
     if kind == DrillKind.SLOW_RANK:
         report = _slow_rank_report(ev, later)
+    elif kind == DrillKind.COLLECTIVE_FAULT and not _failed_first(later):
+        report = _collective_fault_report(ev, later)
     elif kind == DrillKind.STORAGE_OUTAGE:
         report = _outage_report(ev, later)
     else:
@@ -475,6 +504,49 @@ def _failure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
         "restored_from": restored.detail.get("restore_from") if restored else None,
         "outcome": _outcome(recovered is not None, detected is not None, ended.kind if ended else None),
     }
+
+
+def _collective_fault_report(ev: Event, later: list[Event]) -> dict[str, Any]:
+    """A collective between replicas failed with nothing lost: detected when a rank says its step
+    was discarded, resolved by the epoch the controller published (`resync`), recovered at the
+    replicas' first step after it. Nothing is redone but the discarded step. (A fault that became
+    a failure after all is reported as one.)"""
+    discarded = _first(later, EventKind.REPLICA_STEP_DISCARDED)
+    resync = _first(later, EventKind.REPLICA_RESYNC)
+    recovered = _first(later, EventKind.FIRST_STEP_AFTER_RECOVERY) if resync else None
+    ended = _ended(later)
+    if recovered is not None:
+        outcome = "recovered"
+    elif ended is None:
+        outcome = "pending"
+    elif ended.kind != EventKind.SUCCEEDED:
+        outcome = "failed"
+    elif resync is not None:  # (at the run's last step: no step after it)
+        outcome = "recovered"
+    else:  # a collective late by less than the timeout discards nothing: the run rides it out
+        outcome = "ridden_out" if ev.detail.get("seconds") is not None else "not_detected"
+    return {
+        "detected_at": discarded.time if discarded else None,
+        "cause": "collective" if discarded else None,
+        "attributed_to": {"ranks": [discarded.detail["rank"]]} if discarded and "rank" in discarded.detail else None,
+        "decision": "resync" if resync else None,
+        "resynced_at": resync.time if resync else None,
+        "recovered_at": recovered.detail.get("ended_at", recovered.time) if recovered else None,
+        "recovery_heard_at": recovered.time if recovered else None,
+        "steps_lost": 0 if recovered else None,
+        "restored_from": None,
+        "outcome": outcome,
+    }
+
+
+def _failed_first(later: list[Event]) -> bool:
+    """Whether a failure was detected before any epoch resolved a discarded step."""
+    for e in later:
+        if e.kind == EventKind.REPLICA_RESYNC:
+            return False
+        if e.kind == EventKind.FAILURE_DETECTED:
+            return True
+    return False
 
 
 def _slow_rank_report(ev: Event, later: list[Event]) -> dict[str, Any]:

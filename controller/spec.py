@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from checkpointing.store import ObjectStore, StoreError, open_store
-from controller.drills import DrillKind, params_problem
+from controller.drills import DrillKind, domain_problem, params_problem
 from trainer.config import (
     DataConfig, MeshShape, ModelConfig, ModelNumbers, ProbeConfig, RopeScaling, Schedule, TrainConfig, TrainerConfig,
 )
@@ -281,6 +281,7 @@ class DrillSpec(_Strict):
     seconds: float | None = Field(default=None, gt=0)
     delay_ms: float | None = Field(default=None, gt=0)
     loss: float | None = Field(default=None, gt=0, le=100)
+    point: str | None = None
 
     @field_validator("target", mode="before")
     @classmethod
@@ -291,7 +292,7 @@ class DrillSpec(_Strict):
     @model_validator(mode="after")
     def _params_fit_kind(self) -> "DrillSpec":
         if (problem := params_problem(self.kind, factor=self.factor, seconds=self.seconds, delay_ms=self.delay_ms,
-                                      loss=self.loss)) is not None:
+                                      loss=self.loss, point=self.point)) is not None:
             raise ValueError(problem)
         return self
 
@@ -369,6 +370,15 @@ class RunSpec(_Strict):
                                 max_failures=e.max_failures)
         if problem is not None:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _drills_fit_domain(self) -> "RunSpec":
+        """A drill the run's failure domain cannot take (controller/drills.domain_problem)."""
+        replicas = 1 if self.parallelism == "auto" else self.parallelism.dp_replicas
+        for drill in self.drills:
+            if (problem := domain_problem(drill.kind, self.elastic.failure_domain, replicas)) is not None:
+                raise ValueError(f"drills: {problem}")
         return self
 
     @model_validator(mode="after")

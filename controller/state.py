@@ -28,7 +28,7 @@ from controller.progress import RunProgress
 from controller.spec import RunSpec, SpecError
 from controller import launch, replicas
 from controller.attribution import AttemptWatch, StragglerWatch, failures_from, quarantines_from, relaunch_failure
-from controller.drills import DrillError, DrillInjector, DrillRequest, RunDrills
+from controller.drills import DrillError, DrillInjector, DrillKind, DrillRequest, RunDrills, domain_problem
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, GrowWatch, RunPolicy, taken_out,
 )
@@ -359,6 +359,8 @@ class RunController:
                 for replica in detail.get("replicas", ()):
                     self.replicas_out.pop(int(replica), None)
                     self._forming.discard(int(replica))
+            if kind == EventKind.REPLICA_RESYNC and self._survivors_since is None:
+                self._survivors_since = now  # (its first step after: the survivors' stall ends)
         if self._survivors_since is not None:
             after = [r for r in result.reports if r.end_time - r.step_time_s >= self._survivors_since]
             if after:
@@ -496,10 +498,14 @@ class RunController:
         return True
 
     def request_drill(self, now: float, kind: str, *, target: str | None = None, at_step: int | None = None,
-                      **params: float | None) -> DrillRequest:
+                      **params: float | str | None) -> DrillRequest:
         """Queue a drill on this live run (`goodput drill`, the REST API); DrillError says what to fix."""
         if self.state.terminal:
             raise DrillError(f"run {self.run_id!r} has {self.state.value}; drills need a live run")
+        replicas = self.placement.mesh.dp_replicas if self.placement is not None else 1
+        if kind in set(DrillKind) and (problem := domain_problem(DrillKind(kind), self.spec.elastic.failure_domain,
+                                                                   replicas)):
+            raise DrillError(problem)
         request, detail = self.drills.request(now, kind, target=target, at_step=at_step, step=self.progress.step,
                                               placement=self.placement, **params)
         self.events.add(now, max(self.attempt, 0), EventKind.DRILL_REQUESTED, **detail)

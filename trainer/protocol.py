@@ -304,13 +304,14 @@ class ProtocolFault:
 
     point: str
     rank: int
-    step: int
+    step: int | None
+    """None: the next time the rank reaches the point (a drill, armed between steps)."""
     delay_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.point not in PROTOCOL_POINTS:
             raise ValueError(f"protocol fault point {self.point!r} is not one of {', '.join(PROTOCOL_POINTS)}")
-        if self.rank < 0 or self.step < 0:
+        if self.rank < 0 or (self.step is not None and self.step < 0):
             raise ValueError(f"a protocol fault names a rank and a step >= 0 (got rank {self.rank}, step {self.step})")
         if self.delay_s is not None and self.delay_s <= 0:
             raise ValueError(f"a protocol fault's delay must be > 0 s (got {self.delay_s})")

@@ -150,7 +150,7 @@ class CrossReplica:
         """A fault a test or drill asked for at this named point of the protocol, at this step: a
         failed collective (RuntimeError), or one delayed by its seconds (past the timeout, when long)."""
         for fault in self.faults:
-            if fault.point == point and fault.step == self.at_step:
+            if fault.point == point and fault.step in (None, self.at_step):
                 self.faults.remove(fault)
                 if fault.delay_s is None:
                     raise RuntimeError(f"injected protocol fault: {point} failed at step {self.at_step}")

@@ -29,6 +29,7 @@ from trainer.optim import clip_to, global_grad_norm, set_learning_rate
 from trainer.parallel import DeviceChoice, build_model_parts
 from trainer.provider import load_provider
 from trainer.probes import ComputeClock, Probes, spin
+from trainer.protocol import PROTOCOL_POINTS, ProtocolFault
 from trainer.replica import CrossReplica, Membership, StepDiscarded, state_tensors
 from trainer.replica_sdc import disagreement, state_fingerprint
 from trainer.report import ReportSink, StepReport
@@ -82,6 +83,8 @@ class Trainer:
         """Global sample cursor: the next step starts at this sample id."""
         self.clock = ComputeClock(choice.device)
         self.switches = switches
+        self.faults_armed = switches.collective_faults if switches is not None else 0
+        """Collective-fault drills already armed (a slot's earlier requests are not this process's)."""
         self.sink = sink
         self.probes = Probes(self, sink=sink, switches=switches) if config.probes.enabled else None
         self.update_waits: list[Any] = []
@@ -188,6 +191,15 @@ class Trainer:
             wait_s=max(0.0, t4 - t1 - compute - probe_s), tokens_per_s=tokens / (t4 - t0), end_time=time.time(),
         )
 
+    def _arm_collective_faults(self) -> None:
+        """A collective-fault drill asked of this GPU slot since the last step: this rank fails (or
+        delays) the named point of the protocol the next time it gets there."""
+        if self.switches is None or self.replicas is None or self.switches.collective_faults <= self.faults_armed:
+            return
+        self.faults_armed = self.switches.collective_faults
+        point, delay_s = self.switches.collective_fault
+        self.replicas.faults.append(ProtocolFault(PROTOCOL_POINTS[point], self.rank, None, delay_s))
+
     def _across_replicas(self, loss: torch.Tensor | None, apply_update: bool = True) -> tuple[float | None, bool]:
         """The gradient of the whole global batch from every live replica's, or StepDiscarded (nothing
         applied) when any replica could not give its part; (the run's loss on last-stage ranks, apply
@@ -197,6 +209,7 @@ class Trainer:
         assert r is not None and r.membership is not None
         current = r.membership.epoch
         r.at_step = self.step + 1
+        self._arm_collective_faults()
         ok = r.reduce(self.parts)
         loss_value = None
         seen = r.board.due(current, self.step + 2) if dist.get_rank() == 0 else current  # (the replica's rank 0)

@@ -21,6 +21,7 @@ from controller.cli.render import CliError
 from controller.drills import DrillKind
 from controller.errors import ClusterError, RegistryBusy
 from controller.spec import SpecError
+from trainer.protocol import PROTOCOL_POINTS
 
 
 def cmd_checkpoints(opts: argparse.Namespace) -> int:
@@ -77,9 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument("--at-step", type=int, help="inject once this step is done; default: now")
     drill.add_argument("--factor", type=float, help="slow-rank: how many times slower (default 1.5)")
     drill.add_argument("--seconds", type=float, help="storage-outage: how long writes are refused (default 30); "
-                       "partition, freeze-node: how long until it heals (default: never)")
+                       "partition, freeze-node: how long until it heals (default: never); collective-fault: how late "
+                       "the collective starts (default: it fails)")
     drill.add_argument("--delay-ms", type=float, help="slow-link: milliseconds added to what the node sends (default 50)")
     drill.add_argument("--loss", type=float, help="lossy-link: percent of the node's packets dropped (default 5)")
+    drill.add_argument("--point", choices=PROTOCOL_POINTS, help="collective-fault: the replica protocol's collective "
+                       "that fails: the epoch's group init, the gradient reduce, the replica's vote, the agreement "
+                       "across replicas, or an epoch switch's state transfer (default reduce)")
     drill.add_argument("--no-wait", action="store_true", help="return once scheduled, without the report")
     drill.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the report")
     drill.add_argument("--json", action="store_true")

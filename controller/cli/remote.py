@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from controller.cli.render import QUIET_KINDS, CliError, clock, describe, emit_json, table, when
+from controller.drills import PARAMS
 from controller.spec import load_spec
 
 
@@ -69,7 +70,7 @@ def cmd_drill(opts: argparse.Namespace) -> int:
     """Inject a drill into a running run through its API; wait for the report unless --no-wait."""
     with api() as client:
         body = {"kind": opts.kind, "target": opts.target, "at_step": opts.at_step}
-        body |= {k: v for k in ("factor", "seconds", "delay_ms", "loss") if (v := getattr(opts, k)) is not None}
+        body |= {k: v for k in PARAMS if (v := getattr(opts, k)) is not None}
         drill = client.call("POST", f"/v1/runs/{opts.run}/drills", body)
         if not opts.no_wait:
             drill = poll_until(lambda: client.call("GET", f"/v1/drills/{drill['id']}"), drill,

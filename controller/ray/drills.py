@@ -2,10 +2,11 @@
 slow-link, lossy-link, freeze-node) act on the node's own link and processes from a task placed there
 (controller/ray/netfaults.py). kill-node SIGKILLs a node's raylet (on
 the embedded cluster through Ray's test facility, on any other from a task on that node), kill-rank
-SIGKILLs a rank's training process, hang-rank SIGSTOPs it; slow-rank, bitflip and storage-outage
-flip the switches of the targeted GPU slots (trainer/switches.py): the
-rank's own compute takes `factor` times as long, one bit of its parameters flips in place, the
-object store refuses checkpoint writes for `seconds`."""
+SIGKILLs a rank's training process, hang-rank SIGSTOPs it; slow-rank, bitflip, collective-fault and
+storage-outage flip the switches of the targeted GPU slots (trainer/switches.py): the
+rank's own compute takes `factor` times as long, one bit of its parameters flips in place, the rank's
+next named collective between replicas fails (or starts `seconds` late), the object store refuses
+checkpoint writes for `seconds`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import signal
 import time
 from typing import Any
 
-from controller.drills import DEFAULT_DELAY_MS, DEFAULT_FACTOR, DEFAULT_LOSS, DEFAULT_OUTAGE_S, DrillKind
+from controller.drills import (DEFAULT_DELAY_MS, DEFAULT_FACTOR, DEFAULT_LOSS, DEFAULT_OUTAGE_S, DEFAULT_POINT,
+                               DrillKind)
 from controller.errors import ClusterError
 from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
 from controller.ray.worker_group import RayWorkerGroup
@@ -27,7 +29,7 @@ class RayDrillInjector:
         self.group = group
 
     def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
-               delay_ms: float | None = None, loss: float | None = None) -> dict[str, Any]:
+               delay_ms: float | None = None, loss: float | None = None, point: str | None = None) -> dict[str, Any]:
         if kind.silent:
             delay_ms = (delay_ms or DEFAULT_DELAY_MS) if kind is DrillKind.SLOW_LINK else None
             loss = (loss or DEFAULT_LOSS) if kind is DrillKind.LOSSY_LINK else None
@@ -46,6 +48,10 @@ class RayDrillInjector:
         if kind is DrillKind.BITFLIP:  # a high exponent bit of one parameter element, in place
             self._call(self.group.rank_actor(int(target)).bitflip.remote())
             return {"rank": int(target)}
+        if kind is DrillKind.COLLECTIVE_FAULT:  # armed by the rank at its next step (trainer/train.py)
+            point = point or DEFAULT_POINT
+            self._call(self.group.rank_actor(int(target)).collective_fault.remote(point, seconds))
+            return {"rank": int(target), "point": point, **({"seconds": seconds} if seconds else {})}
         if kind is DrillKind.STORAGE_OUTAGE:  # every slot's checkpoint writes are refused until then
             seconds = seconds or DEFAULT_OUTAGE_S
             until = time.time() + seconds

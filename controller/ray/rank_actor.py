@@ -244,6 +244,13 @@ class RankActor:
         """The bitflip drill: the training process flips a bit of its parameters before its next step."""
         self._switches.request_bitflip()
 
+    def collective_fault(self, point: str, delay_s: float | None) -> None:
+        """The collective-fault drill: this slot's rank fails (or, with a delay, holds back) the named
+        point of the replica protocol the next time it gets there (trainer/protocol.ProtocolFault)."""
+        from trainer.protocol import PROTOCOL_POINTS
+
+        self._switches.request_collective_fault(PROTOCOL_POINTS.index(point), delay_s)
+
     def outage(self, until: float) -> None:
         """The storage-outage drill: checkpoint writes from this slot are refused until `until`."""
         self._switches.outage(until)

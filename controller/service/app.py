@@ -28,6 +28,7 @@ from controller.errors import ApiBindError, ServiceError
 from controller.service.intake import MAX_EVENTS_PAGE, MAX_HISTORY_PAGE, MAX_SPEC_BYTES
 from controller.service.service import Service
 from controller.spec import RunSpec
+from trainer.protocol import PROTOCOL_POINTS
 
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 DRILL_ID = r"^drill-[0-9a-f]{8}$"
@@ -60,11 +61,14 @@ class DrillBody(BaseModel):
     at_step: int | None = Field(None, ge=0, le=10**9, description="inject once this step is done; default: now")
     factor: float | None = Field(None, ge=1, le=1000, description="slow-rank: times slower (default 1.5)")
     seconds: float | None = Field(None, gt=0, le=86400, description="storage-outage: seconds the store refuses "
-                                  "writes (default 30); partition, freeze-node: seconds until it heals (default: never)")
+                                  "writes (default 30); partition, freeze-node: seconds until it heals (default: never); "
+                                  "collective-fault: seconds the collective starts late (default: it fails)")
     delay_ms: float | None = Field(None, gt=0, le=60000, description="slow-link: milliseconds added to what the node "
                                                                       "sends (default 50)")
     loss: float | None = Field(None, gt=0, le=100, description="lossy-link: percent of the node's packets dropped "
                                                                "(default 5)")
+    point: str | None = Field(None, max_length=16, description="collective-fault: the point of the replica protocol "
+                              f"that fails ({', '.join(PROTOCOL_POINTS)}; default reduce)")
 
 
 class ResumeBody(BaseModel):
@@ -205,7 +209,7 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     def request_drill(body: DrillBody, run_id: str = run_id_param) -> dict[str, Any]:
         request = service.request_drill(run_id, body.kind, target=rank_target(body.target), at_step=body.at_step,
                                         factor=body.factor, seconds=body.seconds, delay_ms=body.delay_ms,
-                                        loss=body.loss)
+                                        loss=body.loss, point=body.point)
         return {**request.to_dict(), "run_id": run_id, "outcome": "scheduled"}
 
     @app.get("/v1/drills/{drill_id}", dependencies=auth, responses=_errors(401, 404, 422))

@@ -254,7 +254,7 @@ class Service:
             return self._view(live)
 
     def request_drill(self, run_id: str, kind: str, *, target: str | None, at_step: int | None,
-                      **params: float | None) -> DrillRequest:
+                      **params: float | str | None) -> DrillRequest:
         live = self._live(run_id)
         with live.lock:
             c = live.controller

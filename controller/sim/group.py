@@ -236,9 +236,10 @@ class SimWorkerGroup(SimReplicas):
         return _grouped(names, np.concatenate([node, keeper]), np.concatenate([ranks, ranks]))
 
     # -- what the simulation does to it --------------------------------------------------------------------
-    def strike(self, incident: Incident, *, rank: int | None = None, factor: float | None = None) -> bool:
-        """An incident at its time (a drill names its rank, and a slow-rank drill its factor); True when
-        it interrupts this attempt."""
+    def strike(self, incident: Incident, *, rank: int | None = None, factor: float | None = None,
+               delay_s: float | None = None) -> bool:
+        """An incident at its time (a drill names its rank, a slow-rank drill its factor, a late
+        collective its delay); True when it interrupts this attempt."""
         if not self.running or self.attempt is None or self.stop_at is not None:
             return False
         t = incident.time
@@ -258,6 +259,8 @@ class SimWorkerGroup(SimReplicas):
         if kind == "storage-outage":
             return False
         self._steps(t, None)  # the steps that finished before it
+        if kind == "collective":  # a collective between replicas failed, nothing lost (collective-fault)
+            return self._resync(t, first, delay_s)
         if kind == "rank":  # its actor sees it die at once; the node is alive
             self.stop_at = t
             assert first is not None
@@ -326,6 +329,29 @@ class SimWorkerGroup(SimReplicas):
                 "ranks": [first], "step": clean + 1, "clean_through_step": clean, "check": "anomaly",
                 "evidence": {"simulated": True}, "contained": contained})]))
         return True
+
+    def _resync(self, t: float, rank: int | None, delay_s: float | None) -> bool:
+        """Every live replica discards its step in flight at the failed gradient reduce (the step's
+        end; a collective late past the timeout: the others' wait times out); the controller hears of
+        it and publishes an epoch of the same members (trainer/protocol.Roster.resolve_discard), which
+        they form before they do the step again. A collective late by less than the timeout only
+        makes its step that much longer. Nothing stops: False."""
+        assert self.attempt is not None
+        if not self._replica_domain():
+            return False  # (refused at request: the world has no collectives between replicas)
+        reduce_at = max(t, self.next_start) + self._step_s(self.next_start)
+        if delay_s is not None and delay_s < self.cost.collective_timeout_s:
+            self.next_start += delay_s
+            return False
+        discarded_at = reduce_at + (self.cost.collective_timeout_s if delay_s is not None else 0.0)
+        live = self.attempt.config.mesh.dp_replicas - len(self.out)
+        resync_at = discarded_at + self.cost.replica_detection_s
+        self.next_start = resync_at + self.cost.regroup_s(live)
+        step = self.step + 1
+        self.signals.append(_Signal(at=discarded_at, events=[
+            (rank if rank is not None else 0, EventKind.REPLICA_STEP_DISCARDED, {"step": step, "simulated": True})]))
+        self.signals.append(_Signal(at=resync_at, events=[(-1, EventKind.REPLICA_RESYNC, {"step": step})]))
+        return False
 
     def next_wake(self, now: float) -> float:
         """When a poll next has something to say."""

@@ -34,7 +34,7 @@ class SimInjector:
         self.group, self.cluster, self.clock, self.repair_s = group, cluster, clock, repair_s
 
     def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
-               delay_ms: float | None = None, loss: float | None = None) -> dict[str, Any]:
+               delay_ms: float | None = None, loss: float | None = None, point: str | None = None) -> dict[str, Any]:
         now = self.clock()
         assert self.group.attempt is not None
         placement = self.group.attempt.placement
@@ -46,7 +46,8 @@ class SimInjector:
                             silent=kind.silent)  # a power-off, a partition, a frozen host: a node gone dark
         if on_node:
             self.cluster.take_down(node, now + self.repair_s)
-        self.group.strike(incident, rank=None if on_node else int(target), factor=factor)
+        self.group.strike(incident, rank=None if on_node else int(target), factor=factor,
+                          delay_s=seconds if kind is DrillKind.COLLECTIVE_FAULT else None)
         return {"node": node}
 
 

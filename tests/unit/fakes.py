@@ -114,9 +114,11 @@ class FakeInjector:
     def __init__(self, group: FakeWorkerGroup) -> None:
         self.group = group
         self.injected: list[tuple[str, str]] = []
+        self.params: list[dict[str, Any]] = []
 
-    def inject(self, kind: str, target: str, **params: float | None) -> dict:
+    def inject(self, kind: str, target: str, **params: Any) -> dict:
         self.injected.append((kind, target))
+        self.params.append(params)
         if kind == "kill-node":
             self.group.lose_node(target)
         elif kind == "kill-rank":

@@ -125,6 +125,8 @@ def test_new_drill_kinds_take_a_rank_as_an_int_and_their_parameters() -> None:
     ({"kind": "kill-rank", "at_step": 2}, 400, "the run is at step 3"),
     ({"kind": "kill-rank", "at_step": -1}, 422, "at_step"),
     ({"kind": "kill-rank", "when": 3}, 422, "when"),
+    ({"kind": "collective-fault"}, 400, "the run needs elastic.failure_domain: replica and parallelism.dp_replicas >= 2"),
+    ({"kind": "kill-rank", "point": "reduce"}, 400, "point is for collective-fault drills, not kill-rank"),
 ])
 def test_bad_drill_requests_say_what_to_fix(body: dict, status: int, says: str) -> None:
     c, g, _, service, live = live_run()

@@ -172,3 +172,39 @@ def test_the_world_path_of_a_replica_run_restores_from_each_replicas_own_peer_sn
     assert again["peer_replicas"], "no replica's nodes held the step whole"
     store = simulate(replica_spec(**{**raw, "checkpoint": {"peer_every_steps": 0}}), days=1)
     assert kinds(store, EventKind.ATTEMPT_STARTED)[1].detail["restore_from"] == "store"
+
+
+def test_a_collective_fault_costs_one_step_and_a_resync_with_nothing_stopped() -> None:
+    """The collective-fault drill in the simulator (the Ray path: tests/cluster/test_replica_domain.py):
+    the step in flight is discarded at its reduce, the controller publishes an epoch of the same
+    members, and the replicas do the step again: one attempt, no failure, no decision, and the wall
+    longer than a clean run's by one step + detection + the epoch's init, computed by hand."""
+    clean = simulate(replica_spec(drills=[]), days=1)
+    result = simulate(replica_spec(drills=[{"kind": "collective-fault", "at_step": 25, "target": "replica:1"}]),
+                      days=1)
+    assert result["state"] == "succeeded" and result["steps"] == 100 and result["attempts"] == 1
+    g, clean_g = result["goodput"], clean["goodput"]
+    assert result["decisions"] == {} and g["failures"] == []
+    (discarded,) = kinds(result, EventKind.REPLICA_STEP_DISCARDED)
+    assert discarded.detail["step"] == 26
+    (report,) = result["_controller"].drill_reports()
+    assert report["kind"] == "collective-fault" and report["point"] == "reduce" and report["target"] == "1"
+    assert report["decision"] == "resync" and report["outcome"] == "recovered" and report["steps_lost"] == 0
+    s = replica_spec()
+    model = cost_model(s, params=s.to_model_config().num_params(), gpus=2, gpus_per_node=1, replicas=2)
+    extra = model.step_s + model.replica_detection_s + comm_init_s(2)
+    assert g["wall_seconds"] - clean_g["wall_seconds"] == pytest.approx(extra, abs=1e-6)
+    # Charged to its causes: the discarded step's work, the wait for the epoch, its forming.
+    badput, before = g["badput_seconds"], clean_g["badput_seconds"]
+    assert badput["recomputation"] - before["recomputation"] == pytest.approx(model.step_s)
+    assert badput["failure_detection"] - before["failure_detection"] == pytest.approx(model.replica_detection_s)
+    assert badput["restart_restore"] - before["restart_restore"] == pytest.approx(comm_init_s(2))
+    assert badput["other"] == pytest.approx(before["other"])
+
+
+def test_a_collective_late_by_less_than_the_timeout_is_ridden_out() -> None:
+    result = simulate(replica_spec(drills=[{"kind": "collective-fault", "at_step": 25, "target": "1", "seconds": 3}]),
+                      days=1)
+    assert result["attempts"] == 1 and not kinds(result, EventKind.REPLICA_STEP_DISCARDED)
+    (report,) = result["_controller"].drill_reports()
+    assert report["outcome"] == "ridden_out" and report["seconds"] == 3

@@ -1,0 +1,100 @@
+"""The collective-fault drill: an operator fails (or delays) one named collective of the replica
+protocol on one rank, as the dist tests' fault injector does (trainer/protocol.ProtocolFault). Its
+parameters, the runs that can take it, the switch that carries it to the training process, and the
+trainer arming it for the next time the rank reaches that point. On a Ray cluster:
+tests/cluster/test_replica_domain.py; in the simulator: tests/unit/test_sim_replica.py."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from controller.cli.main import build_parser
+from controller.drills import DrillError, DrillKind, domain_problem, params_problem
+from controller.spec import SpecError, load_spec, parse_spec
+from controller.state import RunController, RunState
+from tests.unit.fakes import FakeInjector, FakeReplicaGroup, drive
+from trainer.protocol import PROTOCOL_POINTS, ProtocolFault
+from trainer.replica import CrossReplica
+from trainer.switches import DrillSwitches
+from trainer.train import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("params", "problem"), [
+    ({}, None),
+    ({"point": "sync"}, None),
+    ({"point": "init", "seconds": 30.0}, None),
+    ({"point": "gather"}, "point = 'gather' is not a point of the replica protocol; give one of init, reduce"),
+    ({"seconds": -2.0}, "seconds = -2.0 must be > 0"),
+    ({"factor": 2.0}, "factor is for slow-rank drills, not collective-fault"),
+])
+def test_a_collective_fault_takes_a_point_and_a_delay(params: dict, problem: str | None) -> None:
+    found = params_problem(DrillKind.COLLECTIVE_FAULT, **params)
+    assert (found is None) if problem is None else (found is not None and problem in found), found
+    assert params_problem(DrillKind.SLOW_RANK, point="reduce") == "point is for collective-fault drills, not slow-rank"
+
+
+def test_only_a_run_of_replicas_can_take_it() -> None:
+    assert domain_problem(DrillKind.COLLECTIVE_FAULT, "replica", 2) is None
+    assert "needs elastic.failure_domain: replica" in (domain_problem(DrillKind.COLLECTIVE_FAULT, "world", 2) or "")
+    assert "dp_replicas >= 2" in (domain_problem(DrillKind.COLLECTIVE_FAULT, "replica", 1) or "")
+    assert domain_problem(DrillKind.KILL_NODE, "world", 1) is None
+    world = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
+    world["drills"] = [{"kind": "collective-fault", "at_step": 3}]
+    with pytest.raises(SpecError, match="collective-fault fails a collective between data-parallel replicas"):
+        parse_spec(world)
+
+
+def test_a_replica_run_queues_and_injects_it_with_its_point() -> None:
+    raw = yaml.safe_load((ROOT / "examples" / "tiny-gpt-replicas.yaml").read_text())
+    raw["drills"] = []
+    spec = parse_spec(raw)
+    group = FakeReplicaGroup()
+    injector = FakeInjector(group)
+    c = RunController(spec, spec.topology(), group, now=100.0, injector=injector, topology_source=spec.topology)
+    t = drive(c, RunState.RUNNING)
+    request = c.request_drill(t, "collective-fault", target="replica:0", point="agree", seconds=25.0)
+    assert request.to_dict()["point"] == "agree" and request.to_dict()["seconds"] == 25.0
+    assert c.request_drill(t, "collective-fault").to_dict()["point"] == "reduce", "the gradient reduce by default"
+    with pytest.raises(DrillError, match="not a point of the replica protocol"):
+        c.request_drill(t, "collective-fault", point="gather")
+    group.finish_steps(1, 2)
+    c.step(t)
+    assert injector.injected[:2] == [("collective-fault", "3"), ("collective-fault", "7")]
+    assert injector.params[0]["point"] == "agree" and injector.params[0]["seconds"] == 25.0
+
+
+def test_the_switch_arms_the_rank_once_for_the_next_time_it_reaches_the_point() -> None:
+    """The slot's switch carries the request into the training process; the trainer arms a fault
+    with no step (the next time the point comes), once per request, and not one an earlier process
+    on the slot was asked for."""
+    switches = DrillSwitches()
+    switches.request_collective_fault(PROTOCOL_POINTS.index("reduce"), None)  # before this process
+    cross = SimpleNamespace(faults=[])
+    trainer = SimpleNamespace(switches=switches, replicas=cross, rank=5, faults_armed=switches.collective_faults)
+    Trainer._arm_collective_faults(trainer)  # type: ignore[arg-type]
+    assert cross.faults == []
+    switches.request_collective_fault(PROTOCOL_POINTS.index("sync"), 30.0)
+    Trainer._arm_collective_faults(trainer)  # type: ignore[arg-type]
+    Trainer._arm_collective_faults(trainer)  # type: ignore[arg-type]
+    assert cross.faults == [ProtocolFault("sync", 5, None, 30.0)]
+    # CrossReplica fires it at whatever step the rank reaches the point, once.
+    replica = SimpleNamespace(faults=[ProtocolFault("reduce", 5, None)], at_step=41)
+    CrossReplica.inject(replica, "vote")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="injected protocol fault: reduce failed at step 41"):
+        CrossReplica.inject(replica, "reduce")  # type: ignore[arg-type]
+    CrossReplica.inject(replica, "reduce")  # type: ignore[arg-type]
+    assert replica.faults == []
+
+
+def test_the_cli_takes_the_point() -> None:
+    opts = build_parser().parse_args(["drill", "r1", "collective-fault", "--point", "vote", "--seconds", "40"])
+    assert (opts.kind, opts.point, opts.seconds) == ("collective-fault", "vote", 40.0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["drill", "r1", "collective-fault", "--point", "gather"])
