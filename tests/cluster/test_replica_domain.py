@@ -12,7 +12,7 @@ import pytest
 
 from controller.ray.cluster import LocalRayCluster
 from controller.ray.runner import drive
-from controller.spec import RunSpec
+from controller.spec import RunSpec, parse_spec
 from controller.state import RunState
 from tests.cluster.test_fault_tolerance import check_cursor_accounting, restore_node, spec
 
@@ -21,8 +21,9 @@ pytestmark = pytest.mark.cluster
 
 def replica_spec(name: str, root: Path, **kwargs: Any) -> RunSpec:
     """`spec` of test_fault_tolerance (five nodes, one a spare) as two replicas, each its own failure domain."""
-    s = spec(name, root, nodes=5, spares=1, elastic={"failure_domain": "replica"}, **kwargs)
-    return s.model_copy(update={"parallelism": s.parallelism.model_copy(update={"dp_replicas": 2})})
+    drills = kwargs.pop("drills")
+    raw = spec(name, root, nodes=5, spares=1, elastic={"failure_domain": "replica"}, drills=[], **kwargs).model_dump()
+    return parse_spec({**raw, "parallelism": {**raw["parallelism"], "dp_replicas": 2}, "drills": drills})
 
 
 def test_a_lost_node_stops_its_replica_only_and_it_rejoins_with_the_survivors_bytes(
@@ -114,3 +115,34 @@ def test_every_replica_losing_a_node_falls_back_to_the_replicas_own_peer_snapsho
     assert [r["restored_from"] for r in drills] == ["peer", "peer"], (drills, [(e.kind, e.detail) for e in c.events.view() if e.kind in ("failure_detected", "decision", "replica_lost")])
     assert [h["step"] for h in c.progress.history] == list(range(1, 13))
     check_cursor_accounting(tmp_path, "replica-peers")
+
+
+def test_a_transient_collective_error_is_resolved_by_one_resync_epoch_and_changes_nothing(
+        ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
+    """The collective-fault drill: rank 7's gradient reduce across replicas fails at step 6 with no
+    node or process lost (a transient NCCL error). Every replica discards the step, the controller
+    publishes an epoch of the same members at once (nothing is lost, so no probe finds a node), and
+    the step is done again: one attempt, no failure, and the same losses, step for step, as the run
+    without the fault (the reference: the same spec, no drill)."""
+    clean = drive(replica_spec("replica-clean", tmp_path, drills=[], steps=10), ray_cluster)
+    assert clean.state is RunState.SUCCEEDED, clean.error
+    s = replica_spec("replica-resync", tmp_path, steps=10,
+                     drills=[{"kind": "collective-fault", "at_step": 5, "target": "replica:1"}])
+    c = drive(s, ray_cluster)
+    assert c.state is RunState.SUCCEEDED, c.error
+    assert len(c.events.of_kind("attempt_started")) == 1 and not c.events.of_kind("failure_detected")
+    assert not c.events.of_kind("replica_lost"), "nothing was lost"
+    (report,) = c.to_dict(0)["drills"]
+    assert report["target"] == "7" and report["point"] == "reduce", report
+    assert report["decision"] == "resync" and report["outcome"] == "recovered" and report["steps_lost"] == 0, report
+    (resync,) = [e.detail for e in c.events.of_kind("replica_resync")]
+    assert resync["step"] == 6, resync
+    discarded = [e.detail for e in c.events.of_kind("replica_step_discarded")]
+    # Each replica says it once, by its first rank: both discarded the step.
+    assert {d["step"] for d in discarded} == {6} and sorted(d["rank"] for d in discarded) == [0, 4], discarded
+    assert [h["step"] for h in c.progress.history] == list(range(1, 11))
+    assert [h["loss"] for h in c.progress.history] == [h["loss"] for h in clean.progress.history], \
+        "the step done again is not the step the fault discarded"
+    sums = [e.detail for e in c.events.of_kind("replica_checksums")]
+    assert sums and all(d["agree"] and d["replicas"] == [0, 1] for d in sums), sums
+    check_cursor_accounting(tmp_path, "replica-resync")
