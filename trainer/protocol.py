@@ -318,16 +318,17 @@ class ProtocolFault:
 
     @classmethod
     def parse(cls, text: str) -> "ProtocolFault":
-        """`POINT@RANK:step=N[:delay=SECONDS]`, e.g. `reduce@2:step=5` or `sync@0:step=8:delay=30`."""
+        """`POINT@RANK[:step=N][:delay=SECONDS]`, e.g. `reduce@2:step=5` or `sync@0:step=8:delay=30`; with
+        no step, the next time the rank reaches the point (`sync@0:delay=10`: its next transfer)."""
         try:
             head, *options = text.split(":")
             point, rank = head.split("@")
             values = dict(o.split("=", 1) for o in options)
             unknown = set(values) - {"step", "delay"}
-            if unknown or "step" not in values:
+            if unknown:
                 raise ValueError
             delay = float(values["delay"]) if "delay" in values else None
-            return cls(point.strip(), int(rank), int(values["step"]), delay)
+            return cls(point.strip(), int(rank), int(values["step"]) if "step" in values else None, delay)
         except ValueError as e:
             why = f": {e}" if str(e) else ""
-            raise ValueError(f"protocol fault {text!r}: expected POINT@RANK:step=N[:delay=SECONDS]{why}") from None
+            raise ValueError(f"protocol fault {text!r}: expected POINT@RANK[:step=N][:delay=SECONDS]{why}") from None

@@ -336,7 +336,12 @@ class CrossReplica:
             raise StateCorrupt(f"membership epoch {m.epoch}: replica(s) {[m.replicas[i] for i in plan.suspects]} hold "
                                "a corrupted state and leave", plan, m.replicas, mine=False)
         root = plan.source
-        self.partial = self.index != root  # (until every tensor is in: a donor dying mid-transfer leaves a mix)
+        # Until every tensor is in, a receiver whose state differs from the donor's holds a mix if the
+        # donor dies mid-transfer; a member that already holds the donor's step and bytes receives what
+        # it has, and can still give (at D >= 3 it is the one left to heal the joiner from).
+        mine_row, root_row = rows[self.index], rows[root]
+        holds_it = int(mine_row[3]) & 1 == 0 and mine_row[2] >= 0 and mine_row[:3] == root_row[:3]
+        self.partial = self.index != root and not holds_it
         self.inject("sync")
         opts = dist.BroadcastOptions()
         opts.rootRank = root

@@ -6,6 +6,7 @@ the result compared with a float64 single process that never failed."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -76,3 +77,43 @@ def test_a_corrupted_replica_found_at_an_epoch_switch_is_named_and_leaves() -> N
     assert all(r["sdc"] is None and r["step"] == 8 for r in survivors)
     assert [r["checksum"] for r in results[0]] == [r["checksum"] for r in results[1]]
     assert c.published[-1].replicas == (0, 1)
+
+
+def test_a_donor_killed_mid_transfer_leaves_the_joiner_to_a_member_that_holds_the_same_bytes() -> None:
+    """Item 4, a donor dying during the transfer at D = 3. Three replicas of one process; replica 2
+    is lost after its 3rd step and formed again. When it joins, replica 0 (the first vouched member:
+    the donor) holds its transfer back 15 s (a `sync` fault, under the 20 s timeout) and is SIGKILLed
+    in the middle of it. Replica 2 now holds a mix no one vouches for; replica 1 received the bytes it
+    already held. The next epoch, without replica 0, heals replica 2 from replica 1, and both end
+    with the bytes of a float64 single process. (Every receiver counted as cut off before: no
+    member held the state, and the run had to stop the world.)"""
+    base = replica_config(dp_shard=1, pp=1, tp=1, steps=12)
+    cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, global_batch=12))
+    c = RosterController(3)
+    try:
+        donor = c.start(cfg, 0, faults=("sync@0:delay=15",))
+        keeper = c.start(cfg, 1)
+        lost = c.start(cfg, 2)
+        c.wait("replica 2's third step", lambda: c.progress(2) >= 3)
+        lost.kill()
+        c.lose(2)
+        joiner = c.start(cfg, 2, incarnation=1)
+        c.wait("the epoch that lists replica 2 joining", lambda: any(2 in m.joining for m in c.published))
+        joining = next(m for m in c.published if 2 in m.joining)
+        time.sleep(4.0)  # the members switch at their next step's end (well under 1 s): replica 0 is in its delay
+        donor.kill()
+        c.lose(0)
+        kept = keeper.collect(timeout_s=240)
+        healed = joiner.collect(timeout_s=240)
+    finally:
+        c.close()
+    ref, _ = reference_training(whole_run(cfg, 3))
+    for replica in (kept, healed):
+        assert_same_params([r["params"] for r in replica], ref, TOL)
+    assert [r["checksum"] for r in kept] == [r["checksum"] for r in healed]
+    log = healed[0]["log"]
+    cut = [e for e in log if e["kind"] == "switch_failed" and e.get("epoch") == joining.epoch]
+    assert cut, f"replica 2's first transfer (epoch {joining.epoch}) was not cut off: {log}"
+    switched = [e for e in log if e["kind"] == "switched"]
+    assert switched and switched[0]["epoch"] > joining.epoch and switched[0]["source"] == 1, log
+    assert c.published[-1].replicas == (1, 2), c.published

@@ -365,6 +365,8 @@ def test_the_batch_is_checked_against_every_live_count_the_run_can_reach() -> No
 def test_a_protocol_fault_is_named_and_checked() -> None:
     assert ProtocolFault.parse("reduce@2:step=5") == ProtocolFault("reduce", 2, 5)
     assert ProtocolFault.parse("sync@0:step=8:delay=30").delay_s == 30.0
-    for bad in ("reduce", "shout@1:step=2", "reduce@1", "reduce@1:step=2:when=3", "agree@1:step=2:delay=0"):
+    assert ProtocolFault.parse("sync@0:delay=10") == ProtocolFault("sync", 0, None, 10.0), "no step: the next time"
+    for bad in ("reduce", "shout@1:step=2", "reduce@x", "reduce@1:step=2:when=3", "agree@1:step=2:delay=0",
+                "reduce@1:step=-1"):
         with pytest.raises(ValueError, match="protocol fault"):
             ProtocolFault.parse(bad)
