@@ -375,7 +375,7 @@ class RunDrills:
     def __init__(self, run_id: str, spec_drills: "list[DrillSpec]") -> None:
         self.schedule = DrillSchedule([
             DrillRequest(id=spec_drill_id(run_id, i), kind=d.kind, at_step=d.at_step, target=d.target,
-                         factor=d.factor, seconds=d.seconds, delay_ms=d.delay_ms, loss=d.loss)
+                         **{name: getattr(d, name) for name in PARAMS})
             for i, d in enumerate(spec_drills)])
         self._reports = DrillReports()
         self._injecting: DrillRequest | None = None

@@ -98,3 +98,14 @@ def test_the_cli_takes_the_point() -> None:
     assert (opts.kind, opts.point, opts.seconds) == ("collective-fault", "vote", 40.0)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["drill", "r1", "collective-fault", "--point", "gather"])
+
+
+def test_a_drill_of_the_spec_keeps_its_point() -> None:
+    """(A spec's drill lost its point on the way to the schedule: the run failed `reduce` instead of
+    `sync`, found by tests/cluster/test_replica_domain.py.)"""
+    raw = yaml.safe_load((ROOT / "examples" / "tiny-gpt-replicas.yaml").read_text())
+    raw["drills"] = [{"kind": "collective-fault", "at_step": 4, "target": "replica:0", "point": "sync", "seconds": 12}]
+    spec = parse_spec(raw)
+    c = RunController(spec, spec.topology(), FakeReplicaGroup(), now=100.0, topology_source=spec.topology)
+    (pending,) = c.drills.pending()
+    assert pending.to_dict()["point"] == "sync" and pending.params()["seconds"] == 12
