@@ -60,7 +60,6 @@ def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) 
     assert r is not None and group._attempt is not None
     group._attempt = dataclasses.replace(group._attempt, placement=placement)
     group._node_of_rank = tuple(placement.node_of_rank)
-    group._nodes = set(placement.node_of_rank)
     if group._hearts is not None:
         group._hearts.moved(group._node_of_rank)
     busy = {id(a) for rank, a in enumerate(group.actors) if rank not in r.out and a is not None}
@@ -78,6 +77,9 @@ def form_replicas(group: "RayWorkerGroup", replicas: list[int], placement: Any) 
             group._runs[rank] = actor.run.remote(group._worker_args(group._attempt, rank, incarnation))
             group._finished.discard(rank)
         r.roster.form(replica, incarnation)
+    # The nodes the attempt runs on now; a replica still out keeps naming its lost nodes, which are
+    # not asked about again (a dead one would be found dead at every poll: the attempt never ends).
+    group._nodes = {node for rank, node in enumerate(group._node_of_rank) if rank not in r.out}
 
 
 def _warm_for(group: "RayWorkerGroup", nodes: list[str], busy: set[int]) -> None:
