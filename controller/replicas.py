@@ -1,126 +1,207 @@
 """failure_domain replica, the controller's side (DESIGN.md, "Failure domains"): a failure that stops
-only the data-parallel replicas it touched is contained (`contain`), their nodes are taken out
-(quarantined for a contained SDC), and the replicas are formed again on spares or idle healthy nodes
-while the others train on (`form_replicas`). Functions of the RunController they act for
-(controller/state.py), which stays the one authority on membership."""
+only the data-parallel replicas it touched is contained, their nodes are taken out (quarantined for
+a contained SDC), and the replicas are formed again on spares or idle healthy nodes while the others
+train on. `ReplicaDomain` holds which replicas are out, which are being formed, and when the
+survivors' stall began; the run controller (controller/state.py) owns one and stays the one authority
+on membership: it records the failures, and applies the topology and placement this module returns.
+Never import the controller: what the domain needs is handed to it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
 
-from controller.events import EventKind
+from controller.attempt import WorkerGroup
+from controller.attribution import AttemptWatch
+from controller.events import EventKind, EventLog
 from controller.failure_policy import Action, FailureCause, FailureEvent
-from controller.placement import ranks_on, swap_nodes
-from controller.topology import NodeState, merge_returned
+from controller.placement import Placement, ranks_on, swap_nodes
+from controller.spec import ElasticSpec
+from controller.topology import NodeState, Topology, merge_returned
+from trainer.config import MeshShape
 from trainer.protocol import form_order
-
-if TYPE_CHECKING:
-    from controller.state import RunController
+from trainer.report import StepReport
 
 
-def contain(c: "RunController", now: float, failure: FailureEvent) -> bool:
-    """failure_domain replica: a lost node (or a dead rank) stops only the data-parallel replicas it
-    held, if others live on and the worker group can go on without them. The survivors go on now;
-    the lost replicas are formed again on spares (`form_replicas`). False: stop the world."""
-    assert c.config is not None and c.placement is not None
-    mesh = c.config.mesh
-    lose = getattr(c.worker_group, "lose_replicas", None)
-    contains = getattr(c.worker_group, "contains_replicas", None)  # this attempt's replicas, as launched
-    if (c.spec.elastic.failure_domain != "replica" or mesh.dp_replicas < 2 or lose is None
-            or contains is None or not contains()
-            or not (failure.cause in (FailureCause.NODE_LOST, FailureCause.RANK_DIED, FailureCause.WORKER_ERROR,
-                                      FailureCause.COLLECTIVE_ERROR)
-                    or (failure.cause is FailureCause.SDC and failure.contained and failure.ranks))
-            or len(c.failures) + 1 > c.spec.elastic.max_failures):
-        return False
+def ranks_of(replicas: Iterable[int], mesh: MeshShape) -> set[int]:
+    """Every rank of these data-parallel replicas."""
     per = mesh.world_size // mesh.dp_replicas
-    ranks = set(failure.ranks) | set(ranks_on(c.placement.node_of_rank, failure.nodes))
-    # A replica out and waiting has no processes (its ranks still name its lost nodes); one being
-    # formed again (or joining, until its rejoin) is lost again: it forms once more elsewhere.
-    waiting = set(c.replicas_out) - c._forming
-    touched = {r // per for r in ranks}
-    if touched and touched <= waiting:  # (news of replicas already out: nothing more stops)
-        assert c.watch is not None
-        c.watch.contained(ranks)
-        return True
-    lost = sorted(touched - waiting)
-    live = mesh.dp_replicas - len(set(c.replicas_out) | set(lost))
-    if not lost or live < 1:
-        return False
-    c.events.add(now, c.attempt, EventKind.FAILURE_DETECTED, cause=failure.cause.value, nodes=list(failure.nodes),
-                    ranks=list(failure.ranks), message=failure.message, step=c.progress.step, replicas=lost)
-    c._last_failure = failure
-    c.failures.append(failure)
-    state = NodeState.QUARANTINED if failure.cause.quarantines else NodeState.LOST
-    c.topology = c.topology.with_states({n: state for n in failure.nodes})
-    if failure.cause.quarantines:
-        quarantine_contained(c, now, failure)
-    nodes_of = {replica: tuple(sorted({c.placement.node_of_rank[r] for r in range(replica * per, (replica + 1) * per)}
-                                      & set(failure.nodes))) for replica in lost}
-    for replica in lost:
-        c.replicas_out[replica] = nodes_of[replica]  # (formed again already: its nodes now are those it took)
-        c._forming.discard(replica)
-    c.events.add(now, c.attempt, EventKind.DECISION, action=Action.HEAL_REPLICA.value, code="replica_out",
-                    reason=f"{failure.cause.value} on {list(failure.nodes) or list(failure.ranks)}: replica(s) {lost} "
-                           f"stop, {live} of {mesh.dp_replicas} train on ({c.spec.elastic.batch_while_healing} "
-                           "the global batch) and the lost ones are formed again", mesh=mesh.axes(),
-                    dp_replicas=mesh.dp_replicas)
-    assert c.watch is not None
-    c.watch.contained(ranks | {r for replica in lost for r in range(replica * per, (replica + 1) * per)})
-    with c.outside_lock():  # (the worker group may say when the survivors were told: Unix seconds)
-        told_at = lose(lost, tuple(failure.nodes), suspect=failure.cause is FailureCause.SDC)
-    c.events.add(now, c.attempt, EventKind.REPLICA_LOST, replicas=lost, nodes=list(failure.nodes), live=live,
-                 of=mesh.dp_replicas, batch=c.spec.elastic.batch_while_healing,
-                 **({"told_at": told_at} if told_at is not None else {}))
-    c._survivors_since = now
-    form_replicas(c, now)
-    return True
+    return {r for replica in replicas for r in range(replica * per, (replica + 1) * per)}
 
 
-def quarantine_contained(c: "RunController", now: float, failure: FailureEvent) -> None:
-    """A contained SDC: its nodes get no rank again (the replica forms on others), and commits
-    after the last step the replicas agreed on are not loaded again (the suspect may have saved)."""
-    for node in failure.nodes:
-        detail = {"node": node, "reason": failure.cause.value, "ranks": list(failure.ranks),
-                  "message": failure.message, "evidence": dict(failure.evidence)}
-        c.events.add(now, c.attempt, EventKind.QUARANTINED, **detail)
-        c.quarantined.append({"node": node, "reason": detail["reason"], "evidence": detail["evidence"], "time": now})
-    through = c.watch.take_rollback() if c.watch is not None else None
-    if through is not None:
-        with c.outside_lock():
-            c._discarded(now, c.checkpoints.roll_back(through))
+@dataclass(frozen=True, kw_only=True)
+class Containment:
+    """A failure the replica domain contains (`ReplicaDomain.contains`)."""
+
+    ranks: frozenset[int]
+    """The failure's ranks: its own and those on its nodes."""
+    lost: tuple[int, ...]
+    """The replicas it stops now; none: news of replicas already out (nothing more stops)."""
+    live: int
+    """The replicas that train on."""
 
 
-def form_replicas(c: "RunController", now: float) -> None:
-    """Form the replicas that are out again, once spares (or their own nodes, back) can take the
-    places of the nodes they lost; the live replicas stay where they are."""
-    waiting = sorted(set(c.replicas_out) - c._forming)
-    form = getattr(c.worker_group, "form_replicas", None)
-    if not waiting or form is None or c.placement is None:
-        return
-    if c.topology_source is not None:
-        c.topology = merge_returned(c.topology, c.topology_source())
-    healthy = c.topology.names_in(NodeState.HEALTHY)
-    missing = {replica: [n for n in c.replicas_out[replica] if n not in healthy] for replica in waiting}
-    used = c.placement.rack_of_node
-    # spares first, then healthy nodes the run does not use (repaired ones, or a replaced node back);
-    # as many replicas form as there are nodes for, in replica order (the others stay out)
-    free = [s.name for s in c.topology.spares()]
-    free += [n for n in c.topology.in_node_order(healthy - used.keys()) if n not in free]
-    plan = form_order(waiting, missing, free)
-    if not plan:
-        return  # degraded until a spare or a repaired node can take them
-    waiting = sorted(plan)
-    swaps = {node: spare for replica in waiting for node, spare in plan[replica].items()}
-    c.topology = c.topology.with_states({s: NodeState.HEALTHY for s in swaps.values()})
-    c.placement = swap_nodes(c.placement, swaps, c.topology)
-    assert c.watch is not None
-    c.watch.moved(c.placement.node_of_rank)
-    c._forming |= set(waiting)
-    try:
-        with c.outside_lock():
-            form(waiting, c.placement)
-    except Exception as e:  # noqa: BLE001 - they cannot be formed here: the world path takes over
-        failure = FailureEvent(time=now, cause=FailureCause.WORKER_ERROR, message=(
-            f"replica(s) {waiting} could not be formed again: {type(e).__name__}: {e}"))
-        c._recover(now, failure, contain=False)
+@dataclass(frozen=True, kw_only=True)
+class Formation:
+    """Where the waiting replicas form again (`ReplicaDomain.formation`)."""
+
+    replicas: tuple[int, ...]
+    """The replicas that form now; none: no node can take them yet (they stay out)."""
+    topology: Topology
+    """The run's topology with the cluster's returned nodes, and the nodes they take as healthy."""
+    placement: Placement
+    """The attempt's placement with their lost nodes swapped for the ones they take."""
+
+
+class ReplicaDomain:
+    """The replicas of the running attempt that are out, and their way back in: contained (`contains`,
+    then `take_out`), formed again (`formation`, then `form`), rejoined (`rejoined`). A new attempt
+    starts with all of them in (`reset`); a restarted service `adopt`s the ones its timeline shows out.
+    Each way out and in is a verdict, then the act: between the two the controller records the failure
+    (its timeline says the failure before the decision) or applies the new placement (it is the run's
+    while the slow call to the worker group runs)."""
+
+    def __init__(self, events: EventLog, group: WorkerGroup, elastic: ElasticSpec,
+                 outside_lock: Callable[[], AbstractContextManager[Any]]) -> None:
+        self._events = events
+        self._group: Any = group
+        """Its replica methods are optional (controller/attempt.py): looked up before they are called."""
+        self._elastic = elastic
+        self._outside_lock = outside_lock
+        """Entered around the worker group's calls (they may be slow: the controller's lock is let go)."""
+        self.out: dict[int, tuple[str, ...]] = {}
+        """The data-parallel replicas of this attempt not training now, and the nodes each lost (to be
+        replaced before it can be formed again)."""
+        self.forming: set[int] = set()
+        """Of those, the ones being formed again (their group reports `replica_rejoined`)."""
+        self.survivors_since: float | None = None
+        """When the survivors were told to go on without lost replicas (their next step is the recovery)."""
+
+    def reset(self) -> None:
+        """A new attempt: every replica trains."""
+        self.out, self.forming, self.survivors_since = {}, set(), None
+
+    def adopt(self, out: Mapping[int, tuple[str, ...]], mesh: MeshShape) -> tuple[set[str], set[int]]:
+        """A restarted service's attempt, with the replicas it lost and had not formed again (replica ->
+        the nodes they lost), formed again from here as after any loss. Returns those nodes (lost to
+        the run) and the replicas' ranks (not heard from until they rejoin)."""
+        self.out = dict(out)
+        return {n for nodes in out.values() for n in nodes}, ranks_of(out, mesh)
+
+    def waiting(self) -> list[int]:
+        """The replicas out and not being formed, in replica order."""
+        return sorted(set(self.out) - self.forming)
+
+    def contains(self, failure: FailureEvent, *, mesh: MeshShape, placement: Placement,
+                 failures: int) -> Containment | None:
+        """Whether this failure (the run's `failures`+1st, if it counts) stops only the data-parallel
+        replicas it touched: if others live on and the worker group can go on without them. None:
+        stop the world."""
+        lose = getattr(self._group, "lose_replicas", None)
+        contains = getattr(self._group, "contains_replicas", None)  # this attempt's replicas, as launched
+        if (self._elastic.failure_domain != "replica" or mesh.dp_replicas < 2 or lose is None
+                or contains is None or not contains()
+                or not (failure.cause in (FailureCause.NODE_LOST, FailureCause.RANK_DIED, FailureCause.WORKER_ERROR,
+                                          FailureCause.COLLECTIVE_ERROR)
+                        or (failure.cause is FailureCause.SDC and failure.contained and failure.ranks))
+                or failures + 1 > self._elastic.max_failures):
+            return None
+        per = mesh.world_size // mesh.dp_replicas
+        ranks = frozenset(failure.ranks) | frozenset(ranks_on(placement.node_of_rank, failure.nodes))
+        # A replica out and waiting has no processes (its ranks still name its lost nodes); one being
+        # formed again (or joining, until its rejoin) is lost again: it forms once more elsewhere.
+        waiting = set(self.waiting())
+        touched = {r // per for r in ranks}
+        live = mesh.dp_replicas - len(set(self.out) | touched)
+        if touched and touched <= waiting:
+            return Containment(ranks=ranks, lost=(), live=live)
+        lost = tuple(sorted(touched - waiting))
+        if not lost or live < 1:
+            return None
+        return Containment(ranks=ranks, lost=lost, live=live)
+
+    def take_out(self, now: float, failure: FailureEvent, containment: Containment, *, attempt: int,
+                 mesh: MeshShape, placement: Placement, watch: AttemptWatch) -> None:
+        """The contained replicas stop (the controller has recorded the failure): the survivors go on
+        now, and the lost replicas wait to be formed again on other nodes (`formation`)."""
+        lost, live = list(containment.lost), containment.live
+        for replica in lost:  # (formed again already: its nodes now are those it took)
+            self.out[replica] = tuple(sorted({placement.node_of_rank[r] for r in ranks_of([replica], mesh)}
+                                             & set(failure.nodes)))
+            self.forming.discard(replica)
+        batch = self._elastic.batch_while_healing
+        self._events.add(now, attempt, EventKind.DECISION, action=Action.HEAL_REPLICA.value, code="replica_out",
+                         reason=f"{failure.cause.value} on {list(failure.nodes) or list(failure.ranks)}: replica(s) "
+                                f"{lost} stop, {live} of {mesh.dp_replicas} train on ({batch} the global batch) "
+                                "and the lost ones are formed again", mesh=mesh.axes(), dp_replicas=mesh.dp_replicas)
+        watch.contained(set(containment.ranks) | ranks_of(lost, mesh))
+        with self._outside_lock():  # (the worker group may say when the survivors were told: Unix seconds)
+            told_at = self._group.lose_replicas(lost, tuple(failure.nodes), suspect=failure.cause is FailureCause.SDC)
+        self._events.add(now, attempt, EventKind.REPLICA_LOST, replicas=lost, nodes=list(failure.nodes), live=live,
+                         of=mesh.dp_replicas, batch=batch,
+                         **({"told_at": told_at} if told_at is not None else {}))
+        self.survivors_since = now
+
+    def formation(self, topology: Topology, placement: Placement, *,
+                  cluster: Callable[[], Topology] | None) -> Formation | None:
+        """Where the waiting replicas form again, once spares (or their own nodes, back: `cluster` says
+        what the cluster holds now) can take the places of the nodes they lost; the live replicas stay
+        where they are. None: none waits, or the worker group cannot form replicas."""
+        waiting = self.waiting()
+        if not waiting or getattr(self._group, "form_replicas", None) is None:
+            return None
+        if cluster is not None:
+            topology = merge_returned(topology, cluster())
+        healthy = topology.names_in(NodeState.HEALTHY)
+        missing = {replica: [n for n in self.out[replica] if n not in healthy] for replica in waiting}
+        used = placement.rack_of_node
+        # spares first, then healthy nodes the run does not use (repaired ones, or a replaced node back);
+        # as many replicas form as there are nodes for, in replica order (the others stay out)
+        free = [s.name for s in topology.spares()]
+        free += [n for n in topology.in_node_order(healthy - used.keys()) if n not in free]
+        plan = form_order(waiting, missing, free)
+        if not plan:  # degraded until a spare or a repaired node can take them
+            return Formation(replicas=(), topology=topology, placement=placement)
+        swaps = {node: spare for replica in sorted(plan) for node, spare in plan[replica].items()}
+        topology = topology.with_states({s: NodeState.HEALTHY for s in swaps.values()})
+        return Formation(replicas=tuple(sorted(plan)), topology=topology,
+                         placement=swap_nodes(placement, swaps, topology))
+
+    def form(self, now: float, formation: Formation, watch: AttemptWatch) -> FailureEvent | None:
+        """Form the replicas of `formation` again where its placement (now the attempt's) puts them;
+        the failure to recover from on the world path if the worker group cannot."""
+        if not formation.replicas:
+            return None
+        waiting = list(formation.replicas)
+        watch.moved(formation.placement.node_of_rank)
+        self.forming |= set(waiting)
+        try:
+            with self._outside_lock():
+                self._group.form_replicas(waiting, formation.placement)
+        except Exception as e:  # noqa: BLE001 - they cannot be formed here: the world path takes over
+            return FailureEvent(time=now, cause=FailureCause.WORKER_ERROR, message=(
+                f"replica(s) {waiting} could not be formed again: {type(e).__name__}: {e}"))
+        return None
+
+    def rejoined(self, replicas: Iterable[Any]) -> None:
+        """These replicas train again (their group said `replica_rejoined`)."""
+        for replica in replicas:
+            self.out.pop(int(replica), None)
+            self.forming.discard(int(replica))
+
+    def resynced(self, now: float) -> None:
+        """The survivors resynchronised their collectives: their first step after is the recovery."""
+        if self.survivors_since is None:
+            self.survivors_since = now
+
+    def survivors_stepped(self, now: float, attempt: int, reports: list[StepReport]) -> None:
+        """The survivors' first step begun after their stall began ends it (`first_step_after_recovery`)."""
+        if self.survivors_since is None:
+            return
+        after = [r for r in reports if r.end_time - r.step_time_s >= self.survivors_since]
+        if after:
+            self._events.add(now, attempt, EventKind.FIRST_STEP_AFTER_RECOVERY, step=after[0].step,
+                             ended_at=min(after[0].end_time, now), survivors=True)
+            self.survivors_since = None

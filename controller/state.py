@@ -25,8 +25,9 @@ from controller.events import EventKind, EventLog
 from controller.placement import Placement, place
 from controller.planner import MeshPlan, memory_problem, plan_run
 from controller.progress import RunProgress
+from controller.replicas import ReplicaDomain
 from controller.spec import RunSpec, SpecError
-from controller import launch, replicas
+from controller import launch
 from controller.attribution import AttemptWatch, StragglerWatch, failures_from, quarantines_from, relaunch_failure
 from controller.drills import DrillError, DrillInjector, DrillKind, DrillRequest, RunDrills, domain_problem
 from controller.failure_policy import (
@@ -105,23 +106,28 @@ class RunController:
         (only the driving thread changes the run's state; requests only set flags and queue drills)."""
         self.watch: AttemptWatch | None = None
         """The attempt being driven, as watched (None before the first launch)."""
-        self.replicas_out: dict[int, tuple[str, ...]] = {}
-        """failure_domain replica: the data-parallel replicas of this attempt not training now, and
-        the nodes each lost (to be replaced before it can be formed again)."""
-        self._forming: set[int] = set()
-        """Of those, the ones being formed again (their group reports `replica_rejoined`)."""
+        self.replicas = self._replica_domain()
+        """failure_domain replica: the replicas of this attempt that are out, and their way back in."""
         self._isolated: str | None = None
         """Why the worker group last said this controller suspects itself (PollResult.isolated)."""
         self.warmed_at = float("-inf")
         """When the running attempt last looked for spares to warm workers on (launch.warm_spares)."""
-        self._survivors_since: float | None = None
-        """When the survivors were told to go on without lost replicas (their next step is the recovery)."""
         self.events.add(now, 0, EventKind.SUBMITTED, name=spec.name)
 
     @property
     def isolated(self) -> str | None:
         """Why this controller suspects itself (it hears no node of its running attempt), or None."""
         return self._isolated if self.state is RunState.RUNNING else None
+
+    @property
+    def replicas_out(self) -> dict[int, tuple[str, ...]]:
+        """failure_domain replica: the data-parallel replicas of this attempt not training now, and
+        the nodes each lost (to be replaced before it can be formed again). Read only."""
+        return self.replicas.out
+
+    def _replica_domain(self) -> ReplicaDomain:
+        # (the lock is read at each call: a service sets `outside_lock` after construction)
+        return ReplicaDomain(self.events, self.worker_group, self.spec.elastic, lambda: self.outside_lock())
 
     @property
     def topology(self) -> Topology:
@@ -232,12 +238,10 @@ class RunController:
         self.progress.committed = attempt.start_step
         self._track_attempt(now)
         if replicas_out:
-            self.replicas_out = dict(replicas_out)
-            lost = {n for nodes in replicas_out.values() for n in nodes}
+            lost, ranks = self.replicas.adopt(replicas_out, attempt.placement.mesh)
             self.topology = self._known_lost(lost, attempt.placement)
-            per = attempt.placement.mesh.world_size // attempt.placement.mesh.dp_replicas
             assert self.watch is not None
-            self.watch.contained({r for k in replicas_out for r in range(k * per, (k + 1) * per)})
+            self.watch.contained(ranks)
         self.state = RunState.RUNNING
 
     def _known_lost(self, lost: set[str], placement: Placement) -> Topology:
@@ -256,7 +260,7 @@ class RunController:
         """Fresh per-attempt bookkeeping: failure signals, progress timestamps, straggler scores."""
         assert self.config is not None and self.placement is not None
         self._attempt_started_at = now
-        self.replicas_out, self._forming, self._survivors_since = {}, set(), None
+        self.replicas.reset()
         h = self.spec.health
         self.watch = AttemptWatch(self.attempt, self.config.mesh, self.placement.node_of_rank,
                                   last_step=self.spec.train.steps, straggler_ratio=h.straggler_ratio,
@@ -272,6 +276,7 @@ class RunController:
         self.spec = spec
         self.worker_group, self.injector = worker_group, injector
         self.policy = self._policy()
+        self.replicas = self._replica_domain()
         self.checkpoints.discards.resume_to(step)
         if step is not None:  # back to an older step: no newer snapshot of an earlier attempt either
             for attempt in range(self.attempt + 1):
@@ -356,17 +361,10 @@ class RunController:
             said_by = {"rank": rank} if rank >= 0 else {}  # (rank -1: the worker group's own word)
             self.events.add(now, self.attempt, kind, **{**detail, **said_by, **moved})  # the reporting rank wins
             if kind == EventKind.REPLICA_REJOINED:
-                for replica in detail.get("replicas", ()):
-                    self.replicas_out.pop(int(replica), None)
-                    self._forming.discard(int(replica))
-            if kind == EventKind.REPLICA_RESYNC and self._survivors_since is None:
-                self._survivors_since = now  # (its first step after: the survivors' stall ends)
-        if self._survivors_since is not None:
-            after = [r for r in result.reports if r.end_time - r.step_time_s >= self._survivors_since]
-            if after:
-                self.events.add(now, self.attempt, EventKind.FIRST_STEP_AFTER_RECOVERY, step=after[0].step,
-                                ended_at=min(after[0].end_time, now), survivors=True)
-                self._survivors_since = None
+                self.replicas.rejoined(detail.get("replicas", ()))
+            if kind == EventKind.REPLICA_RESYNC:
+                self.replicas.resynced(now)  # (its first step after: the survivors' stall ends)
+        self.replicas.survivors_stepped(now, self.attempt, result.reports)
         if self.replicas_out and seen.failure is None:
             self._form_replicas(now)
         if seen.interval is not None:
@@ -403,18 +401,59 @@ class RunController:
         return failure is not None
 
     def _contain(self, now: float, failure: FailureEvent) -> bool:
-        return replicas.contain(self, now, failure)
+        """failure_domain replica: a failure that stops only the replicas it touched (ReplicaDomain.contains)
+        is recorded and they are taken out; the survivors go on, the lost ones form again on spares.
+        False: stop the world."""
+        assert self.config is not None and self.placement is not None and self.watch is not None
+        mesh = self.config.mesh
+        held = self.replicas.contains(failure, mesh=mesh, placement=self.placement, failures=len(self.failures))
+        if held is None:
+            return False
+        if not held.lost:  # news of replicas already out: nothing more stops
+            self.watch.contained(set(held.ranks))
+            return True
+        self._detected(now, failure, replicas=list(held.lost))
+        self.failures.append(failure)
+        state = NodeState.QUARANTINED if failure.cause.quarantines else NodeState.LOST
+        self.topology = self.topology.with_states({n: state for n in failure.nodes})
+        if failure.cause.quarantines:
+            self._quarantine_contained(now, failure)
+        self.replicas.take_out(now, failure, held, attempt=self.attempt, mesh=mesh, placement=self.placement,
+                               watch=self.watch)
+        self._form_replicas(now)
+        return True
+
+    def _quarantine_contained(self, now: float, failure: FailureEvent) -> None:
+        """A contained SDC: its nodes get no rank again (the replica forms on others), and commits
+        after the last step the replicas agreed on are not loaded again (the suspect may have saved)."""
+        for node in failure.nodes:
+            detail = {"node": node, "reason": failure.cause.value, "ranks": list(failure.ranks),
+                      "message": failure.message, "evidence": dict(failure.evidence)}
+            self.events.add(now, self.attempt, EventKind.QUARANTINED, **detail)
+            self.quarantined.append({"node": node, "reason": detail["reason"], "evidence": detail["evidence"],
+                                     "time": now})
+        through = self.watch.take_rollback() if self.watch is not None else None
+        if through is not None:
+            with self.outside_lock():
+                self._discarded(now, self.checkpoints.roll_back(through))
 
     def _form_replicas(self, now: float) -> None:
-        replicas.form_replicas(self, now)
+        """Form the replicas that are out again where the domain finds nodes for them; the world path
+        takes over if the worker group cannot."""
+        assert self.placement is not None and self.watch is not None
+        formed = self.replicas.formation(self.topology, self.placement, cluster=self.topology_source)
+        if formed is None:
+            return
+        self.topology, self.placement = formed.topology, formed.placement  # (before the slow call: views see them)
+        failure = self.replicas.form(now, formed, self.watch)
+        if failure is not None:
+            self._recover(now, failure, contain=False)
 
     def _recover(self, now: float, failure: FailureEvent, *, contain: bool = True) -> None:
         assert self.config is not None
         if contain and self._contain(now, failure):
             return
-        self.events.add(now, self.attempt, EventKind.FAILURE_DETECTED, cause=failure.cause.value, nodes=list(failure.nodes),
-                        ranks=list(failure.ranks), message=failure.message, step=self.progress.step)
-        self._last_failure = failure
+        self._detected(now, failure)
         self._shutdown()
         through = self.watch.take_rollback() if self.watch is not None else None
         if through is not None:
@@ -440,6 +479,12 @@ class RunController:
                                           placement=self.placement)
         self.failures.append(failure)
         self._apply(now, decision)
+
+    def _detected(self, now: float, failure: FailureEvent, **detail: Any) -> None:
+        """A failure joins the timeline; the last one is what a decision's quarantine is for."""
+        self.events.add(now, self.attempt, EventKind.FAILURE_DETECTED, cause=failure.cause.value, nodes=list(failure.nodes),
+                        ranks=list(failure.ranks), message=failure.message, step=self.progress.step, **detail)
+        self._last_failure = failure
 
     def _apply(self, now: float, decision: Decision) -> None:
         mesh = decision.mesh
