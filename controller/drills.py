@@ -528,7 +528,7 @@ def _collective_fault_report(ev: Event, later: list[Event]) -> dict[str, Any]:
     return {
         "detected_at": discarded.time if discarded else None,
         "cause": "collective" if discarded else None,
-        "attributed_to": {"ranks": [discarded.detail["rank"]]} if discarded and "rank" in discarded.detail else None,
+        "attributed_to": None,  # (each replica's first rank says its step was discarded: no culprit is named)
         "decision": "resync" if resync else None,
         "resynced_at": resync.time if resync else None,
         "recovered_at": recovered.detail.get("ended_at", recovered.time) if recovered else None,
