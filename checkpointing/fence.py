@@ -26,7 +26,8 @@ import re
 
 from checkpointing.store import AlreadyExists, ObjectStore
 
-_RECORD = re.compile(r"/attempt-(?P<attempt>\d{8})-from-(?P<start>\d{10})\.json$")
+_RECORD = re.compile(r"attempt-(\d{8})-from-(\d{10})\.json")
+"""A record's name under the fence prefix (matched whole: one per attempt, thousands in a long run)."""
 
 
 class Fenced(RuntimeError):
@@ -55,10 +56,11 @@ def starts(store: ObjectStore, run_id: str) -> dict[int, int]:
     """attempt -> the step it started from, for every attempt the controller fenced for (the lowest,
     should a retry have recorded another)."""
     out: dict[int, int] = {}
-    for obj in store.list(fence_prefix(run_id)):
-        m = _RECORD.search(obj.key)
+    prefix = fence_prefix(run_id)
+    for obj in store.list(prefix):
+        m = _RECORD.fullmatch(obj.key, len(prefix))
         if m is not None:
-            attempt, start = int(m.group("attempt")), int(m.group("start"))
+            attempt, start = int(m[1]), int(m[2])
             out[attempt] = min(start, out.get(attempt, start))
     return out
 

@@ -3,6 +3,7 @@ clock). For a 54-day simulated run: no files, no I/O."""
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 from typing import Callable
 
@@ -15,7 +16,8 @@ class MemoryStore:
     def __init__(self, clock: Callable[[], float], uri: str = "sim://checkpoints") -> None:
         self.uri = uri
         self.clock = clock
-        self._objects: dict[str, tuple[bytes, float]] = {}
+        self._objects: dict[str, tuple[bytes, ObjectInfo]] = {}
+        self._keys: list[str] = []  # sorted: a listing or a prefix's delete is a range, not a scan
 
     def put_file(self, key: str, path: Path) -> None:
         self.put_bytes(key, path.read_bytes())
@@ -23,7 +25,9 @@ class MemoryStore:
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         if if_absent and key in self._objects:
             raise AlreadyExists(key)
-        self._objects[key] = (bytes(data), self.clock())
+        if key not in self._objects:
+            bisect.insort(self._keys, key)
+        self._objects[key] = (bytes(data), ObjectInfo(key=key, size=len(data), mtime=self.clock()))
 
     def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         data = self._objects[key][0]
@@ -32,16 +36,26 @@ class MemoryStore:
     def download(self, key: str, path: Path) -> None:
         path.write_bytes(self._objects[key][0])
 
+    def _range(self, prefix: str) -> tuple[int, int]:
+        """The slice of the sorted keys that start with `prefix`."""
+        lo = bisect.bisect_left(self._keys, prefix)
+        hi = lo
+        while hi < len(self._keys) and self._keys[hi].startswith(prefix):
+            hi += 1
+        return lo, hi
+
     def list(self, prefix: str) -> list[ObjectInfo]:
-        return [ObjectInfo(key=k, size=len(v[0]), mtime=v[1])
-                for k, v in sorted((k, v) for k, v in self._objects.items() if k.startswith(prefix))]
+        lo, hi = self._range(prefix)
+        return [self._objects[k][1] for k in self._keys[lo:hi]]
 
     def has(self, key: str) -> bool:
         return key in self._objects
 
     def delete_prefix(self, prefix: str) -> None:
-        for key in [k for k in self._objects if k.startswith(prefix)]:
+        lo, hi = self._range(prefix)
+        for key in self._keys[lo:hi]:
             del self._objects[key]
+        del self._keys[lo:hi]
 
     def local_path(self, key: str) -> Path | None:
         return None
