@@ -34,6 +34,7 @@ recovery at 131,072 ranks weighs ~16,000 records, not 262,144 copies.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -44,7 +45,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -171,24 +172,35 @@ def forget_run(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def node_codes(node_of_rank: Sequence[str]) -> tuple[list[str], np.ndarray]:
+    """The nodes in order of first appearance, and each rank's index into them (a placement computes
+    it once: `buddies` and a simulated cluster's copies both need it, per rank, at 131,072 ranks)."""
+    used = list(dict.fromkeys(node_of_rank))
+    index = {name: i for i, name in enumerate(used)}
+    return used, np.fromiter(map(index.__getitem__, node_of_rank), dtype=np.int64, count=len(node_of_rank))
+
+
 def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, str], *,
-            tries: int = 64) -> list[int] | None:
+            tries: int = 64, codes: tuple[list[str], np.ndarray] | None = None) -> list[int] | None:
     """rank -> the rank whose node keeps its copy: a permutation in which no rank's buddy shares its
     node, and as few as can share its rack. None when all ranks share one node (no copy could survive
     it). Ranks are ordered by (rack, node, rank) and shifted; the shift nearest half the world that
     keeps every pair on two nodes and has the fewest same-rack pairs wins (with dp outermost and
     replicas rack after rack, half the world away is the same stage of another replica). Shifts are
     tried outward from half the world, `tries` of them at most, stopping at the first with no pair in
-    one rack. Computed on numpy columns (131,072 ranks in milliseconds)."""
+    one rack. Computed on numpy columns (131,072 ranks in milliseconds); `codes`: `node_codes` of
+    `node_of_rank`, when the caller has them."""
     world = len(node_of_rank)
-    used = list(dict.fromkeys(node_of_rank))  # in rank order: nearly (rack, node) order already, quick to sort
-    names = [name for _, name in sorted(zip([rack_of_node.get(n, "") for n in used], used))]
-    if len(names) < 2:
+    used, code = codes if codes is not None else node_codes(node_of_rank)  # (nearly (rack, node) order: quick to sort)
+    racks_used = [rack_of_node.get(n, "") for n in used]
+    by_place = sorted(range(len(used)), key=list(zip(racks_used, used)).__getitem__)
+    if len(by_place) < 2:
         return None
-    position = {name: i for i, name in enumerate(names)}  # a node's place in (rack, node) order
-    rack_index = {rack: i for i, rack in enumerate(sorted({rack_of_node.get(n, "") for n in names}))}
-    node = np.fromiter(map(position.__getitem__, node_of_rank), dtype=np.int64, count=world)
-    rack = np.array([rack_index[rack_of_node.get(n, "")] for n in names], dtype=np.int64)[node]
+    position = np.empty(len(used), dtype=np.int64)  # a node's place in (rack, node) order
+    position[by_place] = np.arange(len(used))
+    rack_index = {rack: i for i, rack in enumerate(sorted(set(racks_used)))}
+    node = position[code]
+    rack = np.fromiter(map(rack_index.__getitem__, racks_used), dtype=np.int64, count=len(used))[code]
     order = np.argsort(node, kind="stable")  # by (rack, node), then rank
     half = world // 2
     best: tuple[int, int, np.ndarray] | None = None
@@ -261,6 +273,65 @@ def holdings(copies: Iterable[Copy]) -> list[Held]:
     return held
 
 
+class HeldColumns(NamedTuple):
+    """What many nodes hold of one snapshot step, as columns: copy i, of rank `ranks[i]`, is kept on
+    node `nodes[keeper[i]]`. A simulated cluster answers for 16,384 nodes at once this way: the same
+    `Held` records, without a Python object per node on the way to `peer_point`."""
+
+    attempt: int
+    step: int
+    cursor: int
+    world_size: int
+    mesh: dict[str, int]
+    identity: str
+    nodes: Sequence[str]
+    keeper: np.ndarray
+    ranks: np.ndarray
+    reports: tuple[dict[str, Any], ...] = ()
+
+
+class Holdings(Mapping[str, list[Held]]):
+    """node -> its `Held` records, from `HeldColumns`: read a node at a time like any answer (its records
+    built once, on first read), or whole and in numpy by `peer_point`."""
+
+    def __init__(self, columns: Iterable[HeldColumns]) -> None:
+        self.columns = tuple(columns)
+        self._index: dict[int, dict[str, int]] = {}  # id(column) -> node name -> its index (made on first use)
+
+    @functools.cached_property
+    def _by_node(self) -> dict[str, list[Held]]:
+        out: dict[str, list[Held]] = {}
+        for c in self.columns:
+            if not len(c.keeper):
+                continue
+            order = np.argsort(c.keeper, kind="stable")
+            keeper = c.keeper[order]
+            starts = np.flatnonzero(np.r_[True, keeper[1:] != keeper[:-1]])
+            ranks = c.ranks[order].tolist()
+            for i, b, e in zip(keeper[starts].tolist(), starts.tolist(), [*starts[1:].tolist(), len(order)]):
+                out.setdefault(c.nodes[i], []).append(
+                    Held(c.attempt, c.step, c.cursor, c.world_size, c.mesh, c.identity, tuple(ranks[b:e]), c.reports))
+        return out
+
+    def kept_on(self, column: HeldColumns, nodes: set[str]) -> np.ndarray:
+        """Whether each of the column's copies is kept on one of `nodes`."""
+        index = self._index.get(id(column))
+        if index is None:
+            index = self._index[id(column)] = {name: i for i, name in enumerate(column.nodes)}
+        on = np.zeros(len(column.nodes), dtype=bool)
+        on[[index[n] for n in nodes if n in index]] = True
+        return on[column.keeper]
+
+    def __getitem__(self, node: str) -> list[Held]:
+        return self._by_node[node]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_node)
+
+    def __len__(self) -> int:
+        return len(self._by_node)
+
+
 def sender_of(buddy: list[int]) -> list[int]:
     """rank -> the rank whose copy it keeps (the inverse permutation)."""
     out = [0] * len(buddy)
@@ -289,37 +360,50 @@ def peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, nodes: set[
     """The newest snapshot step a new attempt on `nodes` can load from peers, and why not (when None).
     `held`: node -> what it holds (`holdings`); `excluded`: (attempt, step) pairs after which that
     attempt's snapshots may not be used (an SDC rollback: state taken after the corruption). A step's
-    cursor, world and mesh are those the first node in name order reports."""
-    first: dict[tuple[int, int], Held] = {}
-    parts: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+    cursor, world and mesh are those the first node in name order reports (`Holdings`: its first
+    column of the step)."""
+    first: dict[tuple[int, int], Held | HeldColumns] = {}
+    parts: dict[tuple[int, int], list[Sequence[int]]] = {}
     reports: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
     excluded_steps: set[int] = set()
     after_of: dict[int, float] = {}  # attempt -> its first excluded step less one (a run has an entry per attempt)
     for attempt, after in excluded:
         after_of[attempt] = min(after_of.get(attempt, math.inf), after)
-    for node in sorted(nodes.intersection(held)):
-        for h in held[node]:
-            if h.identity != identity:
+    if isinstance(held, Holdings):  # (in numpy: one pass over the copies)
+        for c in held.columns:
+            if c.identity != identity or not (asked := held.kept_on(c, nodes)).any():
                 continue
-            if h.step > after_of.get(h.attempt, math.inf):
-                excluded_steps.add(h.step)
+            if c.step > after_of.get(c.attempt, math.inf):
+                excluded_steps.add(c.step)
                 continue
-            ranks = parts.get(key := (h.attempt, h.step))
-            if ranks is None:
-                first[key], ranks = h, parts.setdefault(key, [])
-            ranks.append(h.ranks)
-            for report in h.reports:
+            first.setdefault(key := (c.attempt, c.step), c)
+            parts.setdefault(key, []).append(c.ranks[asked])
+            for report in c.reports:
                 reports.setdefault(key, {}).setdefault(int(report["step"]), report)
+    else:
+        for node in sorted(nodes.intersection(held)):
+            for h in held[node]:
+                if h.identity != identity:
+                    continue
+                if h.step > after_of.get(h.attempt, math.inf):
+                    excluded_steps.add(h.step)
+                    continue
+                ranks = parts.get(key := (h.attempt, h.step))
+                if ranks is None:
+                    first[key], ranks = h, parts.setdefault(key, [])
+                ranks.append(h.ranks)
+                for report in h.reports:
+                    reports.setdefault(key, {}).setdefault(int(report["step"]), report)
     if not parts:
         if excluded_steps:
             return None, (f"the peer snapshots held (step {max(excluded_steps)}) were taken after the last state "
                           "the probes vouch for")
         return None, "no node of this attempt holds a peer snapshot"
     for attempt, step in sorted(parts, key=lambda key: (key[1], key[0]), reverse=True):
-        h = first[attempt, step]
-        if not _missing(parts[attempt, step], h.world_size).size:
-            return PeerPoint(attempt=attempt, step=step, cursor=h.cursor, world_size=h.world_size,
-                             mesh=dict(h.mesh),
+        found = first[attempt, step]
+        if not _missing(parts[attempt, step], found.world_size).size:
+            return PeerPoint(attempt=attempt, step=step, cursor=found.cursor, world_size=found.world_size,
+                             mesh=dict(found.mesh),
                              reports=tuple(r for _, r in sorted(reports.get((attempt, step), {}).items()))), ""
     newest = max(parts, key=lambda key: (key[1], key[0]))
     world = first[newest].world_size
@@ -345,9 +429,11 @@ def replica_peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, rep
     return best, loaders, ""
 
 
-def _missing(parts: list[tuple[int, ...]], world: int) -> np.ndarray:
+def _missing(parts: list[Sequence[int]], world: int) -> np.ndarray:
     """The ranks of 0..world-1 that none of `parts` names (a count per rank, in numpy: 262,144 ranks
     named at 131,072 ranks)."""
-    named = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=sum(map(len, parts)))
+    listed = [p for p in parts if not isinstance(p, np.ndarray)]
+    named = np.concatenate([np.fromiter(itertools.chain.from_iterable(listed), dtype=np.int64, count=sum(map(len, listed))),
+                            *(p for p in parts if isinstance(p, np.ndarray))])
     named = named[(named >= 0) & (named < world)]
     return np.flatnonzero(np.bincount(named, minlength=world) == 0)

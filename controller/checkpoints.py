@@ -164,6 +164,6 @@ class RunCheckpoints:
         elif replicas:
             buddy = replica_buddies(placement.node_of_rank, placement.rack_of_node, placement.mesh.dp_replicas)
         else:
-            buddy = buddies(placement.node_of_rank, placement.rack_of_node)
+            buddy = buddies(placement.node_of_rank, placement.rack_of_node, codes=placement.node_codes)
         return dict(peer_every=every, peer_buddy=tuple(buddy) if buddy else None, peer_restore=point.peer,
                     peer_replicas=point.peer_replicas, peer_key=self.peer_key)

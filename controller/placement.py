@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from checkpointing.peer import node_codes
 from controller.topology import NodeState, Topology
 from trainer.config import MeshShape
 
@@ -70,6 +71,12 @@ class Placement:
         return cls(mesh=mesh, node_of_rank=tuple(n for n in recorded["node"] for _ in range(tp)),
                    gpu_of_rank=tuple(int(g) + t for g in recorded["gpu"] for t in range(tp)),
                    rack_of_node=dict(zip(recorded["node"], recorded["rack"])), spares=tuple(spares))
+
+    @functools.cached_property
+    def node_codes(self) -> tuple[list[str], np.ndarray]:
+        """The nodes used in order of first appearance, and each rank's index into them (once per
+        placement: who keeps whose peer copy, and a simulated cluster's copies, go by it)."""
+        return node_codes(self.node_of_rank)
 
     def nodes(self) -> set[str]:
         """The nodes used (`nodes_used` without the sort)."""

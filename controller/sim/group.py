@@ -60,7 +60,7 @@ from typing import Any, Callable
 import numpy as np
 
 from checkpointing.manifest import CheckpointError, Manifest, apply_retention, commit, step_prefix
-from checkpointing.peer import Held
+from checkpointing.peer import HeldColumns, Holdings
 from checkpointing.schedule import CheckpointInterval
 from checkpointing.store import MemoryStore
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
@@ -193,17 +193,18 @@ class SimWorkerGroup(SimReplicas):
     def shutdown(self) -> None:
         self.running = False
 
-    def peer_copies(self, peer_key: str, nodes: set[str]) -> dict[str, list[Held]]:
-        """What `nodes` hold now of the newest peer snapshot, as each would report it (`Held`)."""
+    def peer_copies(self, peer_key: str, nodes: set[str]) -> Holdings:
+        """What `nodes` hold now of the newest peer snapshot, as each would report it (`Held`), in
+        columns: a recovery at 131,072 ranks asks for 262,144 copies on 16,384 nodes."""
         if self.snapshot is None:
-            return {}
+            return Holdings(())
         attempt, step, taken, on_buddies = self.snapshot
         struck = self.stop_at if self.stop_at is not None else self.clock()
         # Torn buddy copies: a failure while they were being rewritten. A drill lands on a step's end
         # (`taken`) and counts as after the copy: a real controller injects it only once it has heard
         # the step's report, which a rank sends after its snapshot.
         rewriting = taken < struck < on_buddies
-        holds = self._copies_by_node(attempt, own_only=rewriting)
+        names, keeper, ranks = self._copies(attempt, own_only=rewriting)
         mesh = attempt.config.mesh
         a, world, cursor = attempt.attempt, mesh.world_size, step * attempt.config.train.global_batch
         axes, identity = mesh.axes(), state_fingerprint(attempt.config.model)
@@ -211,18 +212,16 @@ class SimWorkerGroup(SimReplicas):
             world //= mesh.dp_replicas
             axes = {**axes, "dp": mesh.dp // mesh.dp_replicas}
         lost = self.memory_lost
-        return {n: [Held(a, step, cursor, world, axes, identity, holds[n])] for n in nodes
-                if n in holds and lost.get(n, -math.inf) < taken}
+        answers = np.fromiter((n in nodes and lost.get(n, -math.inf) < taken for n in names), dtype=bool,
+                              count=len(names))[keeper]
+        return Holdings([HeldColumns(a, step, cursor, world, axes, identity, names, keeper[answers], ranks[answers])])
 
-    def _copies_by_node(self, attempt: AttemptSpec, *, own_only: bool) -> dict[str, tuple[int, ...]]:
-        """Node -> the ranks whose copy it keeps under `attempt`'s snapshots: its own ranks, and (unless
-        `own_only`) those whose buddy it is. Grouped on numpy columns (a recovery at 131,072 ranks asks
-        for 262,144 copies)."""
+    def _copies(self, attempt: AttemptSpec, *, own_only: bool) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """The copies kept under `attempt`'s snapshots, as (node names, each copy's node, its rank): every
+        rank's own on its node, and (unless `own_only`) a second on its buddy's."""
         placement, buddy = attempt.placement, attempt.peer_buddy
-        names = list(placement.rack_of_node)  # exactly the nodes used
-        index = {name: i for i, name in enumerate(names)}
-        world = len(placement.node_of_rank)
-        node = np.fromiter(map(index.__getitem__, placement.node_of_rank), dtype=np.int64, count=world)
+        names, node = placement.node_codes
+        world = len(node)
         ranks = np.arange(world)
         keeper_rank = np.fromiter(buddy, dtype=np.int64, count=world) if buddy else None
         if attempt.failure_domain == "replica":  # local ranks; a buddy is a local rank of the same replica
@@ -231,9 +230,8 @@ class SimWorkerGroup(SimReplicas):
             ranks = ranks - start
             keeper_rank = keeper_rank + start if keeper_rank is not None else None
         if own_only or keeper_rank is None:
-            return _grouped(names, node, ranks)
-        keeper = node[keeper_rank]  # rank r's copy is also on its buddy's node
-        return _grouped(names, np.concatenate([node, keeper]), np.concatenate([ranks, ranks]))
+            return names, node, ranks
+        return names, np.concatenate([node, node[keeper_rank]]), np.concatenate([ranks, ranks])
 
     # -- what the simulation does to it --------------------------------------------------------------------
     def strike(self, incident: Incident, *, rank: int | None = None, factor: float | None = None,
@@ -494,16 +492,3 @@ class SimWorkerGroup(SimReplicas):
         result.events.append((0, EventKind.CHECKPOINT_COMMITTED, {
             "step": step, "uri": f"{self.store.uri}/{step_prefix(a.run_id, step)}", "bytes": 0,
             "seconds": self.cost.checkpoint_stall_s + self.cost.checkpoint_save_s, "removed": removed}))
-
-
-def _grouped(names: list[str], node: np.ndarray, rank: np.ndarray) -> dict[str, tuple[int, ...]]:
-    """names[i] -> the ranks rank[j] with node[j] == i (in their order in `rank`), over the nodes that
-    have any."""
-    if not len(node):
-        return {}
-    order = np.argsort(node, kind="stable")
-    by_node = node[order]
-    starts = [0, *(np.flatnonzero(by_node[1:] != by_node[:-1]) + 1).tolist()]
-    ends = [*starts[1:], len(order)]
-    ranks = rank[order].tolist()
-    return {names[i]: tuple(ranks[b:e]) for i, b, e in zip(by_node[starts].tolist(), starts, ends)}

@@ -1,0 +1,51 @@
+"""`Holdings` (what many nodes hold, as numpy columns: the simulator's answer at 131,072 ranks) and the
+`peer_point` it feeds: the same decision and the same reason as the per-node `Held` records it stands
+for, read node by node (the path a Ray cluster's answers take). Random snapshots, copies, asked nodes
+and exclusions; the reference is the same Holdings turned into a plain dict of per-node records."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkpointing.peer import HeldColumns, Holdings, peer_point
+
+NODES = [f"node-{i}" for i in range(6)]
+
+
+@st.composite
+def columns(draw: st.DrawFn) -> list[HeldColumns]:
+    out = []
+    keys = draw(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 5)), min_size=0, max_size=4, unique=True))
+    world = draw(st.integers(1, 6))
+    for attempt, step in keys:
+        copies = draw(st.lists(st.tuples(st.integers(0, len(NODES) - 1), st.integers(0, world - 1)), max_size=14))
+        identity = draw(st.sampled_from(["id", "id", "other"]))
+        out.append(HeldColumns(attempt, step, step * 8, world, {"dp": world}, identity, NODES,
+                               np.array([n for n, _ in copies], dtype=np.int64),
+                               np.array([r for _, r in copies], dtype=np.int64),
+                               ({"step": step, "loss": 1.0},)))
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(columns(), st.sets(st.sampled_from(NODES + ["elsewhere"])),
+       st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5)), max_size=2))
+def test_the_columns_decide_as_the_records_they_stand_for(cols: list[HeldColumns], nodes: set[str],
+                                                         excluded: list[tuple[int, int]]) -> None:
+    held = Holdings(cols)
+    per_node = {node: list(records) for node, records in held.items()}
+    assert peer_point(held, identity="id", nodes=nodes, excluded=excluded) == \
+        peer_point(per_node, identity="id", nodes=nodes, excluded=excluded)
+
+
+def test_a_node_reads_the_ranks_it_keeps_once_each_column() -> None:
+    column = HeldColumns(1, 3, 24, 4, {"dp": 4}, "id", NODES, np.array([0, 1, 0, 2, 1]), np.array([0, 1, 2, 3, 0]))
+    held = Holdings([column])
+    assert sorted(held) == ["node-0", "node-1", "node-2"]
+    assert [r.ranks for r in held["node-0"]] == [(0, 2)] and [r.ranks for r in held["node-1"]] == [(1, 0)]
+    point, why = peer_point(held, identity="id", nodes={"node-0", "node-1", "node-2"})
+    assert point is not None and (point.attempt, point.step, point.cursor) == (1, 3, 24), why
+    point, why = peer_point(held, identity="id", nodes={"node-0", "node-1"})
+    assert point is None and "rank(s) [3]" in why
