@@ -175,9 +175,15 @@ def forget_run(folder: Path) -> None:
 def node_codes(node_of_rank: Sequence[str]) -> tuple[list[str], np.ndarray]:
     """The nodes in order of first appearance, and each rank's index into them (a placement computes
     it once: `buddies` and a simulated cluster's copies both need it, per rank, at 131,072 ranks)."""
-    used = list(dict.fromkeys(node_of_rank))
+    ranks = np.array(node_of_rank, dtype=object)
+    if not len(ranks):
+        return [], np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1]])  # runs of one node (a TP group, a node's GPUs)
+    runs = ranks[starts].tolist()
+    used = list(dict.fromkeys(runs))
     index = {name: i for i, name in enumerate(used)}
-    return used, np.fromiter(map(index.__getitem__, node_of_rank), dtype=np.int64, count=len(node_of_rank))
+    of_run = np.fromiter(map(index.__getitem__, runs), dtype=np.int64, count=len(runs))
+    return used, np.repeat(of_run, np.diff(np.r_[starts, len(ranks)]))
 
 
 def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, str], *,

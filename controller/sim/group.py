@@ -211,9 +211,11 @@ class SimWorkerGroup(SimReplicas):
         if attempt.failure_domain == "replica":  # each replica's copies, named and laid out as its own world's
             world //= mesh.dp_replicas
             axes = {**axes, "dp": mesh.dp // mesh.dp_replicas}
-        lost = self.memory_lost
-        answers = np.fromiter((n in nodes and lost.get(n, -math.inf) < taken for n in names), dtype=bool,
-                              count=len(names))[keeper]
+        answers = np.fromiter(map(nodes.__contains__, names), dtype=bool, count=len(names))
+        wiped = {n for n, at in self.memory_lost.items() if at >= taken}  # (a few: those lost since the snapshot)
+        if wiped:
+            answers[[i for i, n in enumerate(names) if n in wiped]] = False
+        answers = answers[keeper]
         return Holdings([HeldColumns(a, step, cursor, world, axes, identity, names, keeper[answers], ranks[answers])])
 
     def _copies(self, attempt: AttemptSpec, *, own_only: bool) -> tuple[list[str], np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpointing.peer import HeldColumns, Holdings, peer_point
+from checkpointing.peer import HeldColumns, Holdings, node_codes, peer_point
 
 NODES = [f"node-{i}" for i in range(6)]
 
@@ -49,3 +49,10 @@ def test_a_node_reads_the_ranks_it_keeps_once_each_column() -> None:
     assert point is not None and (point.attempt, point.step, point.cursor) == (1, 3, 24), why
     point, why = peer_point(held, identity="id", nodes={"node-0", "node-1"})
     assert point is None and "rank(s) [3]" in why
+
+
+@given(st.lists(st.sampled_from(NODES), max_size=40))
+def test_node_codes_name_each_ranks_node_in_order_of_first_appearance(node_of_rank: list[str]) -> None:
+    used, codes = node_codes(node_of_rank)
+    assert used == list(dict.fromkeys(node_of_rank))
+    assert [used[c] for c in codes.tolist()] == node_of_rank
