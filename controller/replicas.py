@@ -78,10 +78,13 @@ class ReplicaDomain:
         """Of those, the ones being formed again (their group reports `replica_rejoined`)."""
         self.survivors_since: float | None = None
         """When the survivors were told to go on without lost replicas (their next step is the recovery)."""
+        self._no_room: tuple[Any, ...] | None = None
+        """What the last `formation` that found no room for the waiting replicas looked at (asked at every
+        poll while they wait: at 16,384 nodes, a pass over them each time), to answer the same again."""
 
     def reset(self) -> None:
         """A new attempt: every replica trains."""
-        self.out, self.forming, self.survivors_since = {}, set(), None
+        self.out, self.forming, self.survivors_since, self._no_room = {}, set(), None, None
 
     def adopt(self, out: Mapping[int, tuple[str, ...]], mesh: MeshShape) -> tuple[set[str], set[int]]:
         """A restarted service's attempt, with the replicas it lost and had not formed again (replica ->
@@ -154,6 +157,10 @@ class ReplicaDomain:
             return None
         if cluster is not None:
             topology = merge_returned(topology, cluster())
+        looked_at = (tuple((r, self.out[r]) for r in waiting), topology, placement)
+        last = self._no_room  # (topologies and placements are immutable: the same objects, the same answer)
+        if last is not None and last[0] == looked_at[0] and last[1] is topology and last[2] is placement:
+            return Formation(replicas=(), topology=topology, placement=placement)  # (nothing changed since)
         healthy = topology.names_in(NodeState.HEALTHY)
         missing = {replica: [n for n in self.out[replica] if n not in healthy] for replica in waiting}
         used = placement.rack_of_node
@@ -163,7 +170,9 @@ class ReplicaDomain:
         free += [n for n in topology.in_node_order(healthy - used.keys()) if n not in free]
         plan = form_order(waiting, missing, free)
         if not plan:  # degraded until a spare or a repaired node can take them
+            self._no_room = looked_at
             return Formation(replicas=(), topology=topology, placement=placement)
+        self._no_room = None
         swaps = {node: spare for replica in sorted(plan) for node, spare in plan[replica].items()}
         topology = topology.with_states({s: NodeState.HEALTHY for s in swaps.values()})
         return Formation(replicas=tuple(sorted(plan)), topology=topology,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
+import operator
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
@@ -190,7 +191,7 @@ class Topology:
     @functools.cached_property
     def _index(self) -> dict[str, int]:
         """name -> position in `nodes`, built once per topology and carried to those derived from it."""
-        return {n.name: i for i, n in enumerate(self.nodes)}
+        return dict(zip(map(operator.attrgetter("name"), self.nodes), itertools.count()))  # (all in C: 16,384 nodes)
 
     def usable_columns(self, excluded: frozenset[str] = frozenset()) -> "NodeColumns":
         """`usable(excluded)` as columns (numpy arrays, same order): what placement computes on."""
