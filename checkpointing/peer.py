@@ -321,9 +321,11 @@ class Holdings(Mapping[str, list[Held]]):
 
     def kept_on(self, column: HeldColumns, nodes: set[str]) -> np.ndarray:
         """Whether each of the column's copies is kept on one of `nodes`."""
-        index = self._index.get(id(column))
+        if 4 * len(nodes) >= len(column.nodes):  # (a world's nodes: one pass over the column's, in C)
+            return np.fromiter(map(nodes.__contains__, column.nodes), dtype=bool, count=len(column.nodes))[column.keeper]
+        index = self._index.get(id(column))  # (a replica's few nodes: looked up by name)
         if index is None:
-            index = self._index[id(column)] = {name: i for i, name in enumerate(column.nodes)}
+            index = self._index[id(column)] = dict(zip(column.nodes, itertools.count()))
         on = np.zeros(len(column.nodes), dtype=bool)
         on[[index[n] for n in nodes if n in index]] = True
         return on[column.keeper]

@@ -13,7 +13,7 @@ from typing import Any
 
 from checkpointing.fence import raise_fence
 from checkpointing.manifest import Discards, resume_point
-from checkpointing.peer import Held, PeerPoint, buddies, peer_point, replica_buddies, replica_peer_point, run_key
+from checkpointing.peer import Held, PeerPoint, peer_point, replica_peer_point, run_key
 from checkpointing.schedule import observed_mtbf_s
 from checkpointing.store import ObjectStore, StoreOutage
 from controller.events import EventKind
@@ -159,11 +159,6 @@ class RunCheckpoints:
         """The peer snapshot fields of the next AttemptSpec: how often, who keeps whose copy (within
         each replica when `replicas`: each is its own world), what to load and which replicas load it."""
         every = spec.checkpoint.peer_every_steps
-        if not every:
-            buddy = None
-        elif replicas:
-            buddy = replica_buddies(placement.node_of_rank, placement.rack_of_node, placement.mesh.dp_replicas)
-        else:
-            buddy = buddies(placement.node_of_rank, placement.rack_of_node, codes=placement.node_codes)
-        return dict(peer_every=every, peer_buddy=tuple(buddy) if buddy else None, peer_restore=point.peer,
+        return dict(peer_every=every, peer_buddy=placement.peer_buddies(replicas=replicas) if every else None,
+                    peer_restore=point.peer,
                     peer_replicas=point.peer_replicas, peer_key=self.peer_key)
