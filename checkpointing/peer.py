@@ -198,15 +198,15 @@ def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, s
     `node_of_rank`, when the caller has them."""
     world = len(node_of_rank)
     used, code = codes if codes is not None else node_codes(node_of_rank)  # (nearly (rack, node) order: quick to sort)
-    racks_used = [rack_of_node.get(n, "") for n in used]
-    by_place = sorted(range(len(used)), key=list(zip(racks_used, used)).__getitem__)
-    if len(by_place) < 2:
+    if len(used) < 2:
         return None
-    position = np.empty(len(used), dtype=np.int64)  # a node's place in (rack, node) order
-    position[by_place] = np.arange(len(used))
+    racks_used = [rack_of_node.get(n, "") for n in used]
     rack_index = {rack: i for i, rack in enumerate(sorted(set(racks_used)))}
+    rack_of_used = np.fromiter(map(rack_index.__getitem__, racks_used), dtype=np.int64, count=len(used))
+    position = np.empty(len(used), dtype=np.int64)  # a node's place in (rack, node) order
+    position[np.lexsort((np.array(used), rack_of_used))] = np.arange(len(used))
     node = position[code]
-    rack = np.fromiter(map(rack_index.__getitem__, racks_used), dtype=np.int64, count=len(used))[code]
+    rack = rack_of_used[code]
     order = np.argsort(node, kind="stable")  # by (rack, node), then rank
     half = world // 2
     best: tuple[int, int, np.ndarray] | None = None

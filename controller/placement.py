@@ -16,7 +16,7 @@ import itertools
 import operator
 import threading
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -293,13 +293,15 @@ def reseat(placement: Placement, topology: Topology, lost: Iterable[str],
         free.remove(new)
         swaps[old] = new
     # the spares now, as a fresh placement lists them (the warm pool keeps actors on them)
-    return replace(swap_nodes(placement, swaps, topology), spares=tuple(n.name for n in topology.spares()))
+    return swap_nodes(placement, swaps, topology, spares=tuple(n.name for n in topology.spares()))
 
 
-def swap_nodes(placement: Placement, swaps: dict[str, str], topology: Topology) -> Placement:
+def swap_nodes(placement: Placement, swaps: dict[str, str], topology: Topology, *,
+               spares: tuple[str, ...] | None = None) -> Placement:
     """`placement` with the ranks of each node in `swaps` moved to its replacement (same GPUs), every
     other rank where it was: a replica formed again on a spare leaves the live replicas in place.
-    Touches only the swapped nodes' ranks (131,072 ranks: a search per node, not a pass)."""
+    `spares`: the new placement's (default: the old one's less those taken). Touches only the swapped
+    nodes' ranks (131,072 ranks: a search per node, not a pass)."""
     before = rank_index(placement.node_of_rank)
     changes: dict[str, list[int]] = {old: [] for old in swaps}
     node_of_rank = list(placement.node_of_rank)
@@ -315,5 +317,12 @@ def swap_nodes(placement: Placement, swaps: dict[str, str], topology: Topology) 
         rack_of_node.pop(old, None)
         rack_of_node[new] = topology.node(new).rack
     taken = set(swaps.values())
-    return Placement(mesh=placement.mesh, node_of_rank=moved_ranks, gpu_of_rank=placement.gpu_of_rank,
-                     rack_of_node=rack_of_node, spares=tuple(s for s in placement.spares if s not in taken))
+    out = Placement(mesh=placement.mesh, node_of_rank=moved_ranks, gpu_of_rank=placement.gpu_of_rank,
+                    rack_of_node=rack_of_node,
+                    spares=spares if spares is not None else tuple(s for s in placement.spares if s not in taken))
+    if "node_codes" in placement.__dict__:  # every rank keeps its node's index where the swaps rename nodes one to one
+        used, codes = placement.node_codes
+        renamed = [swaps.get(name, name) for name in used]
+        if len(set(renamed)) == len(renamed):
+            out.__dict__["node_codes"] = (renamed, codes)
+    return out

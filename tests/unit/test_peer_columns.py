@@ -56,3 +56,26 @@ def test_node_codes_name_each_ranks_node_in_order_of_first_appearance(node_of_ra
     used, codes = node_codes(node_of_rank)
     assert used == list(dict.fromkeys(node_of_rank))
     assert [used[c] for c in codes.tolist()] == node_of_rank
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_swapped_placement_carries_the_node_codes_it_would_compute(data: st.DataObject) -> None:
+    from controller.placement import place, swap_nodes
+    from controller.topology import Topology
+    from trainer.config import MeshShape
+
+    topology = Topology.from_local(nodes=8, gpus_per_node=2, racks=2, spares=0)
+    placement = place(MeshShape(dp=3, pp=1, tp=2), topology)
+    placement.node_codes  # (computed: a swap carries them over)
+    names = sorted(topology.names)
+    used = sorted(placement.nodes())
+    olds = data.draw(st.lists(st.sampled_from(used), unique=True, min_size=1, max_size=2))
+    news = data.draw(st.lists(st.sampled_from(names), unique=True, min_size=len(olds), max_size=len(olds)))
+    swapped = swap_nodes(placement, dict(zip(olds, news)), topology)
+    carried = swapped.__dict__.get("node_codes")
+    fresh = node_codes(swapped.node_of_rank)
+    if not set(news) & set(used):  # onto nodes the placement did not use: one to one, carried over
+        assert carried is not None
+    if carried is not None:
+        assert carried[0] == fresh[0] and carried[1].tolist() == fresh[1].tolist()
