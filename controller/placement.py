@@ -286,10 +286,17 @@ def reseat(placement: Placement, topology: Topology, lost: Iterable[str],
     for old in gone:
         needs = max(placement.gpu_of_rank[r] for r in placement.ranks_on(old)) + 1
         rack = placement.rack_of_node[old]
-        fitting = [n for n in free if topology.node(n).num_gpus >= needs]
-        if not fitting:
+        new = first_fit = None  # the first fitting node of the lost node's rack, else the first fitting node
+        for name in free:
+            node = topology.node(name)
+            if node.num_gpus >= needs:
+                if node.rack == rack:
+                    new = name
+                    break
+                first_fit = first_fit or name
+        new = new or first_fit
+        if new is None:
             return None
-        new = next((n for n in fitting if topology.node(n).rack == rack), fitting[0])
         free.remove(new)
         swaps[old] = new
     # the spares now, as a fresh placement lists them (the warm pool keeps actors on them)
