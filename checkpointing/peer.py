@@ -197,7 +197,7 @@ def buddies(node_of_rank: list[str] | tuple[str, ...], rack_of_node: dict[str, s
     one rack. Computed on numpy columns (131,072 ranks in milliseconds); `codes`: `node_codes` of
     `node_of_rank`, when the caller has them."""
     world = len(node_of_rank)
-    used, code = codes if codes is not None else node_codes(node_of_rank)  # (nearly (rack, node) order: quick to sort)
+    used, code = codes if codes is not None else node_codes(node_of_rank)
     if len(used) < 2:
         return None
     racks_used = [rack_of_node.get(n, "") for n in used]
@@ -302,7 +302,8 @@ class Holdings(Mapping[str, list[Held]]):
 
     def __init__(self, columns: Iterable[HeldColumns]) -> None:
         self.columns = tuple(columns)
-        self._index: dict[int, dict[str, int]] = {}  # id(column) -> node name -> its index (made on first use)
+        self._index: dict[int, dict[str, int]] = {}
+        """id(column) -> node name -> its index, made on first use (the columns are this object's: their ids hold)."""
 
     @functools.cached_property
     def _by_node(self) -> dict[str, list[Held]]:
@@ -366,7 +367,7 @@ class PeerPoint:
 def peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, nodes: set[str],
                excluded: Sequence[tuple[int, int]] = ()) -> tuple[PeerPoint | None, str]:
     """The newest snapshot step a new attempt on `nodes` can load from peers, and why not (when None).
-    `held`: node -> what it holds (`holdings`); `excluded`: (attempt, step) pairs after which that
+    `held`: node -> what it holds (`holdings`, or `Holdings` read in numpy); `excluded`: (attempt, step) pairs after which that
     attempt's snapshots may not be used (an SDC rollback: state taken after the corruption). A step's
     cursor, world and mesh are those the first node in name order reports (`Holdings`: its first
     column of the step)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from checkpointing.fence import raise_fence
 from checkpointing.manifest import Discards, resume_point
@@ -78,7 +78,7 @@ class RunCheckpoints:
         self.auto_interval = int(intervals[-1]) if intervals else 0
         self.adopted = any(e["kind"] == EventKind.RESUME_REQUESTED for e in events)
 
-    def load_point(self, spec: RunSpec, held: dict[str, list[Held]] | None = None,
+    def load_point(self, spec: RunSpec, held: Mapping[str, list[Held]] | None = None,
                    nodes: set[str] | None = None, replica_nodes: list[set[str]] | None = None) -> LoadPoint:
         """Where the next attempt starts, after the discards still owed (a resume to an older step, an
         SDC rollback): the store's latest usable step, or a newer (or as new) peer snapshot step that

@@ -15,7 +15,7 @@ import collections
 import contextlib
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Mapping
 
 from checkpointing.peer import Held
 from checkpointing.store import ObjectStore
@@ -312,7 +312,7 @@ class RunController:
     def _on_launching(self, now: float) -> None:
         launch.launch(self, now)
 
-    def _peer_copies(self, nodes: set[str]) -> dict[str, list[Held]] | None:
+    def _peer_copies(self, nodes: set[str]) -> Mapping[str, list[Held]] | None:
         """What peer snapshot copies the next attempt's nodes hold (None: peer snapshots are off, or
         the worker group cannot say; a node that does not answer holds nothing usable)."""
         ask = getattr(self.worker_group, "peer_copies", None)
