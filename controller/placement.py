@@ -92,6 +92,11 @@ class Placement:
     def _buddies(self) -> dict[bool, tuple[int, ...] | None]:
         return {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Its fields only: what it computed once (node codes, buddies: arrays of the world's size) is
+        computed again where it is needed, not shipped with every AttemptSpec sent to a rank."""
+        return {f: self.__dict__[f] for f in self.__dataclass_fields__}
+
     def nodes(self) -> set[str]:
         """The nodes used (`nodes_used` without the sort)."""
         return set(self.rack_of_node)

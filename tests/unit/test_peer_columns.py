@@ -79,3 +79,18 @@ def test_a_swapped_placement_carries_the_node_codes_it_would_compute(data: st.Da
         assert carried is not None
     if carried is not None:
         assert carried[0] == fresh[0] and carried[1].tolist() == fresh[1].tolist()
+
+
+def test_a_placement_travels_without_what_it_computed_once() -> None:
+    import pickle
+
+    from controller.placement import place
+    from controller.topology import Topology
+    from trainer.config import MeshShape
+
+    placement = place(MeshShape(dp=4, pp=1, tp=2), Topology.from_local(nodes=4, gpus_per_node=2, racks=2, spares=0))
+    buddy = placement.peer_buddies()
+    assert buddy is not None and "node_codes" in placement.__dict__
+    copy = pickle.loads(pickle.dumps(placement))
+    assert copy == placement and "node_codes" not in copy.__dict__ and "_buddies" not in copy.__dict__
+    assert copy.peer_buddies() == buddy
