@@ -26,10 +26,11 @@ from controller.placement import Placement, place
 from controller.planner import MeshPlan, memory_problem, plan_run
 from controller.progress import RunProgress
 from controller.replicas import ReplicaDomain
+from controller.run_drills import RunDrills
 from controller.spec import RunSpec, SpecError
 from controller import launch
 from controller.attribution import AttemptWatch, StragglerWatch, failures_from, quarantines_from, relaunch_failure
-from controller.drills import DrillError, DrillInjector, DrillKind, DrillRequest, RunDrills, domain_problem
+from controller.drills import DrillError, DrillInjector, DrillKind, DrillRequest, domain_problem
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, GrowWatch, RunPolicy, taken_out,
 )

@@ -17,7 +17,8 @@ from checkpointing.manifest import committed_steps, read_manifest
 from checkpointing.store import open_store
 from controller.placement import recorded_nodes
 from controller.ray.cluster import LocalRayCluster
-from controller.drills import FINAL_OUTCOMES, DrillInjector, DrillKind
+from controller.drill_reports import FINAL_OUTCOMES
+from controller.drills import DrillInjector, DrillKind
 from controller.ray.runner import drive, spec_view
 from controller.spec import RunSpec, checkpoint_store, parse_spec
 from controller.state import RunController, RunState

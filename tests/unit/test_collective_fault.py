@@ -6,7 +6,6 @@ tests/cluster/test_replica_domain.py; in the simulator: tests/unit/test_sim_repl
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +14,7 @@ import yaml
 
 from controller.cli.main import build_parser
 from controller.drills import DrillError, DrillKind, domain_problem, params_problem
-from controller.spec import SpecError, load_spec, parse_spec
+from controller.spec import SpecError, parse_spec
 from controller.state import RunController, RunState
 from tests.unit.fakes import FakeInjector, FakeReplicaGroup, drive
 from trainer.protocol import PROTOCOL_POINTS, ProtocolFault
