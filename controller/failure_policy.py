@@ -172,15 +172,21 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
     if failures > limits.max_failures:
         return Decision(action=Action.FAIL, mesh=None, topology=topology, code="failure_budget",
                         reason=f"{failures} failures exceed elastic.max_failures = {limits.max_failures}")
-    if not event.nodes:
-        # A rank died or hung on a node that is still alive: the same mesh on the same nodes.
-        return Decision(action=Action.RESTART, mesh=mesh, topology=topology, code="restarted",
-                        reason=f"{event.cause.value} on ranks {list(event.ranks)}; nodes still healthy",
-                        placement=placement if placement is not None and placement.mesh == mesh
-                        and placement.nodes() <= topology.names_in(NodeState.HEALTHY) else None)
-    spares = topology.spares()
     lost_in_use = list(event.nodes)
     lost = "quarantined" if event.cause.quarantines else "lost"
+    if not event.nodes:
+        # A rank died or hung on a node that is still alive: the same mesh on the same nodes...
+        healthy = topology.names_in(NodeState.HEALTHY)
+        same = placement if placement is not None and placement.mesh == mesh else None
+        if same is None or same.nodes() <= healthy:
+            return Decision(action=Action.RESTART, mesh=mesh, topology=topology, code="restarted",
+                            reason=f"{event.cause.value} on ranks {list(event.ranks)}; nodes still healthy",
+                            placement=same)
+        # ...unless some of them are not healthy any more (a replica out with its node lost, when another
+        # fails to form; a node quarantined since): those are replaced as after their loss.
+        lost_in_use = topology.in_node_order(same.nodes() - healthy)
+        lost = f"{event.cause.value}; not healthy:"
+    spares = topology.spares()
     if len(spares) >= len(lost_in_use):
         promoted = []
         with_spares = topology

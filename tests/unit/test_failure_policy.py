@@ -173,7 +173,11 @@ def test_a_spare_takes_exactly_the_lost_nodes_place_and_a_restart_keeps_the_plac
     elsewhere = decide(0.0, event=FailureEvent(time=0.0, cause=FailureCause.RANK_DIED, ranks=(3,)), failures_so_far=0,
                        mesh=MESH, spec_mesh=MESH, topology=d_kept.topology.with_state(spare, NodeState.QUARANTINED),
                        limits=LIMITS, global_batch=16, micro_batch=2, placement=d_kept.placement)
-    assert elsewhere.placement is None, "a node of the placement no longer healthy: placed afresh"
+    # a node of the placement no longer healthy (the healthy nodes left no longer hold the mesh): the
+    # spare left takes exactly its place, as after its loss (a fresh placement could not be made)
+    assert elsewhere.action is Action.REPLACE and elsewhere.placement is not None, elsewhere
+    other = ({"node-4", "node-5"} - {spare}).pop()
+    assert [n if n != spare else other for n in d_kept.placement.node_of_rank] == list(elsewhere.placement.node_of_rank)
 
 
 def test_no_reseat_when_a_survivor_is_no_longer_healthy_or_nothing_fits() -> None:
@@ -183,3 +187,23 @@ def test_no_reseat_when_a_survivor_is_no_longer_healthy_or_nothing_fits() -> Non
     assert reseat(before, topology.with_states({survivor: NodeState.QUARANTINED}), [before.node_of_rank[0]]) is None
     small = Topology(tuple(n if n.name in before.nodes() else dataclasses.replace(n, num_gpus=1) for n in topology.nodes))
     assert reseat(before, small, [before.node_of_rank[0]]) is None, "a 1-GPU node cannot take a 2-GPU TP group"
+
+
+def test_a_failure_without_nodes_after_nodes_were_lost_decides_on_the_nodes_left() -> None:
+    """A replica failed while it formed (a worker error: no node named), with another replica still out
+    and its node lost: the failed attempt's placement holds that node, so the same mesh on the same
+    nodes is not there to restart. Decided as after a loss without a spare (here: shrink to what the
+    healthy nodes hold), never a restart whose placement cannot be made (it ended the run with
+    controller_error)."""
+    topology = topo(4, 0)
+    placement = place(MESH, topology)
+    topology = topology.with_state("node-3", NodeState.LOST)  # (the other replica's node, lost earlier)
+    d = decide(0.0, event=FailureEvent(time=0.0, cause=FailureCause.WORKER_ERROR, message="could not form"),
+               failures_so_far=1, mesh=MESH, spec_mesh=MESH, topology=topology, limits=LIMITS, global_batch=16,
+               micro_batch=2, placement=placement)
+    assert d.action is Action.SHRINK and d.mesh is not None and d.mesh.dp == 1, d
+    assert d.placement is not None and d.placement.nodes() <= topology.names_in(NodeState.HEALTHY)
+    # nodes still all healthy: the same mesh restarts where it ran
+    d = decide(0.0, event=FailureEvent(time=0.0, cause=FailureCause.WORKER_ERROR), failures_so_far=1, mesh=MESH,
+               spec_mesh=MESH, topology=topo(4, 0), limits=LIMITS, global_batch=16, micro_batch=2, placement=placement)
+    assert d.action is Action.RESTART and d.placement == placement

@@ -157,3 +157,25 @@ def test_with_no_node_free_it_waits_and_a_group_that_cannot_form_hands_over_to_t
     assert failure.message == "replica(s) [1] could not be formed again: RuntimeError: no warm actor on node-4"
     d.reset()
     assert d.out == {} and d.forming == set() and d.survivors_since is None
+
+
+def test_a_formation_that_fails_with_another_replica_still_out_hands_the_world_path_a_mesh_that_places() -> None:
+    """Two replicas out (node-1, node-2 lost), one spare: replica 1 forms on node-4 and the group
+    refuses. The world path's decision on the formation's topology and placement (which still holds
+    node-2) was a restart of the same mesh on nodes that no longer hold it, and the run ended with
+    controller_error; it is decided on the healthy nodes instead."""
+    from controller.failure_policy import Action, ElasticLimits, decide
+
+    d, _ = domain(ReplicaGroup(refuse=True))
+    d.adopt({1: ("node-1",), 2: ("node-2",)}, MESH)
+    full = TOPOLOGY.with_states({"node-1": NodeState.LOST, "node-2": NodeState.LOST})
+    formed = d.formation(full, PLACEMENT, cluster=None)
+    assert formed is not None and formed.replicas == (1,) and "node-2" in formed.placement.nodes()
+    failure = d.form(60.0, formed, watch())
+    assert failure is not None
+    decision = decide(60.0, event=failure, failures_so_far=2, mesh=MESH, spec_mesh=MESH, topology=formed.topology,
+                      limits=ElasticLimits(min_dp=1, max_failures=5, wait_for_capacity_s=60), global_batch=8,
+                      micro_batch=1, by_replica=True, placement=formed.placement)
+    healthy = formed.topology.names_in(NodeState.HEALTHY)
+    assert decision.action is Action.SHRINK and decision.mesh is not None and decision.mesh.dp == 2, decision
+    assert decision.placement is not None and decision.placement.nodes() <= healthy
