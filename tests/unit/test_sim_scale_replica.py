@@ -14,12 +14,12 @@ replica_rejoined / attempt_started."""
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
 import pytest
 
+from benchmarks.sim_paths_131k import MODELS, PATHS, raw_spec
 from controller.events import EventKind
 from controller.sim.run import simulate
 from controller.spec import parse_spec
@@ -27,36 +27,10 @@ from controller.spec import parse_spec
 DAYS = 2.5
 """Long enough, with seed 3, for hundreds of failures, replicas out on top of each other and a world
 restart that shrinks the mesh for want of spare nodes."""
-BASE: dict[str, Any] = {
-    "name": "scale",
-    "model": {"n_layers": 126, "d_model": 16384, "n_heads": 128, "n_kv_heads": 8, "vocab_size": 65536,
-              "seq_len": 8192, "ffn_hidden": 53248},
-    "train": {"steps": 400000, "global_batch": 16384, "micro_batch": 1},
-    "parallelism": {"dp": 1024, "tp": 8, "pp": 16},
-    "cluster": {"simulated": {"nodes": 16416, "gpus_per_node": 8, "racks": 513, "spares": 32}},
-    "checkpoint": {"uri": "sim://", "every_steps": "auto", "keep": 2, "peer_every_steps": 1},
-    "health": {"collective_timeout_s": 300, "hang_floor_s": 360},
-    "elastic": {"min_dp": 512, "max_failures": 100000, "wait_for_capacity_s": 86400},
-    "failures": {},
-}
-SPECS = {
-    "gqa-peers": {},
-    "mha-store": {"model": {"n_kv_heads": 0}, "checkpoint": {"peer_every_steps": 0}},
-}
-PATHS = {
-    "world": {"elastic": {"failure_domain": "world"}},
-    # shrinking the batch: 16,384 samples cannot be split evenly over every live count of 128 replicas
-    "replica": {"parallelism": {"dp_replicas": 128},
-                "elastic": {"failure_domain": "replica", "batch_while_healing": "shrink"}},
-}
-
-
-def raw_spec(model: str, path: str) -> dict[str, Any]:
-    raw = copy.deepcopy(BASE)
-    for changes in (SPECS[model], PATHS[path]):
-        for section, values in changes.items():
-            raw[section] = {**raw[section], **values}
-    return raw
+# The spec and its variants are the benchmark's (benchmarks/sim_paths_131k.py times them over 54 days):
+# Llama 3 405B's shape, pp16 x tp8 x dp1,024, 32 spares; "gqa-peers" with a peer snapshot every step,
+# "mha-store" with n_kv_heads = n_heads restoring from the store; "replica" with 128 replicas shrinking
+# the batch (16,384 samples cannot be split evenly over every live count of 128 replicas).
 
 
 def productive_by_hand(result: dict[str, Any]) -> float:
@@ -89,9 +63,9 @@ def productive_by_hand(result: dict[str, Any]) -> float:
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
-@pytest.mark.parametrize("model", sorted(SPECS))
+@pytest.mark.parametrize("model", sorted(MODELS))
 def test_at_131072_gpus_productive_time_is_the_work_done_and_the_wall_is_partitioned(model: str, path: str) -> None:
-    result = simulate(parse_spec(raw_spec(model, path)), days=DAYS, seed=3)
+    result = simulate(parse_spec(raw_spec(path, model)), days=DAYS, seed=3)
     g = result["goodput"]
     assert result["gpus"] == 131072
     assert g["productive_seconds"] + sum(g["badput_seconds"].values()) == pytest.approx(g["wall_seconds"], rel=1e-9)
@@ -116,7 +90,7 @@ def test_at_131072_gpus_productive_time_is_the_work_done_and_the_wall_is_partiti
 def test_a_finished_run_on_the_replica_path_has_the_ettr_of_its_work() -> None:
     """The issue's run finished and reported ETTR 0.0. A shorter one (12,000 steps of the MHA model)
     finishes inside the window: its productive time is its work's, by hand, and ETTR that over the wall."""
-    raw = raw_spec("mha-store", "replica")
+    raw = raw_spec("replica", "mha-store")
     raw["train"]["steps"] = 12000
     result = simulate(parse_spec(raw), days=DAYS, seed=3)
     g = result["goodput"]
