@@ -52,12 +52,13 @@ def raise_fence(store: ObjectStore, run_id: str, attempt: int, start_step: int) 
         pass
 
 
-def starts(store: ObjectStore, run_id: str) -> dict[int, int]:
-    """attempt -> the step it started from, for every attempt the controller fenced for (the lowest,
-    should a retry have recorded another)."""
+def starts(store: ObjectStore, run_id: str, *, after: int = -1) -> dict[int, int]:
+    """attempt -> the step it started from, for every attempt after `after` the controller fenced for
+    (the lowest, should a retry have recorded another). Records sort by attempt, so only the later
+    attempts' are listed: a commit late in a run of thousands of attempts reads a few, not thousands."""
     out: dict[int, int] = {}
     prefix = fence_prefix(run_id)
-    for obj in store.list(prefix):
+    for obj in store.list(prefix, start_after=f"{prefix}attempt-{after:08d}~" if after >= 0 else ""):
         m = _RECORD.fullmatch(obj.key, len(prefix))
         if m is not None:
             attempt, start = int(m[1]), int(m[2])
@@ -67,7 +68,7 @@ def starts(store: ObjectStore, run_id: str) -> dict[int, int]:
 
 def check(store: ObjectStore, run_id: str, attempt: int) -> None:
     """Fenced when a later attempt than `attempt` has started."""
-    later = sorted(a for a in starts(store, run_id) if a > attempt)
+    later = sorted(a for a in starts(store, run_id, after=attempt) if a > attempt)
     if later:
         raise Fenced(f"attempt {attempt} of {run_id} is superseded by attempt {later[-1]}: it commits nothing")
 

@@ -248,13 +248,12 @@ def latest_verified(store: ObjectStore, run_id: str, *, below: int | None = None
     from checkpointing.fence import fenced_out, starts
 
     skipped: list[str] = []
-    started: dict[int, int] | None = None
     for step in reversed(committed_steps(store, run_id)):
         if below is not None and step >= below:
             continue
         try:
             manifest = read_manifest(store, run_id, step)
-            started = starts(store, run_id) if started is None else started
+            started = starts(store, run_id, after=manifest.attempt)  # (the attempts that could fence it out)
             if (later := fenced_out(step, manifest.attempt, started)) is not None:
                 raise CheckpointError(f"step {step} of {run_id} was committed by attempt {manifest.attempt} after "
                                       f"attempt {later} superseded it (started from step {started[later]}): fenced out")

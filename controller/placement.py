@@ -81,15 +81,34 @@ class Placement:
     def peer_buddies(self, *, replicas: bool = False) -> tuple[int, ...] | None:
         """rank -> the rank whose node keeps its peer copy (checkpointing/peer.py `buddies`; within each
         replica when `replicas`), None when no copy could outlive a node. Once per placement: a restart
-        on the same nodes places the same way, and at 131,072 ranks they take ~15 ms."""
+        on the same nodes places the same way, a one-to-one swap keeps them (`swap_nodes`), and at
+        131,072 ranks they take ~15 ms."""
         if replicas not in self._buddies:
             buddy = (replica_buddies(self.node_of_rank, self.rack_of_node, self.mesh.dp_replicas) if replicas
                      else buddies(self.node_of_rank, self.rack_of_node, codes=self.node_codes))
             self._buddies[replicas] = tuple(buddy) if buddy else None
         return self._buddies[replicas]
 
+    def peer_keepers(self, *, replicas: bool = False) -> np.ndarray | None:
+        """`peer_buddies` as global ranks in numpy: rank -> the global rank whose node keeps its copy (a
+        replica's buddies are its own local ranks)."""
+        if replicas not in self._keepers:
+            buddy = self.peer_buddies(replicas=replicas)
+            keepers = None
+            if buddy is not None:
+                keepers = np.fromiter(buddy, dtype=np.int64, count=len(buddy))
+                if replicas:
+                    per = len(buddy) // self.mesh.dp_replicas
+                    keepers += np.arange(len(buddy)) // per * per
+            self._keepers[replicas] = keepers
+        return self._keepers[replicas]
+
     @functools.cached_property
     def _buddies(self) -> dict[bool, tuple[int, ...] | None]:
+        return {}
+
+    @functools.cached_property
+    def _keepers(self) -> dict[bool, np.ndarray | None]:
         return {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -332,9 +351,35 @@ def swap_nodes(placement: Placement, swaps: dict[str, str], topology: Topology, 
     out = Placement(mesh=placement.mesh, node_of_rank=moved_ranks, gpu_of_rank=placement.gpu_of_rank,
                     rack_of_node=rack_of_node,
                     spares=spares if spares is not None else tuple(s for s in placement.spares if s not in taken))
-    if "node_codes" in placement.__dict__:  # every rank keeps its node's index where the swaps rename nodes one to one
-        used, codes = placement.node_codes
-        renamed = [swaps.get(name, name) for name in used]
-        if len(set(renamed)) == len(renamed):
-            out.__dict__["node_codes"] = (renamed, codes)
+    # Where the swaps rename nodes one to one (no node takes the ranks of two), every rank keeps its
+    # node's index and every buddy pair stays on two nodes.
+    if len(set(swaps.values())) == len(swaps) and not any(before.get(new) and new not in swaps
+                                                          for new in swaps.values()):
+        if "node_codes" in placement.__dict__:
+            used, codes = placement.node_codes
+            out.__dict__["node_codes"] = ([swaps.get(name, name) for name in used], codes)
+        _carry_buddies(placement, out, [r for old in swaps for r in before.get(old)])
     return out
+
+
+def _carry_buddies(before: Placement, after: Placement, moved: list[int]) -> None:
+    """`after` (`before` with nodes renamed one to one, `moved` the ranks that changed node) keeps the
+    buddies `before` computed, unless the pairs they touch would share a rack more often than before:
+    each survivor keeps the partner it had (its copies, and the copies it keeps, stay where they
+    are), and no 16,384-node pass is redone for a spare taking one node's place."""
+    mask = np.zeros(len(before.node_of_rank), dtype=bool)
+    mask[moved] = True
+    for replicas in list(before._buddies):
+        keepers = before.peer_keepers(replicas=replicas)
+        if keepers is None:
+            continue
+        touched = np.flatnonzero(mask | mask[keepers])
+        pairs = list(zip(touched.tolist(), keepers[touched].tolist()))
+
+        def same_rack(p: Placement) -> int:
+            rack, node = p.rack_of_node, p.node_of_rank
+            return sum(rack[node[r]] == rack[node[k]] for r, k in pairs)
+
+        if same_rack(after) <= same_rack(before):
+            after._buddies[replicas] = before._buddies[replicas]
+            after._keepers[replicas] = keepers

@@ -37,8 +37,8 @@ class OutageGate:
     def download(self, key: str, path: Path) -> None:
         self.inner.download(key, path)
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
-        return self.inner.list(prefix)
+    def list(self, prefix: str, *, start_after: str = "") -> list[ObjectInfo]:
+        return self.inner.list(prefix, start_after=start_after)
 
     def delete_prefix(self, prefix: str) -> None:
         self._check("delete", prefix)

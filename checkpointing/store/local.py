@@ -59,16 +59,17 @@ class LocalStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self._path(key), path)
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
+    def list(self, prefix: str, *, start_after: str = "") -> list[ObjectInfo]:
         base = self._path(prefix)
         if not base.exists():
             return []
         out = []
-        for p in sorted(base.rglob("*")) if base.is_dir() else [base]:
-            if p.is_file() and not p.name.startswith(".tmp-"):
+        for p in base.rglob("*") if base.is_dir() else [base]:
+            key = str(p.relative_to(self.root))
+            if key > start_after and p.is_file() and not p.name.startswith(".tmp-"):
                 st = p.stat()
-                out.append(ObjectInfo(str(p.relative_to(self.root)), st.st_size, st.st_mtime))
-        return out
+                out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        return sorted(out, key=lambda o: o.key)
 
     def delete_prefix(self, prefix: str) -> None:
         path = self._path(prefix)

@@ -4,6 +4,7 @@ clock). For a 54-day simulated run: no files, no I/O."""
 from __future__ import annotations
 
 import bisect
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -37,15 +38,20 @@ class MemoryStore:
         path.write_bytes(self._objects[key][0])
 
     def _range(self, prefix: str) -> tuple[int, int]:
-        """The slice of the sorted keys that start with `prefix`."""
+        """The slice of the sorted keys that start with `prefix`: from it up to the first string past every
+        one that does (its last character's successor), both found by bisection."""
         lo = bisect.bisect_left(self._keys, prefix)
-        hi = lo
-        while hi < len(self._keys) and self._keys[hi].startswith(prefix):
-            hi += 1
-        return lo, hi
+        if not prefix or prefix[-1] == chr(sys.maxunicode):
+            hi = lo
+            while hi < len(self._keys) and self._keys[hi].startswith(prefix):
+                hi += 1
+            return lo, hi
+        return lo, bisect.bisect_left(self._keys, prefix[:-1] + chr(ord(prefix[-1]) + 1), lo)
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
+    def list(self, prefix: str, *, start_after: str = "") -> list[ObjectInfo]:
         lo, hi = self._range(prefix)
+        if start_after:
+            lo = max(lo, bisect.bisect_right(self._keys, start_after, lo, hi))
         return [self._objects[k][1] for k in self._keys[lo:hi]]
 
     def has(self, key: str) -> bool:

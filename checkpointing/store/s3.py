@@ -101,12 +101,13 @@ class S3Store:
         self._call(f"download of {key}", lambda: self.client.download_file(
             self.bucket, self._key(key), str(path), Config=self.transfer))
 
-    def list(self, prefix: str) -> list[ObjectInfo]:
+    def list(self, prefix: str, *, start_after: str = "") -> list[ObjectInfo]:
         def run() -> list[ObjectInfo]:
             out = []
             paginator = self.client.get_paginator("list_objects_v2")
             strip = len(self._key(""))
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
+            after = {"StartAfter": self._key(start_after)} if start_after else {}
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix), **after):
                 for obj in page.get("Contents", []):
                     out.append(ObjectInfo(obj["Key"][strip:], obj["Size"], obj["LastModified"].timestamp()))
             return out

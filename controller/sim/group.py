@@ -225,12 +225,15 @@ class SimWorkerGroup(SimReplicas):
         names, node = placement.node_codes
         world = len(node)
         ranks = np.arange(world)
-        keeper_rank = np.fromiter(buddy, dtype=np.int64, count=world) if buddy else None
-        if attempt.failure_domain == "replica":  # local ranks; a buddy is a local rank of the same replica
-            per = world // attempt.config.mesh.dp_replicas
-            start = ranks // per * per
-            ranks = ranks - start
-            keeper_rank = keeper_rank + start if keeper_rank is not None else None
+        replicas = attempt.failure_domain == "replica"
+        per = world // attempt.config.mesh.dp_replicas if replicas else world
+        start = ranks // per * per  # a replica's first rank: its buddies are its own local ranks
+        keeper_rank = None
+        if buddy and buddy is placement.peer_buddies(replicas=replicas):  # the placement's, as launch gives them
+            keeper_rank = placement.peer_keepers(replicas=replicas)
+        elif buddy:
+            keeper_rank = np.fromiter(buddy, dtype=np.int64, count=world) + start
+        ranks = ranks - start
         if own_only or keeper_rank is None:
             return names, node, ranks
         return names, np.concatenate([node, node[keeper_rank]]), np.concatenate([ranks, ranks])

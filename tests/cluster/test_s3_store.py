@@ -34,6 +34,8 @@ def test_multipart_upload_and_ranged_reads(bucket: str, tmp_path: Path) -> None:
     store.download("a/big", tmp_path / "back")
     assert (tmp_path / "back").read_bytes() == data
     assert [(o.key, o.size) for o in store.list("a/")] == [("a/big", len(data))]
+    store.put_bytes("a/c", b"c")
+    assert [o.key for o in store.list("a/", start_after="a/big")] == ["a/c"]  # S3's StartAfter
     store.delete_prefix("a/")
     assert store.list("a/") == []
 

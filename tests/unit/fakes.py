@@ -161,9 +161,9 @@ class FlakyStore:
         self._call(f"download of {key}")
         self.inner.download(key, path)
 
-    def list(self, prefix: str) -> list:
+    def list(self, prefix: str, *, start_after: str = "") -> list:
         self._call(f"list of {prefix}")
-        return self.inner.list(prefix)
+        return self.inner.list(prefix, start_after=start_after)
 
     def delete_prefix(self, prefix: str) -> None:
         self._call(f"delete under {prefix}")

@@ -9,7 +9,7 @@ import pytest
 
 from checkpointing.fence import Fenced, check, fenced_out, raise_fence, starts
 from checkpointing.manifest import Manifest, commit, latest_verified
-from checkpointing.store import LocalStore
+from checkpointing.store import LocalStore, MemoryStore
 
 
 def manifest(step: int, attempt: int) -> Manifest:
@@ -50,6 +50,36 @@ def test_a_superseded_attempt_cannot_commit_and_what_it_slipped_in_is_not_loaded
     commit(store, manifest(30, 1))
     found = latest_verified(store, "r", checksums=False)
     assert found is not None and found[0].step == 30 and found[0].attempt == 1
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_a_check_lists_only_the_records_of_later_attempts(kind: str, tmp_path: Path) -> None:
+    """A commit late in a long run reads the records after its own attempt, not thousands: the records
+    sort by attempt and the listing starts after its own (S3's StartAfter)."""
+    store = LocalStore(tmp_path) if kind == "local" else MemoryStore(lambda: 0.0)
+    for attempt in range(12):
+        raise_fence(store, "r", attempt, attempt * 10)
+    listed: list[str] = []
+    real_list = store.list
+
+    def listing(prefix: str, *, start_after: str = "") -> list:
+        out = real_list(prefix, start_after=start_after)
+        listed.extend(o.key for o in out)
+        return out
+
+    store.list = listing  # type: ignore[method-assign]
+    assert starts(store, "r", after=9) == {10: 100, 11: 110}
+    assert starts(store, "r") == {a: a * 10 for a in range(12)}
+    listed.clear()
+    check(store, "r", 11)
+    assert listed == []
+    with pytest.raises(Fenced, match="superseded by attempt 11"):
+        check(store, "r", 10)
+    assert listed == ["r.fence/attempt-00000011-from-0000000110.json"]
+    commit(store, manifest(105, 10))  # attempt 10's step before attempt 11 started (from 110): it stands
+    commit(store, manifest(115, 10))  # its zombie's, after: fenced out (by the one record listed)
+    found = latest_verified(store, "r", checksums=False)
+    assert found is not None and found[0].step == 105
 
 
 def test_a_new_controllers_first_attempt_clears_what_an_earlier_run_of_the_id_left(tmp_path: Path) -> None:

@@ -13,16 +13,16 @@ from checkpointing.store import AlreadyExists, MemoryStore
 import pytest
 
 KEYS = st.text(alphabet="ab/.-0", min_size=0, max_size=6)
-OPS = st.lists(st.tuples(st.sampled_from(["put", "delete", "list"]), KEYS), max_size=60)
+OPS = st.lists(st.tuples(st.sampled_from(["put", "delete", "list", "after"]), KEYS, KEYS), max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
 @given(OPS)
-def test_listings_and_deletes_match_a_plain_filter(ops: list[tuple[str, str]]) -> None:
+def test_listings_and_deletes_match_a_plain_filter(ops: list[tuple[str, str, str]]) -> None:
     clock = iter(range(10**6))
     store = MemoryStore(lambda: float(next(clock)))
     reference: dict[str, tuple[bytes, float]] = {}
-    for i, (op, key) in enumerate(ops):
+    for i, (op, key, after) in enumerate(ops):
         if op == "put":
             data = str(i).encode()
             store.put_bytes(key, data)
@@ -35,6 +35,9 @@ def test_listings_and_deletes_match_a_plain_filter(ops: list[tuple[str, str]]) -
         assert [o.key for o in listed] == expected
         assert all(o.size == len(reference[o.key][0]) for o in listed)
         assert all(store.get_bytes(o.key) == reference[o.key][0] for o in listed)
+        if op == "after":  # S3's StartAfter: the keys under the prefix that sort after `after`
+            assert [o.key for o in store.list(key, start_after=after)] == sorted(
+                k for k in reference if k.startswith(key) and (k > after or not after))  # ("": no bound)
 
 
 def test_a_rewrite_keeps_one_key_with_the_new_bytes_and_time() -> None:

@@ -94,3 +94,57 @@ def test_a_placement_travels_without_what_it_computed_once() -> None:
     copy = pickle.loads(pickle.dumps(placement))
     assert copy == placement and "node_codes" not in copy.__dict__ and "_buddies" not in copy.__dict__
     assert copy.peer_buddies() == buddy
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_one_to_one_swap_keeps_the_buddies_while_they_stay_as_good(data: st.DataObject) -> None:
+    """A spare taking a node's place keeps every survivor's partner (its copies stay where they are):
+    the buddies carried over keep every pair on two nodes and put no more pairs in one rack than the
+    placement they came from; where they would, they are computed afresh."""
+    from controller.placement import place, swap_nodes
+    from controller.topology import Topology
+    from trainer.config import MeshShape
+
+    nodes, racks = data.draw(st.sampled_from([(10, 3), (6, 2)]))  # (6, 2): some swaps would add same-rack pairs
+    topology = Topology.from_local(nodes=nodes, gpus_per_node=2, racks=racks, spares=0)
+    replicas = data.draw(st.booleans())
+    placement = place(MeshShape(dp=4, pp=1, tp=2, dp_replicas=2 if replicas else 1), topology)
+    before = placement.peer_buddies(replicas=replicas)
+    assert before is not None
+    used = sorted(placement.nodes())
+    free = sorted(set(topology.names) - set(used))
+    olds = data.draw(st.lists(st.sampled_from(used), unique=True, min_size=1, max_size=2))
+    news = data.draw(st.lists(st.sampled_from(free), unique=True, min_size=len(olds), max_size=len(olds)))
+    swapped = swap_nodes(placement, dict(zip(olds, news)), topology)
+    after = swapped.peer_buddies(replicas=replicas)
+    keepers, old_keepers = swapped.peer_keepers(replicas=replicas), placement.peer_keepers(replicas=replicas)
+    assert after is not None and keepers is not None and old_keepers is not None
+    node, rack = swapped.node_of_rank, swapped.rack_of_node
+    assert all(node[r] != node[k] for r, k in enumerate(keepers.tolist())), "a pair on one node"
+
+    def same_rack(p: "object", k: "np.ndarray") -> int:
+        return sum(p.rack_of_node[p.node_of_rank[r]] == p.rack_of_node[p.node_of_rank[b]]  # type: ignore[attr-defined]
+                   for r, b in enumerate(k.tolist()))
+
+    if after is before:  # carried over
+        assert same_rack(swapped, keepers) <= same_rack(placement, old_keepers)
+    else:
+        assert after == swapped.__class__(**{f: getattr(swapped, f) for f in swapped.__dataclass_fields__}
+                                          ).peer_buddies(replicas=replicas), "computed afresh"
+    if all(rack[new] == placement.rack_of_node[old] for old, new in zip(olds, news)):
+        assert after is before, "a spare of the lost node's own rack takes its place and its partners"
+
+
+def test_a_swap_that_would_put_partners_in_one_rack_computes_the_buddies_afresh() -> None:
+    from controller.placement import Placement, place, swap_nodes
+    from controller.topology import Topology
+    from trainer.config import MeshShape
+
+    topology = Topology.from_local(nodes=6, gpus_per_node=2, racks=2, spares=0)
+    placement = place(MeshShape(dp=4, pp=1, tp=2), topology)
+    before = placement.peer_buddies()
+    assert topology.node("node-2").rack == "rack-0" and topology.node("node-3").rack == "rack-1"
+    swapped = swap_nodes(placement, {"node-2": "node-3"}, topology)  # node-2's partner is on rack-1
+    assert swapped.peer_buddies() is not before
+    assert swapped.peer_buddies() == Placement(**{f: getattr(swapped, f) for f in swapped.__dataclass_fields__}).peer_buddies()
