@@ -53,10 +53,15 @@ class Placement:
         each on consecutive GPUs of one node): {tp, node: [node of each group], gpu: [its first GPU],
         rack: [its node's rack]}, groups in rank order. One dict per rank cost ~70 ms and ~10 MB of JSON
         per attempt at 131,072 ranks, and a 54-day run there has ~3,000 attempts."""
+        return {**self._group_columns, "rack": list(self._group_columns["rack"])}
+
+    @functools.cached_property
+    def _group_columns(self) -> dict[str, Any]:
+        """`columns`, once per placement (a one-to-one swap derives its racks from these)."""
         tp = self.mesh.tp
         nodes = self.node_of_rank[::tp]
         return {"tp": tp, "node": nodes, "gpu": self.gpu_of_rank[::tp],
-                "rack": list(map(self.rack_of_node.__getitem__, nodes))}
+                "rack": tuple(map(self.rack_of_node.__getitem__, nodes))}
 
     @classmethod
     def recorded(cls, recorded: dict[str, Any] | list[dict], mesh: MeshShape, spares: list[str]) -> "Placement":
@@ -344,8 +349,9 @@ def swap_nodes(placement: Placement, swaps: dict[str, str], topology: Topology, 
     moved_ranks = tuple(node_of_rank)
     _remember(moved_ranks, before.with_changes(moved_ranks, changes))
     rack_of_node = dict(placement.rack_of_node)
-    for old, new in swaps.items():
+    for old in swaps:  # (all the old ones first: in a chain or an exchange a node is both)
         rack_of_node.pop(old, None)
+    for new in swaps.values():
         rack_of_node[new] = topology.node(new).rack
     taken = set(swaps.values())
     out = Placement(mesh=placement.mesh, node_of_rank=moved_ranks, gpu_of_rank=placement.gpu_of_rank,
@@ -355,10 +361,20 @@ def swap_nodes(placement: Placement, swaps: dict[str, str], topology: Topology, 
     # node's index and every buddy pair stays on two nodes.
     if len(set(swaps.values())) == len(swaps) and not any(before.get(new) and new not in swaps
                                                           for new in swaps.values()):
+        moved = [r for old in swaps for r in before.get(old)]
         if "node_codes" in placement.__dict__:
             used, codes = placement.node_codes
-            out.__dict__["node_codes"] = ([swaps.get(name, name) for name in used], codes)
-        _carry_buddies(placement, out, [r for old in swaps for r in before.get(old)])
+            renamed = list(used)
+            for old, new in swaps.items():
+                renamed[codes[before.get(old)[0]]] = new
+            out.__dict__["node_codes"] = (renamed, codes)
+        if "_group_columns" in placement.__dict__:  # the racks of the TP groups that moved, the others' kept
+            columns = placement._group_columns
+            racks = list(columns["rack"])
+            for group in {r // columns["tp"] for r in moved}:
+                racks[group] = rack_of_node[moved_ranks[group * columns["tp"]]]
+            out.__dict__["_group_columns"] = {**columns, "node": moved_ranks[::columns["tp"]], "rack": tuple(racks)}
+        _carry_buddies(placement, out, moved)
     return out
 
 

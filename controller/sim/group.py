@@ -132,6 +132,9 @@ class SimWorkerGroup(SimReplicas):
         """(ready at, replicas): replicas being formed again, ready to receive their state at that time."""
         self.committed = 0
         """Commits reported so far (the driver notes what the controller saw when it heard one)."""
+        self._layout: tuple[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] | None = None
+        """The last copies' layout (each copy's node code and rank) and what it was made from: a swap
+        keeps the node codes and the buddies, so attempt after attempt lays its copies out the same."""
 
     # -- the WorkerGroup protocol ------------------------------------------------------------------------
     def start(self, attempt: AttemptSpec) -> None:
@@ -224,19 +227,22 @@ class SimWorkerGroup(SimReplicas):
         placement, buddy = attempt.placement, attempt.peer_buddy
         names, node = placement.node_codes
         world = len(node)
-        ranks = np.arange(world)
         replicas = attempt.failure_domain == "replica"
         per = world // attempt.config.mesh.dp_replicas if replicas else world
-        start = ranks // per * per  # a replica's first rank: its buddies are its own local ranks
         keeper_rank = None
         if buddy and buddy is placement.peer_buddies(replicas=replicas):  # the placement's, as launch gives them
             keeper_rank = placement.peer_keepers(replicas=replicas)
-        elif buddy:
-            keeper_rank = np.fromiter(buddy, dtype=np.int64, count=world) + start
-        ranks = ranks - start
-        if own_only or keeper_rank is None:
-            return names, node, ranks
-        return names, np.concatenate([node, node[keeper_rank]]), np.concatenate([ranks, ranks])
+        elif buddy:  # a buddy is a local rank of its replica
+            keeper_rank = np.fromiter(buddy, dtype=np.int64, count=world) + np.arange(world) // per * per
+        made_of = (node, keeper_rank, per, own_only)  # (the arrays by identity: a swap hands on the same ones)
+        last = self._layout
+        if last is None or last[0][0] is not node or last[0][1] is not keeper_rank or last[0][2:] != made_of[2:]:
+            ranks = np.arange(world) % per  # (a replica's ranks are its local ranks)
+            if own_only or keeper_rank is None:
+                last = self._layout = made_of, (node, ranks)
+            else:
+                last = self._layout = made_of, (np.concatenate([node, node[keeper_rank]]), np.concatenate([ranks, ranks]))
+        return names, *last[1]
 
     # -- what the simulation does to it --------------------------------------------------------------------
     def strike(self, incident: Incident, *, rank: int | None = None, factor: float | None = None,

@@ -61,13 +61,14 @@ def test_node_codes_name_each_ranks_node_in_order_of_first_appearance(node_of_ra
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_a_swapped_placement_carries_the_node_codes_it_would_compute(data: st.DataObject) -> None:
-    from controller.placement import place, swap_nodes
+    from controller.placement import Placement, place, swap_nodes
     from controller.topology import Topology
     from trainer.config import MeshShape
 
     topology = Topology.from_local(nodes=8, gpus_per_node=2, racks=2, spares=0)
     placement = place(MeshShape(dp=3, pp=1, tp=2), topology)
     placement.node_codes  # (computed: a swap carries them over)
+    placement.columns()  # (and these: the racks of the groups that did not move)
     names = sorted(topology.names)
     used = sorted(placement.nodes())
     olds = data.draw(st.lists(st.sampled_from(used), unique=True, min_size=1, max_size=2))
@@ -79,6 +80,9 @@ def test_a_swapped_placement_carries_the_node_codes_it_would_compute(data: st.Da
         assert carried is not None
     if carried is not None:
         assert carried[0] == fresh[0] and carried[1].tolist() == fresh[1].tolist()
+        assert "_group_columns" in swapped.__dict__
+    anew = Placement(**{f: getattr(swapped, f) for f in swapped.__dataclass_fields__})
+    assert swapped.columns() == anew.columns()
 
 
 def test_a_placement_travels_without_what_it_computed_once() -> None:
