@@ -439,10 +439,11 @@ def replica_peer_point(held: Mapping[str, Sequence[Held]], *, identity: str, rep
 
 
 def _missing(parts: list[Sequence[int]], world: int) -> np.ndarray:
-    """The ranks of 0..world-1 that none of `parts` names (a count per rank, in numpy: 262,144 ranks
+    """The ranks of 0..world-1 that none of `parts` names (a mark per rank, in numpy: 262,144 ranks
     named at 131,072 ranks)."""
     listed = [p for p in parts if not isinstance(p, np.ndarray)]
-    named = np.concatenate([np.fromiter(itertools.chain.from_iterable(listed), dtype=np.int64, count=sum(map(len, listed))),
-                            *(p for p in parts if isinstance(p, np.ndarray))])
-    named = named[(named >= 0) & (named < world)]
-    return np.flatnonzero(np.bincount(named, minlength=world) == 0)
+    seen = np.zeros(world + 1, dtype=bool)
+    for named in (np.fromiter(itertools.chain.from_iterable(listed), dtype=np.int64, count=sum(map(len, listed))),
+                  *(p for p in parts if isinstance(p, np.ndarray))):
+        seen[np.clip(named, -1, world)] = True  # (a rank outside 0..world-1 lands on the spare last entry)
+    return np.flatnonzero(~seen[:world])

@@ -216,8 +216,8 @@ class SimWorkerGroup(SimReplicas):
             axes = {**axes, "dp": mesh.dp // mesh.dp_replicas}
         answers = np.fromiter(map(nodes.__contains__, names), dtype=bool, count=len(names))
         wiped = {n for n, at in self.memory_lost.items() if at >= taken}  # (a few: those lost since the snapshot)
-        if wiped:
-            answers[[i for i, n in enumerate(names) if n in wiped]] = False
+        for gone in wiped.intersection(names):  # (found in C: 16,384 names)
+            answers[names.index(gone)] = False
         answers = answers[keeper]
         return Holdings([HeldColumns(a, step, cursor, world, axes, identity, names, keeper[answers], ranks[answers])])
 
