@@ -445,5 +445,5 @@ def _missing(parts: list[Sequence[int]], world: int) -> np.ndarray:
     seen = np.zeros(world + 1, dtype=bool)
     for named in (np.fromiter(itertools.chain.from_iterable(listed), dtype=np.int64, count=sum(map(len, listed))),
                   *(p for p in parts if isinstance(p, np.ndarray))):
-        seen[np.clip(named, -1, world)] = True  # (a rank outside 0..world-1 lands on the spare last entry)
+        seen[np.clip(np.asarray(named), -1, world)] = True  # (a rank outside 0..world-1 lands on the spare last entry)
     return np.flatnonzero(~seen[:world])
