@@ -14,95 +14,21 @@ table definitions, with pooled connections and transactions that behave alike on
 from __future__ import annotations
 
 import contextlib
-from controller.events import EventKind
-from controller.service.migrations import upgrade
 import json
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from sqlalchemy import (
-    JSON, Column, Float, Integer, MetaData, String, Table, Text, UniqueConstraint, create_engine, delete, event, func,
-    insert, select, text, update,
-)
+from sqlalchemy import create_engine, delete, event, func, insert, select, text, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
 
-metadata = MetaData()
+from controller.events import EventKind
+from controller.service.migrations import upgrade
+from controller.service.tables import attempts, checkpoints, events, history, metadata, nodes, runs
 
-runs = Table(
-    "runs", metadata,
-    Column("id", String(128), primary_key=True),
-    Column("seq", Integer, nullable=False, unique=True),
-    Column("name", String(128), nullable=False),
-    Column("spec", JSON, nullable=False),
-    Column("state", String(16), nullable=False),
-    Column("created_at", Float, nullable=False),
-    Column("finished_at", Float),
-    Column("attempt", Integer, nullable=False, default=0),
-    Column("step", Integer, nullable=False, default=0),
-    Column("loss", Float),
-    Column("error", JSON),
-    Column("view", JSON),
-    Column("updated_at", Float, nullable=False),
-)
-
-attempts = Table(
-    "attempts", metadata,
-    Column("run_id", String(128), primary_key=True),
-    Column("attempt", Integer, primary_key=True),
-    Column("started_at", Float, nullable=False),
-    Column("mesh", JSON),
-    Column("placement", JSON),
-    Column("start_step", Integer, nullable=False, default=0),
-    Column("resume_step", Integer),
-    Column("ended_at", Float),
-    Column("ended_by", String(64)),
-)
-
-events = Table(
-    "events", metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("run_id", String(128), nullable=False, index=True),
-    Column("seq", Integer, nullable=False),
-    Column("time", Float, nullable=False),
-    Column("attempt", Integer, nullable=False),
-    Column("kind", String(64), nullable=False),
-    Column("detail", JSON, nullable=False),
-    UniqueConstraint("run_id", "seq"),
-)
-
-history = Table(
-    "history", metadata,
-    Column("run_id", String(128), primary_key=True),
-    Column("step", Integer, primary_key=True),
-    Column("loss", Float),
-    Column("attempt", Integer, nullable=False),
-    Column("started_at", Float),
-    Column("ended_at", Float),
-)
-
-checkpoints = Table(
-    "checkpoints", metadata,
-    Column("run_id", String(128), primary_key=True),
-    Column("step", Integer, primary_key=True),
-    Column("attempt", Integer, nullable=False),
-    Column("committed_at", Float, nullable=False),
-    Column("uri", String(1024)),
-    Column("bytes", Integer),
-    Column("seconds", Float),
-    Column("state", String(16), nullable=False, comment="committed, retired (by retention) or discarded (rollback)"),
-)
-
-nodes = Table(
-    "nodes", metadata,
-    Column("name", String(128), primary_key=True),
-    Column("state", String(16), nullable=False),
-    Column("reason", Text, nullable=False),
-    Column("run_id", String(128)),
-    Column("time", Float, nullable=False),
-)
+__all__ = ["Registry", "Saved", "metadata", "safe_url", "sqlite_url"]
 
 
 def safe_url(url: str) -> str:
@@ -310,6 +236,15 @@ class Registry:
         with self._lock, self.engine.connect() as conn:
             yield conn
 
+    def transaction(self) -> contextlib.AbstractContextManager[Connection]:
+        """A write transaction (refused once this service lost the lead), for the service's other tables
+        (controller/service/accounts.py)."""
+        return self._begin()
+
+    def reading(self) -> contextlib.AbstractContextManager[Connection]:
+        """A connection to read with."""
+        return self._connect()
+
     def close(self) -> None:
         self.offer_standby(False)
         leadership = getattr(self, "_leadership", None)
@@ -321,11 +256,12 @@ class Registry:
         self.engine.dispose()
 
     # -- runs -------------------------------------------------------------------------------------
-    def add_run(self, *, run_id: str, name: str, spec: dict, state: str, created_at: float) -> int:
-        """A new run; its submission number (runs start in this order)."""
+    def add_run(self, *, run_id: str, name: str, spec: dict, state: str, created_at: float,
+                team: str = "default") -> int:
+        """A new run of `team`; its submission number (runs start in this order)."""
         with self._begin() as conn:
             seq = (conn.execute(select(func.max(runs.c.seq))).scalar() or 0) + 1
-            conn.execute(insert(runs).values(id=run_id, seq=seq, name=name, spec=spec, state=state,
+            conn.execute(insert(runs).values(id=run_id, seq=seq, name=name, spec=spec, state=state, team=team,
                                              created_at=created_at, attempt=0, step=0, updated_at=created_at))
         return int(seq)
 
