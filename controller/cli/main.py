@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from controller.cli.accounts import add_commands as add_account_commands
 from controller.cli.client import DEFAULT_HOST, DEFAULT_PORT
 from controller.cli.local import (DEFAULT_API, checkpoints_from_store, cmd_dashboards_push, cmd_k8s_node_labels,
                                   cmd_plan, cmd_run, cmd_serve, cmd_simulate)
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("node", nargs="?", help="with release: the node to release")
     nodes.add_argument("--json", action="store_true")
     nodes.set_defaults(func=cmd_nodes)
+    add_account_commands(sub)
     k8s_labels = sub.add_parser("k8s-node-labels", help="(a Ray worker pod's init container) write the Ray node "
                                                         "labels of this pod's Kubernetes node for ray start --labels-file")
     k8s_labels.add_argument("--node", help="Kubernetes node name (default $NODE_NAME)")

@@ -8,8 +8,9 @@ document with the error envelope `{"error": {"code", "message"}}`.
 
 from __future__ import annotations
 
-import secrets
+import asyncio
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -21,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controller.service.auth import TOKEN_ENV
+from controller.service.accounts import MAX_AUDIT_PAGE, Accounts, BearerVerifier
+from controller.service.identity import DEFAULT_TEAM, Principal, Role
 from controller.service.metrics import ServiceCollector
 from controller.drills import DrillKind, rank_target
 from controller.errors import ApiBindError, ServiceError
@@ -46,7 +48,8 @@ class ErrorEnvelope(BaseModel):
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    text = {400: "Rejected request", 401: "Missing or wrong token", 404: "No such run or drill",
+    text = {400: "Rejected request", 401: "Missing or wrong token", 403: "Outside the token's role",
+            404: "No such run, drill or token",
             409: "Conflicts with the run's state", 413: "Body too large", 422: "Invalid input",
             429: "Too many"}
     return {c: {"model": ErrorEnvelope, "description": text[c]} for c in codes}
@@ -71,11 +74,53 @@ class DrillBody(BaseModel):
                               f"that fails ({', '.join(PROTOCOL_POINTS)}; default reduce)")
 
 
+class TokenBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=128, description="who it is for: a person or a team's automation")
+    team: str = Field(DEFAULT_TEAM, max_length=63, description="the team whose runs it submits and sees")
+    role: str = Field("submitter", max_length=16, description="viewer, submitter, operator or admin")
+
+
+class TeamBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=63, description="lowercase letters, digits and '-'")
+    gpu_quota: int | None = Field(None, description="GPUs its runs may hold at once (default: no limit)")
+
+
 class ResumeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     step: int | None = Field(None, ge=0, le=10**9, description="committed step to start from (default: the latest); "
                                                                "newer commits are discarded")
     steps: int | None = Field(None, gt=0, le=10**9, description="train to this many steps (default: the spec's)")
+
+
+class _Audited:
+    """Every mutating request (POST, PUT, PATCH, DELETE) into the audit log once answered: who (the
+    principal the route's dependency found, or unauthenticated), the method and path, the status."""
+
+    def __init__(self, app: Any, *, accounts: Accounts) -> None:
+        self.app, self.accounts = app, accounts
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def answered(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, answered)
+        finally:
+            principal = (scope.get("state") or {}).get("principal")
+            try:
+                await asyncio.to_thread(self.accounts.record, principal, scope["method"], scope["path"], status)
+            except Exception as e:  # (a registry that cannot be written must not turn an answer into an error)
+                print(f"goodput: audit record of {scope['method']} {scope['path']} failed: {e}", file=sys.stderr)
 
 
 class _BoundedBody:
@@ -109,18 +154,40 @@ class _BoundedBody:
         await self.app(scope, counted, send)
 
 
-def create_app(service: Service, *, token: str | None = None) -> FastAPI:
-    """The `/v1` app. With a token, every call but /healthz and /readyz needs `Authorization: Bearer <token>`."""
+def create_app(service: Service, *, token: str | None = None, oidc: BearerVerifier | None = None) -> FastAPI:
+    """The `/v1` app. With a token, every call but /healthz and /readyz needs `Authorization: Bearer
+    <token>`: the service's own `token` (admin), a registry token (`goodput tokens create`: its role
+    and team), or an identity provider's JWT (`oidc`). Each route names the role it needs (403 names
+    it too), a team sees its own runs only (an operator any), and every mutating request is written
+    to the audit log (GET /v1/audit)."""
     app = FastAPI(title="goodput", version="1",
                   description="Fault-tolerant orchestration of LLM training runs (DESIGN.md, REST /v1).")
+    accounts = Accounts(service.registry, service_token=token, clock=service.clock, oidc=oidc)
+    app.state.accounts = accounts
 
-    def authorized(authorization: str | None = Header(None, include_in_schema=False)) -> None:
-        if token is not None and not secrets.compare_digest((authorization or "").encode(),
-                                                            f"Bearer {token}".encode()):
-            raise ServiceError("unauthorized", f"send 'Authorization: Bearer <token>' (the {TOKEN_ENV} or "
-                                                    "token file the service was started with)")
+    def principal(request: Request, authorization: str | None = Header(None, include_in_schema=False)) -> Principal:
+        found = accounts.authenticate(authorization)
+        request.state.principal = found  # (the audit log's who)
+        return found
+
+    def need(role: Role) -> Any:
+        def allowed(p: Principal = Depends(principal)) -> Principal:
+            if not p.may(role):
+                raise ServiceError("forbidden", f"this needs the {role.label} role or above; {p.name} (team {p.team}) "
+                                                f"is a {p.role.label}: ask an admin for a token with that role")
+            return p
+        return Depends(allowed)
+
+    def seen(p: Principal, run_id: str) -> str:
+        """`run_id`, when `p` may see it: another team's run is not found, as if it did not exist."""
+        if not p.sees(service.team_of(run_id)):
+            raise ServiceError("run_not_found", f"no run {run_id!r} on this service (`goodput list` shows its runs)")
+        return run_id
+
+    viewer, submitter, operator, admin = (need(r) for r in (Role.VIEWER, Role.SUBMITTER, Role.OPERATOR, Role.ADMIN))
 
     app.add_middleware(_BoundedBody, limit=MAX_SPEC_BYTES)
+    app.add_middleware(_Audited, accounts=accounts)
 
     @app.exception_handler(ServiceError)
     def _service_error(_: Request, e: ServiceError) -> JSONResponse:
@@ -136,7 +203,6 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return _envelope(e.status_code, "body_too_large" if e.status_code == 413 else "http_error", str(e.detail))
 
-    auth = [Depends(authorized)]
     run_id_param = Path(pattern=RUN_ID, description="run id")
 
     @app.get("/healthz")
@@ -151,85 +217,127 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     metrics_registry.register(ServiceCollector(service))
     ProcessCollector(registry=metrics_registry)
 
-    @app.get("/metrics", dependencies=auth, responses={**_errors(401), 200: {
+    @app.get("/metrics", dependencies=[viewer], responses={**_errors(401, 403), 200: {
         "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text format"}},
         response_class=PlainTextResponse)
     def metrics() -> Response:
         """Every goodput_* metric (controller/service/metrics.py) for Prometheus to scrape."""
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/runs", status_code=201, dependencies=auth, responses=_errors(401, 409, 413, 422, 429))
-    def submit(spec: RunSpec = Body(description="the run spec (DESIGN.md)")) -> dict[str, Any]:
-        return service.submit(spec.model_dump(mode="json", exclude_unset=True))
+    @app.get("/v1/whoami", responses=_errors(401))
+    def whoami(p: Principal = Depends(principal)) -> dict[str, Any]:
+        """The principal the token names: name, team, role."""
+        return p.to_dict()
 
-    @app.get("/v1/runs", dependencies=auth, responses=_errors(401))
-    def list_runs() -> list[dict[str, Any]]:
-        return service.runs()
+    @app.post("/v1/runs", status_code=201, responses=_errors(401, 403, 409, 413, 422, 429))
+    def submit(spec: RunSpec = Body(description="the run spec (DESIGN.md)"), p: Principal = submitter) -> dict[str, Any]:
+        """A new run of the token's team."""
+        return service.submit(spec.model_dump(mode="json", exclude_unset=True), team=p.team)
 
-    @app.get("/v1/runs/{run_id}", dependencies=auth, responses=_errors(401, 404, 422))
-    def get_run(run_id: str = run_id_param) -> dict[str, Any]:
-        return service.run(run_id)
+    @app.get("/v1/runs", responses=_errors(401, 403))
+    def list_runs(p: Principal = viewer) -> list[dict[str, Any]]:
+        """The runs the token's team may see (an operator's: every team's)."""
+        return [r for r in service.runs() if p.sees(r.get("team", DEFAULT_TEAM))]
 
-    @app.get("/v1/runs/{run_id}/spec", dependencies=auth, responses=_errors(401, 404, 422))
-    def get_spec(run_id: str = run_id_param) -> dict[str, Any]:
+    @app.get("/v1/runs/{run_id}", responses=_errors(401, 403, 404, 422))
+    def get_run(run_id: str = run_id_param, p: Principal = viewer) -> dict[str, Any]:
+        return service.run(seen(p, run_id))
+
+    @app.get("/v1/runs/{run_id}/spec", responses=_errors(401, 403, 404, 422))
+    def get_spec(run_id: str = run_id_param, p: Principal = viewer) -> dict[str, Any]:
         """The run's spec as the service holds it (a resume's, if one changed it)."""
-        return service.spec(run_id)
+        return service.spec(seen(p, run_id))
 
-    @app.get("/v1/runs/{run_id}/events", dependencies=auth, responses=_errors(401, 404, 422))
+    @app.get("/v1/runs/{run_id}/events", responses=_errors(401, 403, 404, 422))
     def get_events(run_id: str = run_id_param,
                    after: int = Query(-1, ge=-1, le=2**31, description="events after this seq"),
-                   limit: int = Query(MAX_EVENTS_PAGE, ge=1, le=MAX_EVENTS_PAGE)) -> list[dict[str, Any]]:
-        return service.events(run_id, after=after, limit=limit)
+                   limit: int = Query(MAX_EVENTS_PAGE, ge=1, le=MAX_EVENTS_PAGE),
+                   p: Principal = viewer) -> list[dict[str, Any]]:
+        return service.events(seen(p, run_id), after=after, limit=limit)
 
-    @app.get("/v1/runs/{run_id}/history", dependencies=auth, responses=_errors(401, 404, 422))
+    @app.get("/v1/runs/{run_id}/history", responses=_errors(401, 403, 404, 422))
     def get_history(run_id: str = run_id_param,
                     after: int = Query(-1, ge=-1, le=2**31, description="steps after this one"),
-                    limit: int = Query(MAX_HISTORY_PAGE, ge=1, le=MAX_HISTORY_PAGE)) -> list[dict[str, Any]]:
+                    limit: int = Query(MAX_HISTORY_PAGE, ge=1, le=MAX_HISTORY_PAGE),
+                    p: Principal = viewer) -> list[dict[str, Any]]:
         """Every kept step: loss, attempt, and when it ran (start and end, Unix seconds)."""
-        return service.history(run_id, after=after, limit=limit)
+        return service.history(seen(p, run_id), after=after, limit=limit)
 
-    @app.get("/v1/runs/{run_id}/attempts", dependencies=auth, responses=_errors(401, 404, 422))
-    def get_attempts(run_id: str = run_id_param) -> list[dict[str, Any]]:
-        return service.attempts(run_id)
+    @app.get("/v1/runs/{run_id}/attempts", responses=_errors(401, 403, 404, 422))
+    def get_attempts(run_id: str = run_id_param, p: Principal = viewer) -> list[dict[str, Any]]:
+        return service.attempts(seen(p, run_id))
 
-    @app.get("/v1/runs/{run_id}/checkpoints", dependencies=auth, responses=_errors(401, 404, 422))
-    def get_checkpoints(run_id: str = run_id_param) -> list[dict[str, Any]]:
-        return service.checkpoints(run_id)
+    @app.get("/v1/runs/{run_id}/checkpoints", responses=_errors(401, 403, 404, 422))
+    def get_checkpoints(run_id: str = run_id_param, p: Principal = viewer) -> list[dict[str, Any]]:
+        return service.checkpoints(seen(p, run_id))
 
-    @app.post("/v1/runs/{run_id}/cancel", dependencies=auth, responses=_errors(401, 404, 422))
-    def cancel(run_id: str = run_id_param) -> dict[str, Any]:
-        return service.cancel(run_id)
+    @app.post("/v1/runs/{run_id}/cancel", responses=_errors(401, 403, 404, 422))
+    def cancel(run_id: str = run_id_param, p: Principal = submitter) -> dict[str, Any]:
+        return service.cancel(seen(p, run_id))
 
-    @app.post("/v1/runs/{run_id}/resume", dependencies=auth, responses=_errors(401, 404, 409, 413, 422))
-    def resume(run_id: str = run_id_param, body: ResumeBody | None = Body(None)) -> dict[str, Any]:
-        return service.resume(run_id, step=body.step if body else None, steps=body.steps if body else None)
+    @app.post("/v1/runs/{run_id}/resume", responses=_errors(401, 403, 404, 409, 413, 422))
+    def resume(run_id: str = run_id_param, body: ResumeBody | None = Body(None), p: Principal = submitter) -> dict[str, Any]:
+        return service.resume(seen(p, run_id), step=body.step if body else None, steps=body.steps if body else None)
 
-    @app.post("/v1/runs/{run_id}/drills", status_code=202, dependencies=auth,
-              responses=_errors(400, 401, 404, 409, 413, 422, 429))
-    def request_drill(body: DrillBody, run_id: str = run_id_param) -> dict[str, Any]:
+    @app.post("/v1/runs/{run_id}/drills", status_code=202,
+              responses=_errors(400, 401, 403, 404, 409, 413, 422, 429))
+    def request_drill(body: DrillBody, run_id: str = run_id_param, p: Principal = operator) -> dict[str, Any]:
         request = service.request_drill(run_id, body.kind, target=rank_target(body.target), at_step=body.at_step,
                                         factor=body.factor, seconds=body.seconds, delay_ms=body.delay_ms,
                                         loss=body.loss, point=body.point)
         return {**request.to_dict(), "run_id": run_id, "outcome": "scheduled"}
 
-    @app.get("/v1/drills/{drill_id}", dependencies=auth, responses=_errors(401, 404, 422))
-    def get_drill(drill_id: str = Path(pattern=DRILL_ID, description="drill id")) -> dict[str, Any]:
-        return service.drill(drill_id)
+    @app.get("/v1/drills/{drill_id}", responses=_errors(401, 403, 404, 422))
+    def get_drill(drill_id: str = Path(pattern=DRILL_ID, description="drill id"), p: Principal = viewer) -> dict[str, Any]:
+        report = service.drill(drill_id)
+        if not p.sees(service.team_of(report["run_id"])):
+            raise ServiceError("drill_not_found", f"no drill {drill_id!r} on this service")
+        return report
 
-    @app.get("/v1/nodes", dependencies=auth, responses=_errors(401))
+    @app.get("/v1/nodes", dependencies=[viewer], responses=_errors(401, 403))
     def nodes() -> dict[str, Any]:
         """Every node with its state for the service (healthy, spare, quarantined, lost) and the run on it."""
         return service.cluster_view()
 
-    @app.post("/v1/nodes/{name}/release", dependencies=auth, responses=_errors(401, 404, 422))
+    @app.post("/v1/nodes/{name}/release", dependencies=[operator], responses=_errors(401, 403, 404, 422))
     def release_node(name: str = Path(pattern=NODE_NAME, description="node name")) -> dict[str, Any]:
         """An operator's release of a quarantined node: new runs may use it again; on Kubernetes its
         goodput taint goes, and its cordon if goodput made it."""
         return service.release_node(name)
 
-    @app.get("/v1/cluster", dependencies=auth, responses=_errors(401))
+    @app.get("/v1/cluster", dependencies=[viewer], responses=_errors(401, 403))
     def cluster() -> dict[str, Any]:
         return service.cluster_view()
+
+    @app.get("/v1/audit", dependencies=[operator], responses=_errors(401, 403, 422))
+    def get_audit(after: int = Query(0, ge=0, le=2**62, description="rows after this id"),
+                  limit: int = Query(MAX_AUDIT_PAGE, ge=1, le=MAX_AUDIT_PAGE)) -> list[dict[str, Any]]:
+        """Every mutating request: who (name, team, role, how they signed in), what (method, path), when,
+        and the answer's HTTP status."""
+        return accounts.audit(after=after, limit=limit)
+
+    @app.get("/v1/teams", dependencies=[viewer], responses=_errors(401, 403))
+    def list_teams() -> list[dict[str, Any]]:
+        return accounts.teams()
+
+    @app.post("/v1/teams", status_code=201, dependencies=[admin], responses=_errors(401, 403, 409, 422))
+    def create_team(body: TeamBody) -> dict[str, Any]:
+        return accounts.add_team(body.name, gpu_quota=body.gpu_quota)
+
+    @app.get("/v1/tokens", dependencies=[admin], responses=_errors(401, 403))
+    def list_tokens() -> list[dict[str, Any]]:
+        """Every token made (never the token itself: only its hash is kept)."""
+        return accounts.tokens()
+
+    @app.post("/v1/tokens", status_code=201, responses=_errors(401, 403, 422))
+    def create_token(body: TokenBody, p: Principal = admin) -> dict[str, Any]:
+        """A new token; the answer is the only place the token is ever shown."""
+        return accounts.create_token(name=body.name, team=body.team, role=body.role, by=p)
+
+    @app.post("/v1/tokens/{token_id}/revoke", dependencies=[admin], responses=_errors(401, 403, 404, 422))
+    def revoke_token(token_id: str = Path(pattern=r"^[0-9a-f]{12}$", description="token id")) -> dict[str, Any]:
+        """The token is refused from now on; the runs it submitted go on."""
+        return accounts.revoke(token_id)
 
     return app
 
@@ -237,7 +345,8 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
 HTTP_STATUS = {
     "drill_rejected": 400, "invalid_request": 422, "invalid_spec": 422, "does_not_fit": 422,
     "no_such_checkpoint": 422, "spec_too_large": 413, "unauthorized": 401,
-    "run_not_found": 404, "drill_not_found": 404, "node_not_quarantined": 404,
+    "run_not_found": 404, "drill_not_found": 404, "node_not_quarantined": 404, "token_not_found": 404,
+    "forbidden": 403, "unknown_team": 422, "team_exists": 409,
     "run_ended": 409, "run_not_ended": 409, "submissions_closed": 409, "checkpoint_mismatch": 409,
     "too_many_drills": 429, "too_many_runs": 429, "not_leading": 503,
 }

@@ -70,6 +70,8 @@ class LiveRun:
     controller: RunController
     seq: int
     group: WorkerGroup
+    team: str = "default"
+    """The team it was submitted for (a registry token's; runs from before teams: default)."""
     lock: RunLock = field(default_factory=RunLock)
     saved: Saved = field(default_factory=Saved)
     thread: threading.Thread | None = None
@@ -97,7 +99,7 @@ class LiveRun:
     def render(self, now: float) -> dict[str, Any]:
         """The Run object as of `now` (under the run's lock)."""
         with self.lock:
-            return self.controller.to_dict(now, full=False)
+            return {**self.controller.to_dict(now, full=False), "team": self.team}
 
     def reconcile_index(self, registry: Registry, wait_s: float) -> None:
         """Reconcile the registry's checkpoint index with the store (Registry.reconcile_checkpoints) in

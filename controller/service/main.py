@@ -82,10 +82,10 @@ def serve_forever(opts: ServeOptions) -> int:
     check_bind(opts.host, explicit)
     token, path, made = ensure_token(state, explicit)
     if path is not None:
-        log(f"API token {'made and kept' if made else 'read from'} {path} (owner-only; send it as "
-            "'Authorization: Bearer <token>', or set GOODPUT_TOKEN)")
+        log(f"admin API token {'made and kept' if made else 'read from'} {path} (owner-only; send it as "
+            "'Authorization: Bearer <token>', or set GOODPUT_TOKEN; `goodput tokens create` makes tokens for others)")
     else:
-        log(f"API token from {TOKEN_ENV}")
+        log(f"admin API token from {TOKEN_ENV}")
     registry = Registry(opts.db or sqlite_url(opts.state_dir), migrate=False)  # migrated once this one leads
     log(f"registry {safe_url(registry.url)}")
     stop = threading.Event()

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from controller.errors import ServiceError
 from controller.events import EventKind
 from controller.drills import DrillError, DrillInjector, DrillRequest
+from controller.service.identity import DEFAULT_TEAM
 from controller.service.intake import (
     ID_CANDIDATES, MAX_RUNS, StoreFactory, drill_allowed, free_ids, parse_submission, resume_spec, run_store,
 )
@@ -142,16 +143,16 @@ class Service:
                 self._save(live)
 
     # -- requests ---------------------------------------------------------------------------------------
-    def submit(self, raw: Any) -> dict[str, Any]:
-        """A run submitted through the API (refused by the one-run service of `goodput run`)."""
+    def submit(self, raw: Any, *, team: str = DEFAULT_TEAM) -> dict[str, Any]:
+        """A run submitted through the API for `team` (refused by the one-run service of `goodput run`)."""
         if not self.accept_submissions:
             raise ServiceError("submissions_closed", "this API serves the one run of `goodput run`; "
                                                           "submit runs to `goodput serve`")
-        return self.add(parse_submission(raw, relative_root=self.relative_root))
+        return self.add(parse_submission(raw, relative_root=self.relative_root), team=team)
 
-    def add(self, spec: RunSpec) -> dict[str, Any]:
-        """Queue a validated spec; the Run object (pending). A provider model is asked for its numbers
-        first: one this service cannot import is refused (invalid_spec, saying what to install)."""
+    def add(self, spec: RunSpec, *, team: str = DEFAULT_TEAM) -> dict[str, Any]:
+        """Queue a validated spec of `team`; the Run object (pending). A provider model is asked for its
+        numbers first: one this service cannot import is refused (invalid_spec, saying what to install)."""
         try:
             spec = with_model_numbers(spec)
         except SpecError as e:
@@ -180,8 +181,8 @@ class Service:
                                              "submission starts a new run (goodput resume continues an old one)",
                                       occupied=occupied)
             seq = self.registry.add_run(run_id=run_id, name=spec.name, spec=spec.model_dump(mode="json"),
-                                        state=controller.state.value, created_at=now)
-            live = LiveRun(controller, seq, group)
+                                        state=controller.state.value, created_at=now, team=team)
+            live = LiveRun(controller, seq, group, team=team)
             self._runs[run_id] = live
             self._save(live)
             return self._last_view(live)
@@ -191,6 +192,10 @@ class Service:
 
     def run(self, run_id: str) -> dict[str, Any]:
         return self._last_view(self._live(run_id))
+
+    def team_of(self, run_id: str) -> str:
+        """The team a run belongs to (run_not_found when there is no such run)."""
+        return self._live(run_id).team
 
     def _last_view(self, live: LiveRun) -> dict[str, Any]:
         return live.view if live.view is not None else self._view(live)
@@ -482,7 +487,7 @@ class Service:
             c = self._new_controller(spec, run_id, group, store, created_at=row["created_at"])
             events = self.registry.all_events(run_id)
             c.restore(events=events, history=self.registry.history(run_id))
-            live = LiveRun(c, int(row["seq"]), group)
+            live = LiveRun(c, int(row["seq"]), group, team=row.get("team") or DEFAULT_TEAM)
             live.saved.events = len(events)
             live.saved.history = [(int(h["step"]), int(h["attempt"])) for h in c.progress.history]
             carried = carry_on(c, row, events, store_reachable=store is not None, now=now)

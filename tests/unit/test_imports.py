@@ -27,7 +27,7 @@ PURE_MODULES = [
     "health.straggler", "health.sdc", "controller.accounting", "controller.k8s.topology", "controller.errors",
     "controller.views", "controller.sim.run", "checkpointing.store.memory", "checkpointing.store.faults",
     "controller.service.scheduler", "controller.cli.render", "controller.checkpoints", "trainer.shards",
-    "trainer.presets", "trainer.tokenize", "controller.providers", "trainer.protocol",
+    "trainer.presets", "trainer.tokenize", "controller.providers", "trainer.protocol", "controller.service.identity",
 ]
 
 
