@@ -231,7 +231,9 @@ def cmd_serve(opts: argparse.Namespace) -> int:
             address=opts.address, local_nodes=opts.local_nodes, gpus_per_node=opts.gpus_per_node, racks=opts.racks,
             spares=opts.spares, gpu_memory_gb=opts.gpu_memory_gb, kubernetes=opts.kubernetes,
             rack_label=opts.rack_label, domain_label=opts.domain_label, advertise_host=opts.advertise_host,
-            repair_after_s=opts.repair_after_s, standby=opts.standby))
+            repair_after_s=opts.repair_after_s, standby=opts.standby,
+            oidc=dict(issuer=opts.oidc_issuer, audience=opts.oidc_audience, jwks=opts.oidc_jwks,
+                      team_claim=opts.oidc_team_claim, role_claim=opts.oidc_role_claim) if opts.oidc_issuer else None))
     except AuthConfigError as e:
         raise CliError(str(e)) from None
     except OSError as e:

@@ -128,6 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--domain-label", default="nvidia.com/gpu.clique",
                        help="Kubernetes node label of a multi-node NVLink domain; it groups before the rack label "
                             "('' : none)")
+    serve.add_argument("--oidc-issuer", default=os.environ.get("GOODPUT_OIDC_ISSUER"),
+                       help="accept an identity provider's JWTs from this issuer as well as goodput tokens "
+                            "(default $GOODPUT_OIDC_ISSUER)")
+    serve.add_argument("--oidc-audience", default=os.environ.get("GOODPUT_OIDC_AUDIENCE", "goodput"),
+                       help="the audience its tokens must name (default $GOODPUT_OIDC_AUDIENCE or goodput)")
+    serve.add_argument("--oidc-jwks", default=os.environ.get("GOODPUT_OIDC_JWKS"),
+                       help="its signing keys: a JWKS URL or file (default: from the issuer's discovery document)")
+    serve.add_argument("--oidc-team-claim", default="goodput_team", help="the claim that names the team")
+    serve.add_argument("--oidc-role-claim", default="goodput_role",
+                       help="the claim that names the role (viewer when absent)")
     serve.set_defaults(func=cmd_serve)
     submit = sub.add_parser("submit", help="submit SPEC.yaml to the service")
     submit.add_argument("spec")

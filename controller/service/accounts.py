@@ -27,7 +27,9 @@ MAX_AUDIT_PAGE = 1000
 
 
 class BearerVerifier(Protocol):
-    def __call__(self, bearer: str) -> Principal | None: ...
+    """An identity provider's verifier (controller/service/oidc.py): the principal, or ServiceError."""
+
+    def __call__(self, bearer: str) -> Principal: ...
 
 
 class Accounts:
@@ -59,8 +61,11 @@ class Accounts:
             return self._registry_token(bearer, *parts)
         if self.oidc is not None and bearer.count(".") == 2:
             principal = self.oidc(bearer)
-            if principal is not None:
-                return principal
+            if principal.team not in {t["name"] for t in self.teams()}:
+                raise ServiceError("forbidden", f"{principal.name}'s team {principal.team!r} (from the identity "
+                                                f"provider) is not a team of this service: an admin makes it with "
+                                                f"`goodput teams create {principal.team}`")
+            return principal
         raise ServiceError("unauthorized", "the token is not one this service knows: a token from `goodput tokens "
                                            "create`, the service's own, or an identity provider's it was told of")
 

@@ -61,6 +61,9 @@ class ServeOptions:
     """This process's address as the ranks reach it (their rendezvous store)."""
     repair_after_s: float | None = 5.0
     """Embedded cluster: a killed node comes back this long after (None: never)."""
+    oidc: dict[str, Any] | None = None
+    """An identity provider whose JWTs are accepted beside goodput tokens: controller/service/oidc.py's
+    OidcSettings (issuer, audience, jwks, team_claim, role_claim)."""
 
 
 def log(message: str) -> None:
@@ -71,6 +74,7 @@ def serve_forever(opts: ServeOptions) -> int:
     from controller.service.auth import TOKEN_ENV
     from controller.ray.cluster import LocalRayCluster, RemoteRayCluster, make_cluster
     from controller.service.app import ApiServer, create_app
+    from controller.service.oidc import OidcSettings, OidcVerifier
     from controller.service.auth import check_bind, ensure_token
     from controller.service.registry import Registry, safe_url, sqlite_url
     from controller.spec import LocalClusterSpec
@@ -134,7 +138,12 @@ def serve_forever(opts: ServeOptions) -> int:
         carried = [r["id"] for r in service.runs() if r["state"] not in ("succeeded", "failed", "cancelled")]
         if carried:
             log(f"carrying on {len(carried)} unfinished run(s): {', '.join(carried)}")
-        server = ApiServer(create_app(service, token=token), opts.host, opts.port).start()
+        oidc = OidcVerifier(OidcSettings(**opts.oidc)) if opts.oidc is not None else None
+        if oidc is not None:
+            s = oidc.settings
+            log(f"identity provider {s.issuer} (audience {s.audience}): its tokens name a team ({s.team_claim}) "
+                f"and a role ({s.role_claim})")
+        server = ApiServer(create_app(service, token=token, oidc=oidc), opts.host, opts.port).start()
         log(f"API on {server.url} (GOODPUT_URL={server.url})")
         since: float | None = None  # when the cluster stopped answering, or every run's heartbeats
         asked = checked = 0.0
