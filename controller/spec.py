@@ -339,8 +339,14 @@ class CostModelSpec(_Strict):
     replica_stall_s: float | None = Field(default=None, ge=0)
 
 
+PRIORITY_CLASSES = {"low": 0, "normal": 100, "high": 200, "critical": 300}
+"""A run's priority class (`priority:` in its spec) and its rank in a service's queue: a higher class is
+admitted first (controller/service/scheduler.py)."""
+
+
 class RunSpec(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    priority: str = Field(default="normal", description=f"priority class: {', '.join(PRIORITY_CLASSES)}")
     model: ModelSpec
     data: DataSpec = DataSpec()
     train: TrainSpec
@@ -354,6 +360,13 @@ class RunSpec(_Strict):
     """`goodput simulate` only."""
     cost: CostModelSpec = CostModelSpec()
     """`goodput simulate` only."""
+
+    @field_validator("priority")
+    @classmethod
+    def _known_priority(cls, value: str) -> str:
+        if value not in PRIORITY_CLASSES:
+            raise ValueError(f"priority class {value!r} does not exist: one of {', '.join(PRIORITY_CLASSES)}")
+        return value
 
     @model_validator(mode="after")
     def _batch_while_healing(self) -> "RunSpec":

@@ -165,11 +165,12 @@ def cmd_list(opts: argparse.Namespace) -> int:
     if not runs:
         print("no runs")
         return 0
-    table(["run", "state", "step", "loss", "attempt", "mesh", "created", "note"],
+    table(["run", "state", "step", "loss", "attempt", "mesh", "created", "team", "priority", "note"],
            [[r["id"], r["state"], f"{r['step']}/{r.get('total_steps', '?')}",
              "" if r["loss"] is None else f"{r['loss']:.4f}", r["attempt"],
              "" if not r["mesh"] else f"dp{r['mesh']['dp']} pp{r['mesh']['pp']} tp{r['mesh']['tp']}",
-             when(r["created_at"]), r.get("waiting_for") or (r.get("error") or {}).get("message", "")]
+             when(r["created_at"]), r.get("team", "-"), r.get("priority", "-"),
+             r.get("waiting_for") or (r.get("error") or {}).get("message", "")]
             for r in runs])
     return 0
 

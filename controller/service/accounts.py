@@ -171,3 +171,9 @@ class Accounts:
 
 def _token_row(row: Any) -> dict[str, Any]:
     return {k: row[k] for k in ("id", "name", "team", "role", "created_at", "created_by", "revoked_at")}
+
+
+def team_quotas(registry: Registry) -> dict[str, int | None]:
+    """team -> the GPUs its runs may hold at once (None: no limit), for the scheduler."""
+    with registry.reading() as conn:
+        return {r.name: r.gpu_quota for r in conn.execute(select(teams.c.name, teams.c.gpu_quota))}

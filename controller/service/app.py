@@ -346,7 +346,7 @@ HTTP_STATUS = {
     "drill_rejected": 400, "invalid_request": 422, "invalid_spec": 422, "does_not_fit": 422,
     "no_such_checkpoint": 422, "spec_too_large": 413, "unauthorized": 401,
     "run_not_found": 404, "drill_not_found": 404, "node_not_quarantined": 404, "token_not_found": 404,
-    "forbidden": 403, "unknown_team": 422, "team_exists": 409,
+    "forbidden": 403, "unknown_team": 422, "team_exists": 409, "over_quota": 422,
     "run_ended": 409, "run_not_ended": 409, "submissions_closed": 409, "checkpoint_mismatch": 409,
     "too_many_drills": 429, "too_many_runs": 429, "not_leading": 503,
 }

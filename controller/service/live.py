@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from controller.attempt import WorkerGroup
 from controller.service.registry import Registry, Saved
-from controller.service.scheduler import Admission, admission
+from controller.service.scheduler import Admission, admission, requested_gpus
 from controller.spec import RunSpec
 from controller.state import RunController
 from controller.topology import Topology
@@ -84,6 +84,7 @@ class LiveRun:
     _verdict: tuple[tuple[RunSpec, Topology, Topology], Admission] | None = None
     """The last admission verdict and the nodes it was reached on (a queued run is planned again only
     when they change, not at every scheduler pass)."""
+    _requested: tuple[RunSpec, int] | None = None
 
     def __post_init__(self) -> None:
         self.controller.outside_lock = self.lock.released
@@ -99,7 +100,8 @@ class LiveRun:
     def render(self, now: float) -> dict[str, Any]:
         """The Run object as of `now` (under the run's lock)."""
         with self.lock:
-            return {**self.controller.to_dict(now, full=False), "team": self.team}
+            return {**self.controller.to_dict(now, full=False), "team": self.team,
+                    "priority": self.controller.spec.priority}
 
     def reconcile_index(self, registry: Registry, wait_s: float) -> None:
         """Reconcile the registry's checkpoint index with the store (Registry.reconcile_checkpoints) in
@@ -129,6 +131,13 @@ class LiveRun:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run {self.controller.run_id} did not end in {timeout_s:.0f} s")
             time.sleep(poll_s)
+
+    def requested_gpus(self, total: Topology) -> int:
+        """The GPUs the run asks for (its spec's mesh, or planned once on the usable nodes for auto)."""
+        spec = self.controller.spec
+        if self._requested is None or self._requested[0] is not spec:
+            self._requested = (spec, requested_gpus(spec, total))
+        return self._requested[1]
 
     def admission(self, free: Topology, total: Topology) -> Admission:
         """The scheduler's verdict on this queued run (service/scheduler.py), again only when the nodes changed."""

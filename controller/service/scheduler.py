@@ -1,8 +1,12 @@
-"""Admission: which queued run starts now. Runs are admitted in submission order (first come, first
-served), each when its plan fits the nodes no other run holds; a run that does not fit blocks the ones
-behind it (no overtaking: a big run is never starved by small ones), and a run the whole cluster can no
-longer hold (nodes quarantined or lost since it was queued) is refused. Pure: the service's scheduler
-thread applies the verdicts."""
+"""Admission: which queued run starts now. The queue is ordered by priority class (higher first), then
+by its team's fair share (the team using the smaller part of its GPU quota first), then by submission;
+each run is admitted when its plan fits the nodes no other run holds and its team's quota has room.
+A run that waits for capacity holds back every run ordered after it (no overtaking: the nodes freed go
+to it first, so small runs arriving later never starve a big one, and the fair share only orders
+teams by the part of their quota in use, so a team running nothing is first within its class). A run
+waiting for its own team's quota holds back no other team. A run the whole cluster can no longer hold
+(nodes quarantined or lost since it was queued) is refused. Pure: the service's scheduler thread
+applies the verdicts."""
 
 from __future__ import annotations
 
@@ -14,7 +18,48 @@ from controller.planner import MeshPlan, plan_run
 from controller.spec import RunSpec, SpecError
 from controller.topology import NodeState, Topology
 
-BEHIND_EARLIER = "runs submitted earlier wait for capacity first"
+BEHIND_EARLIER = ("runs queued ahead of it (earlier, or of a higher priority, or of a team using less of its "
+                  "quota) wait for capacity first")
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A run as the queue orders it."""
+    seq: int
+    team: str
+    priority: int
+    gpus: int
+
+
+def queue_order(queued: list[Queued], usage: dict[str, int], quotas: dict[str, int | None], total_gpus: int
+                ) -> list[Queued]:
+    """Priority (higher first), then the team's share of its quota in use now (a team without a quota:
+    of the whole cluster), then submission."""
+    def share(team: str) -> float:
+        quota = quotas.get(team)
+        return usage.get(team, 0) / (quota if quota else max(total_gpus, 1))
+    return sorted(queued, key=lambda q: (-q.priority, share(q.team), q.seq))
+
+
+def quota_problem(run: Queued, usage: dict[str, int], quotas: dict[str, int | None]) -> str | None:
+    """Why the run's team cannot take its GPUs now (None: it can)."""
+    quota = quotas.get(run.team)
+    held = usage.get(run.team, 0)
+    if quota is None or held + run.gpus <= quota:
+        return None
+    return (f"waiting for team {run.team}'s quota: its runs hold {held} of its {quota} GPU(s) and this one needs "
+            f"{run.gpus}")
+
+
+def requested_gpus(spec: RunSpec, total: Topology) -> int:
+    """The GPUs a run asks for: its mesh's ranks (planned on every usable node when parallelism is auto)."""
+    if spec.parallelism != "auto":
+        p = spec.parallelism
+        return p.dp * p.pp * p.tp
+    try:
+        return plan_run(spec, total)[0].mesh.world_size
+    except SpecError:
+        return 0
 
 
 class Verdict(enum.Enum):

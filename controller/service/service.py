@@ -33,9 +33,12 @@ from controller.service.live import LiveRun, RunLock
 from controller.service.nodes import Cluster, NodeActions, ServiceNodes
 from controller.service.registry import Registry
 from controller.service.restore import Carried, carry_on
-from controller.service.scheduler import BEHIND_EARLIER, Verdict
+from controller.service.accounts import team_quotas
+from controller.service.scheduler import (
+    BEHIND_EARLIER, Queued, Verdict, free_gpus, queue_order, quota_problem, requested_gpus,
+)
 from controller.providers import with_model_numbers
-from controller.spec import RunSpec, SpecError, parse_spec
+from controller.spec import PRIORITY_CLASSES, RunSpec, SpecError, parse_spec
 from controller.attempt import WorkerGroup
 from controller.placement import Placement
 from controller.planner import MeshPlan, plan_run
@@ -167,10 +170,15 @@ class Service:
         with self.lock:
             if len(self._runs) >= MAX_RUNS:
                 raise ServiceError("too_many_runs", f"the service holds {MAX_RUNS} runs")
+            usable = self.nodes.usable()
             try:
-                plan_run(spec, self.nodes.usable())
+                plan_run(spec, usable)
             except SpecError as e:
                 raise ServiceError("does_not_fit", f"this service's cluster cannot hold the run: {e}") from None
+            quota = team_quotas(self.registry).get(team)
+            if quota is not None and (need := requested_gpus(spec, usable)) > quota:
+                raise ServiceError("over_quota", f"team {team}'s quota is {quota} GPU(s) and this run needs {need}: "
+                                                 "an admin raises it, or the run asks for fewer")
             run_id = free_ids(spec.name, 1, lambda i: i in occupied or self._id_taken(i))[0]
             now = self.clock()
             group = self.group_factory(spec, run_id)
@@ -311,19 +319,28 @@ class Service:
             self._stop.wait(self.poll_s)
 
     def schedule(self) -> None:
-        """Admit pending runs in submission order while their plans fit the free nodes."""
+        """Admit pending runs in the queue's order (service/scheduler.py: priority, the team's fair share,
+        submission) while their plans fit the free nodes and their teams' quotas have room."""
         self.nodes.track(self._placed)
         with self.lock:
+            quotas = team_quotas(self.registry)
+            usable = self.nodes.usable()
+            usage = self.usage()
+            queued = {live.seq: live for live in self._runs.values() if not live.admitted and not live.controller.state.terminal}
+            order = queue_order([self._queued(live, usable) for live in queued.values()], usage, quotas,
+                                free_gpus(usable))
             blocked = False
-            for live in sorted(self._runs.values(), key=lambda r: r.seq):
+            for q in order:
+                live = queued[q.seq]
                 c = live.controller
-                if live.admitted or c.state.terminal:
-                    continue
                 if c.cancel_requested:
                     self._end(live, lambda: c.step(self.clock()))
                     continue
                 if blocked:  # no overtaking
                     self._wait(live, BEHIND_EARLIER)
+                    continue
+                if (why := quota_problem(q, usage, quotas)) is not None:  # (holds back no other team)
+                    self._wait(live, why)
                     continue
                 usable = self.nodes.usable()
                 free = self.nodes.free(usable)
@@ -336,6 +353,21 @@ class Service:
                     blocked = True
                     continue
                 self._admit(live, free, verdict.plan)
+                usage[live.team] = usage.get(live.team, 0) + q.gpus
+
+    def usage(self) -> dict[str, int]:
+        """GPUs each team's admitted runs hold now (their placements' ranks)."""
+        held: dict[str, int] = {}
+        for live in list(self._runs.values()):
+            placement = live.controller.placement
+            if live.admitted and not live.closed and not live.controller.state.terminal and placement is not None:
+                held[live.team] = held.get(live.team, 0) + len(placement.node_of_rank)
+        return held
+
+    def _queued(self, live: LiveRun, usable: Topology) -> Queued:
+        spec = live.controller.spec
+        return Queued(seq=live.seq, team=live.team, priority=PRIORITY_CLASSES[spec.priority],
+                      gpus=live.requested_gpus(usable))
 
     def _end(self, live: LiveRun, how: Callable[[], Any]) -> None:
         """End a run that was never admitted (cancelled, refused): `how` ends its controller."""
