@@ -323,10 +323,12 @@ class Service:
         submission) while their plans fit the free nodes and their teams' quotas have room."""
         self.nodes.track(self._placed)
         with self.lock:
+            queued = {live.seq: live for live in self._runs.values() if not live.admitted and not live.controller.state.terminal}
+            if not queued:  # (nothing to ask the cluster or the registry about: this runs every poll)
+                return
             quotas = team_quotas(self.registry)
             usable = self.nodes.usable()
             usage = self.usage()
-            queued = {live.seq: live for live in self._runs.values() if not live.admitted and not live.controller.state.terminal}
             order = queue_order([self._queued(live, usable) for live in queued.values()], usage, quotas,
                                 free_gpus(usable))
             blocked = False
@@ -342,8 +344,7 @@ class Service:
                 if (why := quota_problem(q, usage, quotas)) is not None:  # (holds back no other team)
                     self._wait(live, why)
                     continue
-                usable = self.nodes.usable()
-                free = self.nodes.free(usable)
+                free = self.nodes.free(usable)  # (the usable nodes read once a pass; what is free changes as runs start)
                 verdict = live.admission(free, usable)
                 if verdict.verdict is Verdict.REFUSE:
                     self._end(live, functools.partial(c.fail, self.clock(), "no_capacity", verdict.reason))
