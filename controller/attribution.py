@@ -82,7 +82,8 @@ def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_
     own = {r: m for r, m in errors.items() if not is_collective_symptom(m)}
     if own:
         return FailureEvent(time=now, cause=FailureCause.WORKER_ERROR, ranks=tuple(sorted(own)),
-                            message="; ".join(f"rank {r}: {m.strip().splitlines()[-1]}" for r, m in sorted(own.items())))
+                            message="; ".join(f"rank {r}: {m.strip().splitlines()[-1]}" for r, m in sorted(own.items())),
+                            evidence={"errors": {str(r): m for r, m in sorted(own.items())}})
     return FailureEvent(time=now, cause=FailureCause.COLLECTIVE_ERROR, ranks=tuple(sorted(errors)),
                         message=f"collective errors on ranks {sorted(errors)} with no other cause found")
 

@@ -35,6 +35,7 @@ from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, GrowWatch, RunPolicy, taken_out,
 )
 from controller.topology import Node, NodeState, Topology, merge_returned
+from controller.user_errors import Judgement, Raised, elsewhere, judge, raised
 from controller.views import GoodputView, health_view, run_view
 from trainer.config import TrainerConfig
 
@@ -58,6 +59,8 @@ class RunState(str, enum.Enum):
 class RunError:
     code: str
     message: str
+    traceback: str | None = None
+    """user_error: what the user's code raised (type, message, innermost frames)."""
 
 
 class RunController:
@@ -92,6 +95,9 @@ class RunController:
         self.topology_source = topology_source
         self.drills = RunDrills(self.run_id, spec.drills)
         self.failures: list[FailureEvent] = []
+        self._raised: Raised | None = None
+        """The exception a worker error first raised, and where: the same at the same step from other
+        nodes is the user's code (controller/user_errors.py)."""
         self.quarantined: list[dict[str, Any]] = []
         """Nodes taken out of the run for good: {node, reason, evidence, time}."""
         self.stragglers: StragglerWatch | None = None
@@ -284,6 +290,7 @@ class RunController:
                 self.checkpoints.exclude_peers(attempt, step)
         self._cancel_requested = False
         self.error = None
+        self._raised = None  # (the code may have been fixed)
         self.finished_at = None
         self.state = RunState.PENDING
         self.checkpoints.adopted = True
@@ -475,9 +482,23 @@ class RunController:
                             reason=f"the peer snapshot of step {step} (attempt {attempt}) failed to load: {why}")
         if self.topology_source is not None:  # lost nodes that are back (repaired) may take over
             self.topology = merge_returned(self.topology, self.topology_source())
+        seen = raised(failure, step=self.progress.step + 1, node_of_rank=self.placement.node_of_rank) \
+            if self.placement is not None else None
+        judged = judge(self._raised, seen) if seen is not None else None
+        if seen is not None and judged is Judgement.USER_ERROR:
+            self.failures.append(failure)
+            self._fail(now, "user_error", f"user error: {seen.signature}, raised at step {seen.step} by rank(s) "
+                                          f"{list(seen.ranks)} again after a restart on other nodes (it was raised on "
+                                          f"{sorted(self._raised.nodes) if self._raised else []}, then on {sorted(seen.nodes)}): "
+                                          "the model, data or provider code, not the cluster; fix it and "
+                                          "`goodput resume` the run", traceback=seen.traceback)
+            return
         decision = self.policy.on_failure(now, failure, failures_so_far=len(self.failures), mesh=self.config.mesh,
                                           topology=self.topology, waiting_since=self._waiting_since,
                                           placement=self.placement)
+        if seen is not None and judged is Judgement.FIRST:
+            self._raised = seen
+            decision = elsewhere(decision, seen, self.placement)
         self.failures.append(failure)
         self._apply(now, decision)
 
@@ -574,9 +595,10 @@ class RunController:
     def attempt_steps(self) -> int:
         return self.watch.steps if self.watch is not None else 0
 
-    def _fail(self, now: float, code: str, message: str) -> None:
-        self.error = RunError(code, message)
-        self._finish(now, RunState.FAILED, code=code, message=message)
+    def _fail(self, now: float, code: str, message: str, traceback: str | None = None) -> None:
+        self.error = RunError(code, message, traceback)
+        self._finish(now, RunState.FAILED, code=code, message=message,
+                     **({"traceback": traceback} if traceback is not None else {}))
 
     def _finish(self, now: float, state: RunState, **detail: Any) -> None:
         self.state = state

@@ -73,7 +73,8 @@ def run_view(c: RunController, now: float, *, full: bool = True) -> dict[str, An
         "placement": list(c.placement.rows()) if c.placement else [],
         "goodput": c.goodput(now),
         "checkpoint_uri": store.uri if store is not None else c.spec.checkpoint.uri,
-        "error": {"code": c.error.code, "message": c.error.message} if c.error else None,
+        "error": ({"code": c.error.code, "message": c.error.message}
+                  | ({"traceback": c.error.traceback} if c.error.traceback else {})) if c.error else None,
     }
     out["waiting_for"] = c.waiting_for if c.state.value == "pending" else None
     out["drills"] = c.drill_reports()

@@ -85,6 +85,9 @@ class _Shard:
         if self.array is not None:
             return np.asarray(self.array[start:end])
         data = self.store.get_bytes(self.key, start * TOKEN_DTYPE.itemsize, end * TOKEN_DTYPE.itemsize)
+        if len(data) != (end - start) * TOKEN_DTYPE.itemsize:
+            raise ValueError(f"data error: {self.store.uri}/{self.key} gave {len(data)} bytes for tokens {start}..{end} "
+                             f"({(end - start) * TOKEN_DTYPE.itemsize} expected): the shard is damaged or was replaced")
         return np.frombuffer(data, dtype=TOKEN_DTYPE)
 
 
@@ -116,9 +119,17 @@ class TokenDataset:
             out.append(self.shards[i].read(max(start, lo) - lo, min(end, hi) - lo))
         return np.concatenate(out) if out else np.zeros(0, TOKEN_DTYPE)
 
-    def window(self, index: int) -> np.ndarray:
+    def window(self, index: int, vocab_size: int | None = None) -> np.ndarray:
+        """Sample `index`'s tokens; with `vocab_size`, a token id outside it is a data error naming the shard."""
         start = index * self.seq_len
-        return self.tokens(start, start + self.seq_len + 1).astype(np.int64)
+        out = self.tokens(start, start + self.seq_len + 1).astype(np.int64)
+        if vocab_size is not None and out.size and int(out.max()) >= vocab_size:
+            at = start + int(np.argmax(out >= vocab_size))
+            shard = self.shards[int(np.searchsorted(self.starts, at, side="right")) - 1]
+            raise ValueError(f"data error: {self.uri}/{shard.key} holds token id {int(out.max())} (at token {at} of "
+                             f"the dataset) but model.vocab_size = {vocab_size}: the shard is damaged or was "
+                             "tokenized with another tokenizer")
+        return out
 
 
 class ShardSource:
@@ -130,6 +141,7 @@ class ShardSource:
         weights = np.array([w for _, w in datasets], dtype=np.float64)
         self.cumulative = np.cumsum(weights / weights.sum())
         self.seed = seed
+        self.vocab_size = vocab_size
         for ds in self.sets:
             vocab = int(ds.manifest.tokenizer["vocab_size"])
             if vocab > vocab_size:
@@ -152,5 +164,5 @@ class ShardSource:
             which = self.dataset_of(i)
             ds = self.sets[which]
             epoch, j = divmod(i, ds.num_windows)
-            rows.append(ds.window(int(self._perm(which, epoch)[j])))
+            rows.append(ds.window(int(self._perm(which, epoch)[j]), self.vocab_size))
         return np.stack(rows)

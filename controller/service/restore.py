@@ -38,7 +38,8 @@ def carry_on(c: RunController, row: dict[str, Any], events: list[dict[str, Any]]
     """Bring a rebuilt controller (timeline restored) to where its run stands, by its registry row."""
     state = RunState(row["state"])
     if state.terminal:
-        error = RunError(row["error"]["code"], row["error"]["message"]) if row["error"] else None
+        error = RunError(row["error"]["code"], row["error"]["message"], row["error"].get("traceback")) \
+            if row["error"] else None
         c.ended_as(state, row["finished_at"], error)
         return Carried.ENDED
     if state is RunState.RUNNING and reattach(c, events, now):

@@ -170,3 +170,31 @@ def test_a_model_learns_from_tokenized_text(tmp_path: Path, tokenizer_file: Path
     finally:
         dist.destroy_process_group()
     assert losses[-1] is not None and losses[-1] < math.log(320) - 2.0, losses
+
+
+def test_a_damaged_shard_is_a_data_error_naming_the_file(tmp_path: Path, tokenizer_file: Path) -> None:
+    """A bit flipped in a shard (a token id past the vocabulary) and a shard a store serves short both
+    name the file, so `goodput status` says which one to replace."""
+    out = tmp_path / "ds"
+    tokenize(_files(tmp_path / "in"), tokenizer_file, f"file://{out}", field_name="body", shard_tokens=33)
+    shard = sorted(out.glob("shard-*.bin"))[1]
+    tokens = np.fromfile(shard, dtype="<u4")
+    tokens[5] = 70000  # beyond the tokenizer's 300
+    tokens.tofile(shard)
+    source = ShardSource([(f"file://{out}", 1.0)], seed=5, seq_len=8, vocab_size=300)
+    with pytest.raises(ValueError, match=rf"data error: file://{out}/{shard.name} holds token id 70000"):
+        source.batch(range(source.sets[0].num_windows))
+
+    class Short:  # a store that answers a byte range with less than asked (a truncated object)
+        uri = "s3://bucket/ds"
+
+        def get_bytes(self, key: str, start: int, end: int) -> bytes:
+            return b"\0" * (end - start - 4)
+
+        def local_path(self, key: str) -> None:
+            return None
+
+    from trainer.shards import _Shard
+
+    with pytest.raises(ValueError, match="data error: s3://bucket/ds/shard-00001.bin gave 28 bytes for tokens 0..8"):
+        _Shard(Short(), "shard-00001.bin", 33).read(0, 8)
