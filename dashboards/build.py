@@ -229,7 +229,12 @@ def cluster() -> dashboard.Dashboard:
                         .with_target(q("goodput_node_state == 1", instant=True).format(_table_format())))
             .with_panel(ts("Runs by state", "none", q("sum by (state) (goodput_run_state)", "{{state}}"), w=12))
             .with_panel(ts("Time waiting for capacity", "s", q(f"goodput_run_pending_seconds{{{RUN}}}", "{{run}}"),
-                           w=12)))
+                           w=12))
+            .with_panel(ts("GPUs each team holds (goodput teams: against its quota)", "none",
+                           q("goodput_team_gpus", "{{team}}"), w=12))
+            .with_panel(ts("Each team's queue: runs waiting and the longest wait", "none",
+                           q("goodput_team_queued_runs", "queued {{team}}"),
+                           q("goodput_team_queue_wait_seconds", "longest wait s {{team}}", ref="B"), w=12)))
 
 
 DASHBOARDS = {"goodput-run": run_overview, "goodput-health": health, "goodput-checkpoints": checkpoints,

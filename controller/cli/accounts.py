@@ -57,7 +57,9 @@ def cmd_teams(opts: argparse.Namespace) -> int:
     if opts.json:
         emit_json(listed)
         return 0
-    table(["team", "gpu quota"], [[t["name"], "-" if t["gpu_quota"] is None else t["gpu_quota"]] for t in listed])
+    table(["team", "gpu quota", "gpus held", "queued", "longest wait"],
+          [[t["name"], "-" if t["gpu_quota"] is None else t["gpu_quota"], t.get("gpus_held", 0), t.get("queued", 0),
+            f"{t.get('longest_wait_s', 0.0):.0f} s" if t.get("queued") else "-"] for t in listed])
     return 0
 
 

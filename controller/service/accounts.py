@@ -111,8 +111,7 @@ class Accounts:
         return dict(row._mapping)
 
     def teams(self) -> list[dict[str, Any]]:
-        with self.registry.reading() as conn:
-            return [dict(r._mapping) for r in conn.execute(select(teams).order_by(teams.c.name))]
+        return team_rows(self.registry)
 
     # -- tokens -------------------------------------------------------------------------------------------
     def create_token(self, *, name: str, team: str, role: str, by: Principal) -> dict[str, Any]:
@@ -171,6 +170,12 @@ class Accounts:
 
 def _token_row(row: Any) -> dict[str, Any]:
     return {k: row[k] for k in ("id", "name", "team", "role", "created_at", "created_by", "revoked_at")}
+
+
+def team_rows(registry: Registry) -> list[dict[str, Any]]:
+    """Every team: name, gpu_quota, created_at."""
+    with registry.reading() as conn:
+        return [dict(r._mapping) for r in conn.execute(select(teams).order_by(teams.c.name))]
 
 
 def team_quotas(registry: Registry) -> dict[str, int | None]:

@@ -318,7 +318,8 @@ def create_app(service: Service, *, token: str | None = None, oidc: BearerVerifi
 
     @app.get("/v1/teams", dependencies=[viewer], responses=_errors(401, 403))
     def list_teams() -> list[dict[str, Any]]:
-        return accounts.teams()
+        """Each team: its GPU quota, the GPUs its runs hold now, its runs queued and the longest wait."""
+        return service.teams_view()
 
     @app.post("/v1/teams", status_code=201, dependencies=[admin], responses=_errors(401, 403, 409, 422))
     def create_team(body: TeamBody) -> dict[str, Any]:

@@ -8,8 +8,8 @@ restarted service exports the same counters again from the restored timeline. Th
 with a run (step times, checkpoint saves, SDC and failure counts) are folded in incrementally, so a
 scrape costs O(new steps and events), not O(run).
 
-Labels stay low-cardinality: run, rank, node, cause, kind, state, category, outcome — never a step
-number or free text.
+Labels stay low-cardinality: run, rank, node, cause, kind, state, category, outcome, team, priority —
+never a step number or free text.
 """
 
 from __future__ import annotations
@@ -139,6 +139,13 @@ QUARANTINED = _m("goodput_quarantined_nodes", "gauge", "Nodes the run quarantine
 NODES = _m("goodput_nodes", "gauge", "Nodes the service sees, by state (healthy, spare, quarantined, lost)",
            ("state",))
 NODE_STATE = _m("goodput_node_state", "gauge", "1 for a node's current state, 0 for the others", ("node", "state"))
+RUN_INFO = _m("goodput_run_info", "gauge", "1 for each run, labelled with its team and priority class (join on run)",
+              ("run", "team", "priority"))
+TEAM_GPUS = _m("goodput_team_gpus", "gauge", "GPUs the team's admitted runs hold now", ("team",))
+TEAM_QUOTA = _m("goodput_team_gpu_quota", "gauge", "The team's GPU quota (teams that have one)", ("team",))
+TEAM_QUEUED = _m("goodput_team_queued_runs", "gauge", "The team's runs waiting to be admitted", ("team",))
+TEAM_WAIT = _m("goodput_team_queue_wait_seconds", "gauge", "The longest wait of the team's queued runs (0: none queued)",
+               ("team",))
 DRILLS = _m("goodput_drills", "counter", "Drills by kind and outcome (recovered, detected, pending, not_detected, "
             "not_recovered, not_injected, ...)", ("run", "kind", "outcome"))
 
@@ -294,7 +301,9 @@ class ServiceCollector(Collector):
                         fold = self._folds[run_id] = _Fold()
                     fold.fold(controller)
                     self._run(out, run_id, controller, fold, now)
+                    out(RUN_INFO).add_metric([run_id, self.service.team_of(run_id), controller.spec.priority], 1.0)
         self._nodes(out)
+        self._teams(out)
         yield from out.families.values()
 
     def _run(self, out: _Families, run: str, c: RunController, fold: _Fold, now: float) -> None:
@@ -378,6 +387,14 @@ class ServiceCollector(Collector):
             drills[key] = drills.get(key, 0) + 1
         for (kind, outcome), n in sorted(drills.items()):
             out(DRILLS).add_metric([run, kind, outcome], n)
+
+    def _teams(self, out: _Families) -> None:
+        for team in self.service.teams_view():
+            out(TEAM_GPUS).add_metric([team["name"]], team["gpus_held"])
+            if team["gpu_quota"] is not None:
+                out(TEAM_QUOTA).add_metric([team["name"]], team["gpu_quota"])
+            out(TEAM_QUEUED).add_metric([team["name"]], team["queued"])
+            out(TEAM_WAIT).add_metric([team["name"]], team["longest_wait_s"])
 
     def _nodes(self, out: _Families) -> None:
         view = self.service.cluster_view()

@@ -33,7 +33,7 @@ from controller.service.live import LiveRun, RunLock
 from controller.service.nodes import Cluster, NodeActions, ServiceNodes
 from controller.service.registry import Registry
 from controller.service.restore import Carried, carry_on
-from controller.service.accounts import team_quotas
+from controller.service.accounts import team_quotas, team_rows
 from controller.service.scheduler import (
     BEHIND_EARLIER, Queued, Verdict, free_gpus, queue_order, quota_problem, requested_gpus,
 )
@@ -364,6 +364,20 @@ class Service:
             if live.admitted and not live.closed and not live.controller.state.terminal and placement is not None:
                 held[live.team] = held.get(live.team, 0) + len(placement.node_of_rank)
         return held
+
+    def teams_view(self) -> list[dict[str, Any]]:
+        """Each team with its GPU quota, the GPUs its runs hold, its runs queued and the longest wait among
+        them (goodput teams, /metrics)."""
+        now = self.clock()
+        held = self.usage()
+        queued: dict[str, list[float]] = {}
+        with self.lock:
+            for live in self._runs.values():
+                c = live.controller
+                if not live.admitted and not c.state.terminal:
+                    queued.setdefault(live.team, []).append(now - c.created_at)
+        return [{**team, "gpus_held": held.get(team["name"], 0), "queued": len(queued.get(team["name"], [])),
+                 "longest_wait_s": max(queued.get(team["name"], [0.0]))} for team in team_rows(self.registry)]
 
     def _queued(self, live: LiveRun, usable: Topology) -> Queued:
         spec = live.controller.spec

@@ -15,7 +15,7 @@ from controller.service.app import create_app
 from controller.service.metrics import CATEGORIES, METRICS, exported_series
 from tests.unit.test_api import live_run
 
-ALLOWED_LABELS = {"run", "rank", "node", "cause", "kind", "state", "category", "outcome", "source"}  # source: peer, store, scratch
+ALLOWED_LABELS = {"run", "rank", "node", "cause", "kind", "state", "category", "outcome", "source", "team", "priority"}  # source: peer, store, scratch
 
 
 def scrape(api: TestClient, **headers: str) -> dict[str, Any]:

@@ -144,3 +144,26 @@ def test_a_run_its_quota_could_never_hold_and_an_unknown_priority_are_refused_at
     assert e.value.code == "over_quota" and "quota is 4 GPU(s) and this run needs 8" in e.value.message
     with pytest.raises(SpecError, match="priority class 'urgent' does not exist: one of low, normal, high, critical"):
         parse_spec(raw_spec("x", priority="urgent"))
+
+
+def test_each_teams_usage_quota_and_queue_are_shown_and_exported(tmp_path: Path) -> None:
+    from controller.service.metrics import ServiceCollector
+
+    h, _ = shared_harness(tmp_path)
+    s = h.service
+    s.add(parse_spec(raw_spec("v1", dp=2, tp=2)), team="vision")
+    h.until("v1", "running")
+    s.add(parse_spec(raw_spec("v2", dp=1, tp=2, priority="high")), team="vision")  # over vision's quota: queued
+    h.tick()
+    h.clock.t += 30
+    teams = {t["name"]: t for t in s.teams_view()}
+    assert (teams["vision"]["gpu_quota"], teams["vision"]["gpus_held"], teams["vision"]["queued"]) == (4, 4, 1)
+    assert teams["vision"]["longest_wait_s"] >= 30 and teams["nlp"]["gpus_held"] == 0 and teams["nlp"]["gpu_quota"] is None
+    samples = {(m.name, tuple(sorted(x.labels.items()))): x.value
+               for m in ServiceCollector(s).collect() for x in m.samples}
+    assert samples[("goodput_team_gpus", (("team", "vision"),))] == 4
+    assert samples[("goodput_team_gpu_quota", (("team", "vision"),))] == 4
+    assert ("goodput_team_gpu_quota", (("team", "nlp"),)) not in samples
+    assert samples[("goodput_team_queued_runs", (("team", "vision"),))] == 1
+    assert samples[("goodput_team_queue_wait_seconds", (("team", "vision"),))] == teams["vision"]["longest_wait_s"]
+    assert samples[("goodput_run_info", (("priority", "high"), ("run", "v2"), ("team", "vision")))] == 1
