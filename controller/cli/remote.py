@@ -115,6 +115,8 @@ def cmd_status(opts: argparse.Namespace) -> int:
         print(f"  {d['id']}: {d['kind']} {d['target']} at step {d['at_step']} -> {d['outcome']}")
     if run.get("error"):
         print(f"  error: {run['error']['message']}")
+        if run["error"].get("traceback"):  # a user error: what the code raised
+            print("  " + run["error"]["traceback"].rstrip().replace("\n", "\n  "))
     return 0
 
 

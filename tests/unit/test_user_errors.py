@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from controller.attribution import ATTRIBUTION_GRACE_S
@@ -95,3 +96,34 @@ def test_another_exception_or_another_step_is_retried_as_the_cluster_s() -> None
     t = drive(c, RunState.RUNNING, t=t)
     t = fail_at(c, g, t, 13, 7, "Traceback...\nRuntimeError: CUDA error: an illegal memory access")
     assert c.state is RunState.LAUNCHING and c.error is None
+
+
+def test_goodput_status_shows_the_users_traceback(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from controller.cli.main import main
+    from controller.service.app import create_app, serve
+    from tests.unit.test_roles import Shared
+
+    shared = Shared()
+    c, g = shared.controller, shared.group
+    t = shared.clock.t
+    for _ in range(2):  # raised, retried elsewhere, raised again at the same step
+        if c.progress.step < 11:
+            g.finish_steps(c.progress.step + 1, 11)
+        shared.step(t)
+        g.error_worker(7, TRACE)
+        for dt in (0.1, 0.2 + ATTRIBUTION_GRACE_S, 1 + ATTRIBUTION_GRACE_S):
+            shared.step(t + dt)
+        t = drive(c, RunState.RUNNING, shared.step, t=t + 2 + ATTRIBUTION_GRACE_S) if not c.state.terminal else t
+    assert c.state is RunState.FAILED
+    server = serve(create_app(shared.service, token="service-admin-token"), "127.0.0.1", 0)
+    try:
+        monkeypatch.setenv("GOODPUT_URL", server.url)
+        monkeypatch.setenv("GOODPUT_TOKEN", "service-admin-token")
+        with pytest.raises(SystemExit):
+            main(["status", "tiny-gpt"])
+        out = capsys.readouterr().out
+        assert "tiny-gpt: failed" in out and "user error: ValueError: shapes (4, 96) and (128, 4) do not align" in out
+        assert '  File "/home/ana/model.py", line 41, in forward' in out
+    finally:
+        server.stop()
