@@ -38,7 +38,9 @@ category, so productive time plus the badput categories add up to wall time (to 
                         charged to the failure that took it out, so overlapping failures never charge
                         the same step twice. A step's time is therefore productive * (D-k)/D * the
                         mesh's throughput, and degraded for the rest
-- waiting_for_capacity  a `decision` to wait (below min_dp) -> the next attempt started
+- waiting_for_capacity  a `decision` to wait (below min_dp) -> the next attempt started; a run
+                        `preempted` for a higher-priority one -> its next attempt started (the
+                        stopped step's commit before it is checkpoint_stall)
 - other                 everything else (gaps between steps, shutdown)
 
 Events are dicts {time, attempt, kind, detail} (the REST form); spans come from the step reports.
@@ -138,6 +140,7 @@ class Accounting:
     failures: list[FailureTiming] = field(default_factory=list)
     degraded_s: dict[str, float] = field(default_factory=dict)
     """`degraded_capacity` by its cause: smaller_mesh and replicas_out (the module docstring)."""
+    preemptions: list["Preemption"] = field(default_factory=list)
 
     @property
     def ettr(self) -> float:
@@ -150,7 +153,22 @@ class Accounting:
             return {"attempt": self.attempt, **out}
         out["attempts"] = [a.to_dict() for a in self.attempts]
         out["failures"] = [f.to_dict() for f in self.failures]
+        out["preemptions"] = [dataclasses.asdict(p) for p in self.preemptions]
         return out
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """A run stopped at a step boundary for a higher-priority one (`preempted`): not a failure."""
+    attempt: int
+    step: int
+    at: float
+    """When every rank had stopped (the step committed)."""
+    last_step_end: float
+    resumed_at: float | None
+    """The next attempt's start (None: not yet)."""
+    waited_s: float
+    """In the queue: `preempted` -> the next attempt's start (waiting_for_capacity)."""
 
 
 def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end: float,
@@ -215,6 +233,10 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
             at = float(e["detail"]["at"])
             intervals.append((at - float(e["detail"].get("seconds") or 0.0), at, "restart_restore"))
     intervals += _resyncs(events, ends_by_attempt, starts, end)
+    preemptions = _preemptions(events, ends_by_attempt, attempt_starts, end)
+    for p in preemptions:
+        intervals.append((p.last_step_end, p.at, "checkpoint_stall"))  # the stopped step's commit
+        intervals.append((p.at, p.resumed_at if p.resumed_at is not None else end, "waiting_for_capacity"))
     for failure in detected:
         attempt, t_detected = failure["attempt"], failure["time"]
         ends = ends_by_attempt.get(attempt, [])
@@ -262,6 +284,7 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
     whole.failures = [dataclasses.replace(f, degraded_s=costs.smaller_mesh.get(f.next_attempt, 0.0))
                       if f.next_attempt is not None else dataclasses.replace(f, degraded_s=costs.by_failure.get(f.detected_at, 0.0))
                       for f in failures]
+    whole.preemptions = preemptions
     bounds = sorted((t, a) for a, t in started.items())
     seg_ends = [y for _, y, _ in segments]  # segments are in time order and do not overlap
     for i, (t, attempt) in enumerate(bounds):
@@ -278,6 +301,23 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         part.attempt = attempt
         whole.attempts.append(part)
     return whole
+
+
+def _preemptions(events: Sequence[dict[str, Any]], ends_by_attempt: dict[int, list[float]],
+                 attempt_starts: list[float], end: float) -> list[Preemption]:
+    out = []
+    for e in events:
+        if e["kind"] != EventKind.PREEMPTED:
+            continue
+        t = float(e["time"])
+        ends = ends_by_attempt.get(e["attempt"], [])
+        i = bisect.bisect_right(ends, t)
+        k = bisect.bisect_right(attempt_starts, t)
+        resumed = attempt_starts[k] if k < len(attempt_starts) else None
+        out.append(Preemption(attempt=e["attempt"], step=int(e["detail"].get("step", 0)), at=t,
+                              last_step_end=ends[i - 1] if i else t, resumed_at=resumed,
+                              waited_s=(resumed if resumed is not None else end) - t))
+    return out
 
 
 def _resyncs(events: Sequence[dict[str, Any]], ends_by_attempt: dict[int, list[float]], starts: list[float],

@@ -45,6 +45,9 @@ class EventKind(enum.StrEnum):
     REPLICA_RESYNC = "replica_resync"  # a discarded step with no replica lost: an epoch of the same members evens them out
     SAMPLES_SKIPPED = "samples_skipped"  # (rank) batch_while_healing shrink: the out replicas' samples of these steps
     REPLICA_CHECKSUMS = "replica_checksums"  # (rank) every live replica's state checksum at one shard position
+    STOPPED_AT_BOUNDARY = "stopped_at_boundary"  # (rank) the ranks stopped after a step as asked (trainer/stop.py), its state kept
+    STOP_REQUESTED = "stop_requested"  # the controller asked the ranks to stop at their next step boundary
+    PREEMPTED = "preempted"  # the run stopped for a higher-priority run, its state kept: back to the queue
     DECISION = "decision"
     CONTROLLER_ISOLATED = "controller_isolated"  # every node silent at once: the controller suspects itself
     CONTROLLER_ERROR = "controller_error"  # an exception inside the controller (a bug), with its traceback

@@ -96,6 +96,14 @@ class RunController:
         self.drills = RunDrills(self.run_id, spec.drills)
         self.failures: list[FailureEvent] = []
         self._raised: Raised | None = None
+        self._stop: tuple[str, str] | None = None
+        """(keep, reason) of a stop at a step boundary asked by the service (a preemption), until sent."""
+        self._stopping: tuple[str, str] | None = None
+        """The stop sent to the running attempt's ranks (kept until they have stopped)."""
+        self._stopped: dict[str, Any] | None = None
+        """The ranks' stopped_at_boundary detail, once heard."""
+        self.preempted = False
+        """Stopped for another run, its state kept: back in a service's queue until admitted again."""
         """The exception a worker error first raised, and where: the same at the same step from other
         nodes is the user's code (controller/user_errors.py)."""
         self.quarantined: list[dict[str, Any]] = []
@@ -156,6 +164,18 @@ class RunController:
             return self.state
         getattr(self, f"_on_{self.state.value}")(now)  # _on_pending, _on_planning, ... _on_recovering
         return self.state
+
+    def preempt(self, reason: str) -> bool:
+        """Safe from any thread: ask the running attempt's ranks to stop after their next step with it
+        committed to the store (trainer/stop.py), then go back to the queue (`preempted`); not a failure.
+        False when it cannot be asked now: not running, failure_domain replica (its replicas would have
+        to agree on the step: not yet), no checkpoint store, or a worker group that cannot stop."""
+        if (self.state is not RunState.RUNNING or self.spec.elastic.failure_domain != "world"
+                or self.checkpoints.store is None or getattr(self.worker_group, "request_stop", None) is None
+                or self._stop is not None or self._stopping is not None):
+            return False
+        self._stop = ("store", reason)
+        return True
 
     def cancel(self) -> None:
         """Safe from any thread: the next step cancels; a launch in progress gives up first."""
@@ -297,6 +317,8 @@ class RunController:
         self.events.add(now, max(self.attempt, 0), EventKind.RESUME_REQUESTED, step=step, steps=spec.train.steps)
 
     def _on_pending(self, now: float) -> None:
+        if self.preempted:  # (queued again: planned once a service admits it, `readmit`)
+            return
         self.state = RunState.PLANNING
 
     def _on_planning(self, now: float) -> None:
@@ -344,6 +366,13 @@ class RunController:
 
     def _on_running(self, now: float) -> None:
         assert self.watch is not None
+        if self._stop is not None:
+            keep, reason = self._stopping = self._stop
+            self._stop = None
+            with self.outside_lock():
+                self.worker_group.request_stop(keep, reason)  # type: ignore[attr-defined]
+            self.events.add(now, self.attempt, EventKind.STOP_REQUESTED, keep=keep, reason=reason,
+                            step=self.progress.step)
         with self.outside_lock():
             result = self.worker_group.poll()
         if result.isolated != self._isolated:  # (said when it begins and when it ends)
@@ -372,6 +401,8 @@ class RunController:
                 self.replicas.rejoined(detail.get("replicas", ()))
             if kind == EventKind.REPLICA_RESYNC:
                 self.replicas.resynced(now)  # (its first step after: the survivors' stall ends)
+            if kind == EventKind.STOPPED_AT_BOUNDARY:
+                self._stopped = dict(detail)
         self.replicas.survivors_stepped(now, self.attempt, result.reports)
         if self.replicas_out and seen.failure is None:
             self._form_replicas(now)
@@ -382,6 +413,8 @@ class RunController:
             return
         if seen.failure is not None:
             self._recover(now, seen.failure)
+        elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None and self._stopped is not None:
+            self._stopped_at_boundary(now)
         elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None:
             self._shutdown()
             failure = self.watch.finished(now)
@@ -391,6 +424,30 @@ class RunController:
             self._finish(now, RunState.SUCCEEDED, step=self.progress.step)
         else:
             self._run_due_drills(now)
+
+    def _stopped_at_boundary(self, now: float) -> None:
+        """Every rank stopped after the same step as asked, that step committed: the attempt ends, not
+        as a failure (nothing charged to elastic.max_failures), and the run waits to be admitted again
+        (a service re-queues it; the next attempt loads that step)."""
+        assert self._stopped is not None and self._stopping is not None
+        self._shutdown()
+        detail, (keep, reason) = self._stopped, self._stopping
+        self._stopped = self._stopping = None
+        self.events.add(now, self.attempt, EventKind.PREEMPTED, step=detail.get("step", self.progress.step),
+                        kept=detail.get("kept", keep), reason=reason)
+        self.preempted = True
+        self.waiting_for = f"{reason}: back in the queue from step {detail.get('step', self.progress.step)}"
+        self.state = RunState.PENDING
+
+    @property
+    def stopping(self) -> bool:
+        """A stop at a step boundary was asked and the ranks have not stopped yet."""
+        return self._stop is not None or self._stopping is not None
+
+    def readmit(self, worker_group: WorkerGroup, injector: DrillInjector | None) -> None:
+        """A preempted run's service gives it a fresh worker group before admitting it again."""
+        self.worker_group, self.injector = worker_group, injector
+        self.preempted = False
 
     def acts_on_commits(self) -> bool:
         """Whether a commit may make the controller act now: grow back a shrunk mesh, or replace a

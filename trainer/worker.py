@@ -27,6 +27,7 @@ from checkpointing.store import OutageGate, open_store
 from trainer.config import MeshShape, TrainerConfig, config_from_dict, state_fingerprint
 from trainer.parallel import build_mesh, choose_device, init_process_group, use_interface
 from trainer.report import JsonlSink, ReportSink, StepReport
+from trainer.stop import Keep, StopWatch
 from trainer.switches import DrillSwitches
 
 
@@ -97,6 +98,9 @@ class WorkerArgs:
     incarnation: int = 0
     """failure_domain replica: how many times this rank's replica was formed before (0: at the launch).
     A replica formed again waits for the epoch that lists it as joining and takes a live one's state."""
+    stoppable: bool = False
+    """Look for a stop the controller asks for at every step boundary (trainer/stop.py: a preemption or a
+    drain; one all-reduce of a flag per step); world failure domain only."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +113,9 @@ class WorkerSummary:
     """Sample cursor when the worker returned."""
     last_loss: float | None
     """Loss of the last step (last-stage ranks)."""
+    stopped: str | None = None
+    """Stopped at a step boundary as the controller asked (trainer/stop.py): how the state was kept
+    (store, peers); None when it trained to the end."""
 
 
 StepHook = Callable[["object", StepReport], None]
@@ -190,6 +197,8 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                                         staging_dir=Path(args.staging_dir),
                                         retry_budget_s=args.store_retry_budget_s)
         interval = CheckpointInterval(args.checkpoint_every, auto=args.checkpoint_auto, mtbf_s=args.mtbf_s)
+        stop = StopWatch(store, rank=args.rank, device=choice.device) if args.stoppable and cross is None else None
+        stopped: Keep | None = None
         last: StepReport | None = None
         since_snapshot: list[StepReport] = []
         """This rank's reports since its last snapshot: the next one's markers carry them."""
@@ -220,11 +229,21 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                     chosen = interval.measured(timing.blocked_s, last.step_time_s)
                     if chosen is not None:
                         sink.event("checkpoint_interval", chosen)
+            if stop is not None and trainer.step < args.config.train.steps and stop.poll() is not Keep.NONE:
+                stopped = stop.where(step=trainer.step, peer_every=args.peer_every, has_peers=peers is not None,
+                                     has_store=ckpt_store is not None)
+                if stopped is not Keep.NONE:
+                    checkpointer = _keep_for_stop(trainer, stopped, checkpointer, ckpt_store, args, sink)
+                    if args.rank == 0:
+                        sink.event("stopped_at_boundary", {"step": trainer.step, "kept": stopped.name.lower(),
+                                                           "reason": stop.reason})
+                    break
         if cross is not None:
             _skipped(trainer, cross, sink, None)
             _compare_replicas(trainer, cross, sink)
         return WorkerSummary(rank=args.rank, step=trainer.step, cursor=trainer.cursor,
-                             last_loss=last.loss if last else None)
+                             last_loss=last.loss if last else None,
+                             stopped=stopped.name.lower() if stopped not in (None, Keep.NONE) else None)
     except BaseException:
         if on_leave is not None:
             on_leave()
@@ -235,6 +254,24 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
         if peers is not None:
             peers.close()
         dist.destroy_process_group()
+
+
+def _keep_for_stop(trainer: Any, keep: Keep, checkpointer: Any, ckpt_store: Any, args: WorkerArgs,
+                   sink: ReportSink) -> Any:
+    """The stopped step kept as asked: in the store (committed before the rank leaves; a save the
+    interval already made of it counts), or in the peer snapshot just taken. The checkpointer (made
+    here when the run saves no periodic checkpoints)."""
+    from trainer.checkpoint import Checkpointer
+
+    if keep is not Keep.STORE:
+        return checkpointer
+    if checkpointer is None:
+        checkpointer = Checkpointer(ckpt_store, run_id=args.run_id, attempt=args.attempt, keep=args.checkpoint_keep,
+                                    sink=sink, use_async=False, staging_dir=Path(args.staging_dir),
+                                    retry_budget_s=args.store_retry_budget_s)
+    checkpointer.save(trainer)  # (refused, and so not written twice, when the interval's save has it)
+    checkpointer.wait()
+    return checkpointer
 
 
 def _buddy_in_world(args: WorkerArgs) -> list[int] | None:

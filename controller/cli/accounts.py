@@ -57,9 +57,10 @@ def cmd_teams(opts: argparse.Namespace) -> int:
     if opts.json:
         emit_json(listed)
         return 0
-    table(["team", "gpu quota", "gpus held", "queued", "longest wait"],
+    table(["team", "gpu quota", "gpus held", "queued", "longest wait", "preemptions"],
           [[t["name"], "-" if t["gpu_quota"] is None else t["gpu_quota"], t.get("gpus_held", 0), t.get("queued", 0),
-            f"{t.get('longest_wait_s', 0.0):.0f} s" if t.get("queued") else "-"] for t in listed])
+            f"{t.get('longest_wait_s', 0.0):.0f} s" if t.get("queued") else "-", t.get("preemptions", 0)]
+           for t in listed])
     return 0
 
 

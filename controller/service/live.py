@@ -85,6 +85,8 @@ class LiveRun:
     """The last admission verdict and the nodes it was reached on (a queued run is planned again only
     when they change, not at every scheduler pass)."""
     _requested: tuple[RunSpec, int] | None = None
+    preemption: tuple[Any, tuple[int, ...] | None] | None = None
+    """The last preemption looked for on this run's behalf and what it was looked for on (service.py)."""
 
     def __post_init__(self) -> None:
         self.controller.outside_lock = self.lock.released

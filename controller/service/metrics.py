@@ -141,6 +141,8 @@ NODES = _m("goodput_nodes", "gauge", "Nodes the service sees, by state (healthy,
 NODE_STATE = _m("goodput_node_state", "gauge", "1 for a node's current state, 0 for the others", ("node", "state"))
 RUN_INFO = _m("goodput_run_info", "gauge", "1 for each run, labelled with its team and priority class (join on run)",
               ("run", "team", "priority"))
+PREEMPTIONS = _m("goodput_preemptions", "counter", "Times the run was stopped at a step boundary for a "
+                 "higher-priority run and put back in the queue (not failures)", ("run",))
 TEAM_GPUS = _m("goodput_team_gpus", "gauge", "GPUs the team's admitted runs hold now", ("team",))
 TEAM_QUOTA = _m("goodput_team_gpu_quota", "gauge", "The team's GPU quota (teams that have one)", ("team",))
 TEAM_QUEUED = _m("goodput_team_queued_runs", "gauge", "The team's runs waiting to be admitted", ("team",))
@@ -381,6 +383,7 @@ class ServiceCollector(Collector):
         for kind, n in fold.sdc.items():
             out(SDC).add_metric([run, kind], n)
         out(QUARANTINED).add_metric([run], len(c.quarantined))
+        out(PREEMPTIONS).add_metric([run], c.events.count(EventKind.PREEMPTED))
         drills: dict[tuple[str, str], int] = {}
         for report in c.drill_reports():
             key = (report["kind"], report["outcome"])

@@ -11,6 +11,7 @@ applies the verdicts."""
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 from controller.placement import Placement
@@ -39,6 +40,40 @@ def queue_order(queued: list[Queued], usage: dict[str, int], quotas: dict[str, i
         quota = quotas.get(team)
         return usage.get(team, 0) / (quota if quota else max(total_gpus, 1))
     return sorted(queued, key=lambda q: (-q.priority, share(q.team), q.seq))
+
+
+@dataclass(frozen=True)
+class Running:
+    """An admitted run as a preemption sees it."""
+    seq: int
+    priority: int
+    gpus: int
+    nodes: frozenset[str]
+    """The nodes it holds (freed when it stops)."""
+
+
+MAX_VICTIM_CANDIDATES = 12
+"""Lower-priority runs looked at for a preemption (their subsets are tried: 4,096 at most)."""
+
+
+def preemption_victims(spec: RunSpec, priority: int, free: Topology, usable: Topology,
+                       running: list[Running]) -> tuple[int, ...] | None:
+    """The lower-priority runs to stop so that `spec` fits on the free nodes and theirs: the fewest GPUs
+    that make it fit, then the lowest priorities, then the newest runs; None when stopping every one of
+    them would not make it fit."""
+    candidates = sorted((r for r in running if r.priority < priority), key=lambda r: (r.priority, -r.seq))
+    candidates = candidates[:MAX_VICTIM_CANDIDATES]
+    subsets = [c for n in range(1, len(candidates) + 1) for c in itertools.combinations(candidates, n)]
+    subsets.sort(key=lambda c: (sum(r.gpus for r in c), sorted(r.priority for r in c), sorted(-r.seq for r in c)))
+    free_names = {n.name for n in free.nodes}
+    for subset in subsets:
+        names = free_names.union(*(r.nodes for r in subset))
+        try:
+            plan_run(spec, Topology(tuple(n for n in usable.nodes if n.name in names)))
+        except SpecError:
+            continue
+        return tuple(sorted(r.seq for r in subset))
+    return None
 
 
 def quota_problem(run: Queued, usage: dict[str, int], quotas: dict[str, int | None]) -> str | None:

@@ -35,7 +35,7 @@ from controller.service.registry import Registry
 from controller.service.restore import Carried, carry_on
 from controller.service.accounts import team_quotas, team_rows
 from controller.service.scheduler import (
-    BEHIND_EARLIER, Queued, Verdict, free_gpus, queue_order, quota_problem, requested_gpus,
+    BEHIND_EARLIER, Queued, Running, Verdict, free_gpus, preemption_victims, queue_order, quota_problem, requested_gpus,
 )
 from controller.providers import with_model_numbers
 from controller.spec import PRIORITY_CLASSES, RunSpec, SpecError, parse_spec
@@ -350,11 +350,37 @@ class Service:
                     self._end(live, functools.partial(c.fail, self.clock(), "no_capacity", verdict.reason))
                     continue
                 if verdict.verdict is Verdict.WAIT:
-                    self._wait(live, verdict.reason)
+                    self._wait(live, self._preempt_for(live, q, free, usable) or verdict.reason)
                     blocked = True
                     continue
                 self._admit(live, free, verdict.plan)
                 usage[live.team] = usage.get(live.team, 0) + q.gpus
+
+    def _preempt_for(self, live: LiveRun, q: Queued, free: Topology, usable: Topology) -> str | None:
+        """A queued run that does not fit: stop the lower-priority runs whose nodes make it fit (the
+        fewest GPUs), each at its next step boundary with that step committed; they go back to the
+        queue. What it waits for then (None: no preemption helps, or one is under way)."""
+        running = {other.seq: other for other in self._runs.values()
+                   if other.admitted and not other.closed and other.controller.state is RunState.RUNNING
+                   and other.controller.placement is not None}
+        stopping = [other for other in running.values() if other.controller.stopping]
+        if stopping:
+            return f"waiting for capacity: {', '.join(o.controller.run_id for o in stopping)} stopping for it"
+        candidates = tuple(Running(seq=other.seq, priority=PRIORITY_CLASSES[other.controller.spec.priority],
+                                   gpus=len(other.controller.placement.node_of_rank),  # type: ignore[union-attr]
+                                   nodes=frozenset(other.controller.placement.nodes()))  # type: ignore[union-attr]
+                           for other in running.values() if PRIORITY_CLASSES[other.controller.spec.priority] < q.priority)
+        if not candidates:
+            return None
+        key = (live.controller.spec, free, usable, candidates)  # (planned again only when one of them changes)
+        if live.preemption is None or live.preemption[0] != key:
+            live.preemption = (key, preemption_victims(live.controller.spec, q.priority, free, usable, list(candidates)))
+        chosen = live.preemption[1]
+        if not chosen:
+            return None
+        reason = f"preempted by {live.controller.run_id} (priority {live.controller.spec.priority})"
+        asked = [running[seq].controller.run_id for seq in chosen if running[seq].controller.preempt(reason)]
+        return f"waiting for capacity: preempting {', '.join(asked)}" if asked else None
 
     def usage(self) -> dict[str, int]:
         """GPUs each team's admitted runs hold now (their placements' ranks)."""
@@ -371,13 +397,16 @@ class Service:
         now = self.clock()
         held = self.usage()
         queued: dict[str, list[float]] = {}
+        preempted: dict[str, int] = {}
         with self.lock:
             for live in self._runs.values():
                 c = live.controller
                 if not live.admitted and not c.state.terminal:
                     queued.setdefault(live.team, []).append(now - c.created_at)
+                preempted[live.team] = preempted.get(live.team, 0) + c.events.count(EventKind.PREEMPTED)
         return [{**team, "gpus_held": held.get(team["name"], 0), "queued": len(queued.get(team["name"], [])),
-                 "longest_wait_s": max(queued.get(team["name"], [0.0]))} for team in team_rows(self.registry)]
+                 "longest_wait_s": max(queued.get(team["name"], [0.0])), "preemptions": preempted.get(team["name"], 0)}
+                for team in team_rows(self.registry)]
 
     def _queued(self, live: LiveRun, usable: Topology) -> Queued:
         spec = live.controller.spec
@@ -420,7 +449,7 @@ class Service:
         while not self._stop.is_set():
             before = live.controller.state
             state = self.advance(live.controller.run_id)
-            if state.terminal:
+            if state.terminal or not live.admitted:  # (preempted: the next admission starts another driver)
                 return
             if state is RunState.RUNNING or state is before:
                 self._stop.wait(self.poll_s)
@@ -442,6 +471,8 @@ class Service:
             self._note_out_of_use(live)
             if state.terminal and not live.closed:
                 live.close()
+            if c.preempted and live.admitted:
+                self._requeue(live)
         finally:
             try:
                 self._save(live)
@@ -449,6 +480,15 @@ class Service:
                 print(f"goodput: run {run_id}: saving its state failed: {type(e).__name__}: {e}", file=sys.stderr,
                       flush=True)
         return state
+
+    def _requeue(self, live: LiveRun) -> None:
+        """A run preempted at a step boundary goes back to the queue: its workers (and GPUs) are
+        released, and a fresh worker group waits for its next admission."""
+        live.close()
+        c = live.controller
+        group = self.group_factory(c.spec, c.run_id)
+        c.readmit(group, self.injector_factory(group) if self.injector_factory else None)
+        live.group, live.closed, live.admitted = group, False, False
 
     def _controller_error(self, live: LiveRun, error: Exception) -> RunState:
         """A bug in a run's controller: its traceback goes to this service's log and the run's events,

@@ -58,6 +58,7 @@ class FakeWorkerGroup:
         self.shutdowns = 0
         self._pending = PollResult(GroupStatus.RUNNING)
         self._fail_start = fail_start
+        self.stop_requests: list[tuple[str, str]] = []
 
     # -- what the controller calls
     def start(self, attempt: AttemptSpec) -> None:
@@ -108,6 +109,16 @@ class FakeWorkerGroup:
     def kill_rank(self, rank: int) -> None:
         self._pending.status = GroupStatus.FAILED
         self._pending.dead_ranks.add(rank)
+
+    def request_stop(self, keep: str, reason: str) -> None:
+        """The controller asks the ranks to stop at their next step boundary (trainer/stop.py)."""
+        self.stop_requests.append((keep, reason))
+
+    def stop_at(self, step: int) -> None:
+        """The ranks stopped after `step` as asked, its state kept as asked, every rank returned."""
+        keep, reason = self.stop_requests[-1]
+        self.emit(0, "stopped_at_boundary", step=step, kept=keep, reason=reason)
+        self.complete()
 
 
 class FakeInjector:
