@@ -520,6 +520,7 @@ class RunController:
             return
         self._detected(now, failure)
         self._shutdown()
+        self._stop = self._stopping = self._stopped = None  # (a stop asked of the attempt that failed: asked again if still wanted)
         through = self.watch.take_rollback() if self.watch is not None else None
         if through is not None:
             # Whatever is decided next (even to fail), a later resume must not load suspect state;

@@ -93,3 +93,24 @@ def test_a_high_priority_run_preempts_a_low_one_which_resumes_from_the_step_it_s
     assert goodput["badput_seconds"]["waiting_for_capacity"] >= p["waited_s"], "charged to waiting for capacity"
     assert goodput["productive_seconds"] + sum(goodput["badput_seconds"].values()) == \
         pytest.approx(goodput["wall_seconds"], abs=1e-6)
+
+
+def test_a_run_that_fails_while_stopping_can_be_asked_again(tmp_path: Path) -> None:
+    from controller.attribution import ATTRIBUTION_GRACE_S
+
+    h = Harness(sqlite_url(str(tmp_path)), store_root=tmp_path / "ckpt")
+    s = h.service
+    s.add(parse_spec(raw_spec("low", dp=4, tp=2, priority="low")))
+    h.until("low", "running")
+    low = s.controller("low")
+    h.group("low").finish_steps(1, 3)
+    h.tick("low")
+    assert low.preempt("preempted by a test") and not low.preempt("again"), "one stop at a time"
+    h.tick("low")
+    assert low.stopping and h.group("low").stop_requests
+    h.group("low").error_worker(2, "Traceback...\nRuntimeError: CUDA error: an illegal memory access")
+    h.tick("low")
+    h.tick("low", dt=ATTRIBUTION_GRACE_S + 1)  # the failure, not the stop, ends the attempt
+    h.until("low", "running")
+    assert not low.stopping and low.attempt == 1, "the next attempt was never asked"
+    assert low.preempt("preempted by a test"), "and can be"
