@@ -60,6 +60,8 @@ class AttemptSpec:
     `form_replicas` are then called while the others train); `world`: the whole attempt."""
     batch_while_healing: str = "keep"
     """While replicas are out: `keep` the global batch (survivors take their samples), or `shrink` it."""
+    stoppable: bool = False
+    """The ranks look for a stop at every step boundary (trainer/stop.py): a run a service may preempt."""
 
 
 class GroupStatus(str, enum.Enum):

@@ -104,6 +104,9 @@ class RunController:
         """The ranks' stopped_at_boundary detail, once heard."""
         self.preempted = False
         """Stopped for another run, its state kept: back in a service's queue until admitted again."""
+        self.stoppable = False
+        """A service that may preempt it says so before its launch (its ranks then look for a stop at
+        every step boundary)."""
         """The exception a worker error first raised, and where: the same at the same step from other
         nodes is the user's code (controller/user_errors.py)."""
         self.quarantined: list[dict[str, Any]] = []
@@ -170,7 +173,7 @@ class RunController:
         committed to the store (trainer/stop.py), then go back to the queue (`preempted`); not a failure.
         False when it cannot be asked now: not running, failure_domain replica (its replicas would have
         to agree on the step: not yet), no checkpoint store, or a worker group that cannot stop."""
-        if (self.state is not RunState.RUNNING or self.spec.elastic.failure_domain != "world"
+        if (not self.stoppable or self.state is not RunState.RUNNING or self.spec.elastic.failure_domain != "world"
                 or self.checkpoints.store is None or getattr(self.worker_group, "request_stop", None) is None
                 or self._stop is not None or self._stopping is not None):
             return False
@@ -413,8 +416,9 @@ class RunController:
             return
         if seen.failure is not None:
             self._recover(now, seen.failure)
-        elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None and self._stopped is not None:
-            self._stopped_at_boundary(now)
+        elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None and (
+                self._stopped is not None or (self._stopping is not None and self.progress.step < self.spec.train.steps)):
+            self._stopped_at_boundary(now)  # (asked to stop and ended short of the last step: stopped, its word late)
         elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None:
             self._shutdown()
             failure = self.watch.finished(now)
@@ -429,9 +433,9 @@ class RunController:
         """Every rank stopped after the same step as asked, that step committed: the attempt ends, not
         as a failure (nothing charged to elastic.max_failures), and the run waits to be admitted again
         (a service re-queues it; the next attempt loads that step)."""
-        assert self._stopped is not None and self._stopping is not None
+        assert self._stopping is not None
         self._shutdown()
-        detail, (keep, reason) = self._stopped, self._stopping
+        detail, (keep, reason) = self._stopped or {"step": self.progress.step}, self._stopping
         self._stopped = self._stopping = None
         self.events.add(now, self.attempt, EventKind.PREEMPTED, step=detail.get("step", self.progress.step),
                         kept=detail.get("kept", keep), reason=reason)

@@ -192,7 +192,19 @@ class RayWorkerGroup:
             peer_buddy=attempt.peer_buddy, peer_restore=ray_replicas.peer_restore(attempt, rank, incarnation),
             peer_key=attempt.peer_key, replica_domain=self._replicas is not None, incarnation=incarnation,
             batch_while_healing=attempt.batch_while_healing, interface=self.interface,
+            stoppable=attempt.stoppable and self._replicas is None,
         )
+
+    def request_stop(self, keep: str, reason: str) -> None:
+        """The running attempt's ranks stop after their next step boundary with its state kept as asked
+        (trainer/stop.py), through the run's store."""
+        import torch.distributed as dist
+
+        from trainer.stop import Keep, request_stop
+
+        assert self._attempt is not None and self._store is not None
+        prefix = f"{self._attempt.run_id}/attempt-{self._attempt.attempt}/"
+        request_stop(dist.PrefixStore(prefix, self._store), Keep[keep.upper()], reason)
 
     # -- failure_domain replica ---------------------------------------------------------------------
     def contains_replicas(self) -> bool:

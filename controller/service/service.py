@@ -596,9 +596,12 @@ class Service:
     def _new_controller(self, spec: RunSpec, run_id: str, group: WorkerGroup, store: Any, *,
                         created_at: float) -> RunController:
         spec = with_model_numbers(spec)  # a registry's spec holds what the user wrote, not the numbers
-        return RunController(spec, self.nodes.usable(), group, now=created_at, checkpoint_store=store, run_id=run_id,
-                             injector=self._injector(group), topology_source=functools.partial(self._own_view, run_id),
-                             own_checkpoints_only=self.accept_submissions)
+        c = RunController(spec, self.nodes.usable(), group, now=created_at, checkpoint_store=store, run_id=run_id,
+                          injector=self._injector(group), topology_source=functools.partial(self._own_view, run_id),
+                          own_checkpoints_only=self.accept_submissions)
+        # a shared service may preempt it (`goodput run`'s one run: never), unless nothing ranks above it
+        c.stoppable = self.accept_submissions and PRIORITY_CLASSES[spec.priority] < max(PRIORITY_CLASSES.values())
+        return c
 
     def _injector(self, group: WorkerGroup) -> DrillInjector | None:
         return self.injector_factory(group) if self.injector_factory is not None else None

@@ -146,3 +146,64 @@ def test_service_killed_mid_run_comes_back_and_carries_the_run_on(service: Serve
     assert "api-token" in service.text(), "where it is kept is"
     for run in [r["id"] for r in after]:  # every run this service has (the module's other tests' too)
         assert token not in json.dumps(service.json("events", run))
+
+
+def _with(path: Path, **top: object) -> Path:
+    import yaml
+
+    spec = yaml.safe_load(path.read_text())
+    spec.update(top)
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_high_priority_run_preempts_a_low_one_which_resumes_and_ends_bit_identical(service: Serve,
+                                                                                       tmp_path: Path) -> None:
+    """Two teams, three runs (issue 45): nlp's low-priority run and its normal one fill the 6 training
+    GPUs; vision's high-priority run needs 4. The low one (the fewest GPUs that make room) stops after a
+    step with it committed, waits in the queue, starts again from that step once the high one is done,
+    and ends with the same weights as the same spec never preempted; nothing is charged as a failure."""
+    for team in ("vision", "nlp"):
+        service.cli("teams", "create", team)
+
+    def token(name: str, team: str) -> str:
+        out = service.cli("tokens", "create", name, "--team", team, "--role", "submitter").stdout
+        return next(line for line in out.splitlines() if line.startswith("gp_"))
+
+    def as_team(tok: str, *args: str) -> str:
+        import subprocess
+        import sys
+
+        proc = subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "GOODPUT_URL": service.url, "GOODPUT_TOKEN": tok})
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    nlp, vision = token("nia", "nlp"), token("vic", "vision")
+    spec = lambda name, steps, dp, **top: str(_with(write_spec(tmp_path / f"{name}.yaml", name, steps=steps,  # noqa: E731
+                                                               dp=dp, tp=2, every_steps=10), **top))
+    as_team(nlp, "submit", spec("svc-low", 30, 2, priority="low"))
+    as_team(nlp, "submit", spec("svc-mid", 12, 1))
+    wait_for(service, "svc-low", lambda s: s["step"] >= 4)
+    as_team(vision, "submit", spec("svc-high", 12, 2, priority="high"))
+    high = wait_for(service, "svc-high", lambda s: s["state"] == "succeeded", timeout_s=600)
+    low = wait_for(service, "svc-low", lambda s: s["state"] == "succeeded", timeout_s=600)
+    events = service.json("events", "svc-low")
+    assert isinstance(events, list)
+    (preempted,) = [e for e in events if e["kind"] == "preempted"]
+    assert preempted["detail"]["reason"] == "preempted by svc-high (priority high)", preempted
+    assert not [e for e in events if e["kind"] == "failure_detected"], "a preemption is not a failure"
+    attempts = [e for e in events if e["kind"] == "attempt_started"]
+    assert [a["attempt"] for a in attempts] == [0, 1]
+    assert attempts[1]["detail"]["resume_step"] == preempted["detail"]["step"], "0 steps redone"
+    assert attempts[1]["time"] >= high["finished_at"] - 60 and low["goodput"]["preemptions"], low["goodput"]
+    assert service.json("status", "svc-mid")["attempt"] == 0, "the normal run, 2 GPUs, was not needed"  # type: ignore[index]
+    # The reference: the same spec, never preempted (admin token: the default team), alone.
+    service.cli("submit", spec("svc-ref", 30, 2, priority="low"))
+    wait_for(service, "svc-ref", lambda s: s["state"] == "succeeded", timeout_s=600)
+    for run in ("svc-low", "svc-ref"):
+        service.cli("export", run, "--hf", str(tmp_path / run), "--dtype", "float32")
+    assert (tmp_path / "svc-low" / "model.safetensors").read_bytes() == \
+        (tmp_path / "svc-ref" / "model.safetensors").read_bytes(), "the same weights as never preempted"
+    teams = {t["name"]: t for t in service.json("teams")}  # type: ignore[union-attr]
+    assert teams["nlp"]["preemptions"] == 1 and teams["vision"]["preemptions"] == 0
