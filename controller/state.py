@@ -96,6 +96,8 @@ class RunController:
         self.drills = RunDrills(self.run_id, spec.drills)
         self.failures: list[FailureEvent] = []
         self._raised: Raised | None = None
+        """The exception a worker error first raised, and where: the same at the same step from other
+        nodes is the user's code (controller/user_errors.py)."""
         self._stop: tuple[str, str] | None = None
         """(keep, reason) of a stop at a step boundary asked by the service (a preemption), until sent."""
         self._stopping: tuple[str, str] | None = None
@@ -107,8 +109,6 @@ class RunController:
         self.stoppable = False
         """A service that may preempt it says so before its launch (its ranks then look for a stop at
         every step boundary)."""
-        """The exception a worker error first raised, and where: the same at the same step from other
-        nodes is the user's code (controller/user_errors.py)."""
         self.quarantined: list[dict[str, Any]] = []
         """Nodes taken out of the run for good: {node, reason, evidence, time}."""
         self.stragglers: StragglerWatch | None = None
