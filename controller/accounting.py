@@ -239,9 +239,7 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
         intervals.append((p.at, p.resumed_at if p.resumed_at is not None else end, "waiting_for_capacity"))
     for failure in detected:
         attempt, t_detected = failure["attempt"], failure["time"]
-        ends = ends_by_attempt.get(attempt, [])
-        i = bisect.bisect_right(ends, t_detected)
-        last_end = ends[i - 1] if i else started.get(attempt, start)
+        last_end = _last_end(ends_by_attempt, attempt, t_detected, default=started.get(attempt, start))
         drill = [t for t in drills_by_attempt.get(attempt, []) if last_end <= t <= t_detected]
         onset = max(drill) if drill else last_end
         intervals.append((last_end, onset, "recomputation"))  # the step in flight, lost
@@ -303,6 +301,13 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
     return whole
 
 
+def _last_end(ends_by_attempt: dict[int, list[float]], attempt: int, t: float, *, default: float) -> float:
+    """The end of `attempt`'s last step finished by `t` (its ends sorted), else `default`."""
+    ends = ends_by_attempt.get(attempt, [])
+    i = bisect.bisect_right(ends, t)
+    return ends[i - 1] if i else default
+
+
 def _preemptions(events: Sequence[dict[str, Any]], ends_by_attempt: dict[int, list[float]],
                  attempt_starts: list[float], end: float) -> list[Preemption]:
     out = []
@@ -310,12 +315,10 @@ def _preemptions(events: Sequence[dict[str, Any]], ends_by_attempt: dict[int, li
         if e["kind"] != EventKind.PREEMPTED:
             continue
         t = float(e["time"])
-        ends = ends_by_attempt.get(e["attempt"], [])
-        i = bisect.bisect_right(ends, t)
         k = bisect.bisect_right(attempt_starts, t)
         resumed = attempt_starts[k] if k < len(attempt_starts) else None
         out.append(Preemption(attempt=e["attempt"], step=int(e["detail"].get("step", 0)), at=t,
-                              last_step_end=ends[i - 1] if i else t, resumed_at=resumed,
+                              last_step_end=_last_end(ends_by_attempt, e["attempt"], t, default=t), resumed_at=resumed,
                               waited_s=(resumed if resumed is not None else end) - t))
     return out
 
@@ -331,9 +334,7 @@ def _resyncs(events: Sequence[dict[str, Any]], ends_by_attempt: dict[int, list[f
         if e["kind"] != EventKind.REPLICA_RESYNC:
             continue
         t = float(e["time"])
-        ends = ends_by_attempt.get(e["attempt"], [])
-        i = bisect.bisect_right(ends, t)
-        last_end = ends[i - 1] if i else t
+        last_end = _last_end(ends_by_attempt, e["attempt"], t, default=t)
         d = bisect.bisect_left(discards, last_end)
         discarded = min(discards[d], t) if d < len(discards) else t
         k = bisect.bisect_left(starts, t)
