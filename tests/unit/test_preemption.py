@@ -10,26 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from checkpointing.manifest import Manifest, commit
-from checkpointing.store import LocalStore
 from controller.service.registry import sqlite_url
 from controller.service.scheduler import Running, preemption_victims
 from controller.spec import parse_spec
 from controller.topology import Topology
-from tests.unit.test_service import Harness, raw_spec
+from tests.unit.test_service import Harness, _commit, raw_spec
 
 CLUSTER = Topology.from_local(nodes=5, gpus_per_node=2, racks=2, spares=1)
-
-
-def commit_step(root: Path, run_id: str, step: int, *, at: float) -> None:
-    """What the stopped ranks committed (the fake workers write nothing)."""
-    import hashlib
-
-    store = LocalStore(root)
-    store.put_bytes(f"{run_id}/step-{step:08d}/data.bin", b"x" * 10)
-    files = {"data.bin": {"size": 10, "sha256": hashlib.sha256(b"x" * 10).hexdigest()}}
-    commit(store, Manifest(run_id=run_id, step=step, attempt=0, mesh={"dp": 4, "pp": 1, "tp": 2}, world_size=8,
-                           cursor=step * 16, seeds={}, files=files, created_at=at))
 
 
 def running(seq: int, priority: int, *nodes: str) -> Running:
@@ -65,7 +52,7 @@ def test_a_high_priority_run_preempts_a_low_one_which_resumes_from_the_step_it_s
     assert "preempting low" in s.run("high")["waiting_for"] or "low stopping" in s.run("high")["waiting_for"]
     assert low.events.of_kind("stop_requested")[-1].detail["step"] == 7
     h.group("low").finish_steps(8, 8)
-    commit_step(tmp_path / "ckpt", "low", 8, at=h.clock.t)
+    _commit(tmp_path / "ckpt", "low", 8, at=h.clock.t)  # what the stopped ranks committed (fakes write nothing)
     h.group("low").stop_at(8)  # the ranks stop after step 8 with it committed
     h.tick("low")
     assert s.run("low")["state"] == "pending" and low.failures == [], "not a failure: nothing charged"

@@ -136,14 +136,14 @@ def test_a_spec_the_service_cannot_hold_is_refused_with_numbers() -> None:
     assert e.value.code == "invalid_spec" and "typo" in e.value.message
 
 
-def _commit(root: Path, run_id: str, step: int) -> None:
+def _commit(root: Path, run_id: str, step: int, *, at: float = 0.0) -> None:
     store = LocalStore(root)
     store.put_bytes(f"{run_id}/step-{step:08d}/data.bin", b"x" * 10)
     import hashlib
 
     files = {"data.bin": {"size": 10, "sha256": hashlib.sha256(b"x" * 10).hexdigest()}}
     commit(store, Manifest(run_id=run_id, step=step, attempt=0, mesh={"dp": 2, "pp": 1, "tp": 2}, world_size=4,
-                           cursor=step * 16, seeds={}, files=files, created_at=0.0))
+                           cursor=step * 16, seeds={}, files=files, created_at=at))
 
 
 def test_a_restarted_service_carries_on_every_unfinished_run(tmp_path: Path) -> None:
