@@ -15,6 +15,10 @@ category, so productive time plus the badput categories add up to wall time (to 
                         for a failure that stopped only some replicas, -> the survivors' next step
                         (their cross-replica regroup), and the survivors' stall while the formed
                         replicas receive their state (`replica_rejoined` seconds)
+                        A drain (`drained`: the ranks stopped at a step boundary for nodes that
+                        must go) charges its stopped step's keeping to checkpoint_stall and the
+                        reseat up to the next attempt's first step to restart_restore; nothing
+                        is recomputed
 - recomputation         steps whose progress was lost (done again after a rollback), and the step in
                         flight when a failure struck
                         A step discarded with no replica lost (`replica_step_discarded`, then
@@ -237,6 +241,14 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
     for p in preemptions:
         intervals.append((p.last_step_end, p.at, "checkpoint_stall"))  # the stopped step's commit
         intervals.append((p.at, p.resumed_at if p.resumed_at is not None else end, "waiting_for_capacity"))
+    for e in events:
+        if e["kind"] == EventKind.DRAINED:
+            t = float(e["time"])
+            intervals.append((_last_end(ends_by_attempt, e["attempt"], t, default=t), t, "checkpoint_stall"))
+            k = bisect.bisect_right(attempt_starts, t)
+            nxt = attempt_starts[k] if k < len(attempt_starts) else end
+            f = bisect.bisect_left(starts, nxt)
+            intervals.append((t, starts[f] if f < len(starts) else end, "restart_restore"))
     for failure in detected:
         attempt, t_detected = failure["attempt"], failure["time"]
         last_end = _last_end(ends_by_attempt, attempt, t_detected, default=started.get(attempt, start))

@@ -35,6 +35,10 @@ class FailureCause(str, enum.Enum):
     FINAL_SAVE_FAILED = "final_save_failed"
     """Every rank finished but the last step's checkpoint did not commit (the store refused it past
     the retry budget): the run is not done until its final state is saved."""
+    DRAINED = "drained"
+    """Not a failure: a planned departure (an operator's drain, a node tainted for deletion or spot
+    reclaim, a SIGTERM). The ranks stopped at a step boundary with their state kept; the node's ranks
+    are reseated like a lost node's, and nothing is charged to elastic.max_failures."""
 
     @property
     def quarantines(self) -> bool:
@@ -165,15 +169,17 @@ def decide(now: float, *, event: FailureEvent, failures_so_far: int, mesh: MeshS
            placement: Placement | None = None) -> Decision:
     """`failures_so_far` counts earlier failures of the run (this one excluded); `placement`, the
     failed attempt's: a next attempt on the same mesh keeps it where its nodes are still healthy (a
-    restart: all of it; a replacement: every rank but the lost nodes', `reseat`)."""
-    failures = failures_so_far + 1
+    restart: all of it; a replacement: every rank but the lost nodes', `reseat`). A drain (a planned
+    departure) is decided alike but charged nothing."""
+    charged = event.cause is not FailureCause.DRAINED
+    failures = failures_so_far + int(charged)
     for node in event.nodes:
         topology = topology.with_state(node, NodeState.QUARANTINED if event.cause.quarantines else NodeState.LOST)
-    if failures > limits.max_failures:
+    if charged and failures > limits.max_failures:
         return Decision(action=Action.FAIL, mesh=None, topology=topology, code="failure_budget",
                         reason=f"{failures} failures exceed elastic.max_failures = {limits.max_failures}")
     lost_in_use = list(event.nodes)
-    lost = "quarantined" if event.cause.quarantines else "lost"
+    lost = "quarantined" if event.cause.quarantines else "drained" if not charged else "lost"
     if not event.nodes:
         # A rank died or hung on a node that is still alive: the same mesh on the same nodes...
         healthy = topology.names_in(NodeState.HEALTHY)
@@ -340,7 +346,8 @@ def taken_out(before: Topology, decision: Decision, failure: FailureEvent | None
                for name in after.names_in(state) - before.names_in(state) if name in before}
     for name in before.in_node_order(changed):
         if changed[name] is NodeState.LOST:
-            out.append({"node": name, "reason": "lost"})
+            if failure is None or failure.cause is not FailureCause.DRAINED:  # (a drain's `drained` event names them)
+                out.append({"node": name, "reason": "lost"})
         else:
             out.append({"node": name, "reason": failure.cause.value if failure else "quarantined",
                         "ranks": list(failure.ranks) if failure else [], "message": failure.message if failure else "",

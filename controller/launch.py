@@ -29,7 +29,8 @@ def attempt_spec(c: "RunController", now: float, config: TrainerConfig, placemen
         **c.checkpoints.attempt_settings(c.spec, run_s=now - c.created_at, failures=len(c.failures)),
         **c.checkpoints.peer_settings(c.spec, placement, point, replicas=domain == "replica"),
         failure_domain=domain, batch_while_healing=c.spec.elastic.batch_while_healing,
-        stoppable=c.stoppable and domain == "world" and c.checkpoints.store is not None)
+        stoppable=c.stoppable and domain == "world" and (
+            c.checkpoints.store is not None or c.spec.checkpoint.peer_every_steps > 0))
 
 
 def launch(c: "RunController", now: float) -> None:

@@ -15,7 +15,7 @@ import collections
 import contextlib
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Callable, ContextManager, Iterable, Mapping
 
 from checkpointing.peer import Held
 from checkpointing.store import ObjectStore
@@ -104,6 +104,8 @@ class RunController:
         """The stop sent to the running attempt's ranks (kept until they have stopped)."""
         self._stopped: dict[str, Any] | None = None
         """The ranks' stopped_at_boundary detail, once heard."""
+        self._departing: tuple[str, ...] = ()
+        """The nodes the stop asked is for (a drain): reseated without them once the ranks stopped."""
         self.preempted = False
         """Stopped for another run, its state kept: back in a service's queue until admitted again."""
         self.stoppable = False
@@ -178,6 +180,24 @@ class RunController:
                 or self._stop is not None or self._stopping is not None):
             return False
         self._stop = ("store", reason)
+        return True
+
+    def drain(self, nodes: Iterable[str], reason: str) -> bool:
+        """Safe from any thread: `nodes` must go (an operator's drain, a node tainted for deletion or
+        spot reclaim, a SIGTERM). The running attempt's ranks stop after their next peer snapshot step
+        (the store's checkpoint when the run keeps no peer snapshots), then their ranks there are
+        reseated elsewhere (a spare, else a smaller mesh) and the run goes on from that step: nothing
+        redone, nothing read from the store when its peers hold it, nothing charged. False when it
+        cannot be asked now: not running, none of its ranks there, failure_domain replica, nothing
+        that could keep the state, a worker group that cannot stop, or a stop already asked."""
+        on = sorted(set(nodes) & self.placement.nodes()) if self.placement is not None else []
+        keeps = self.spec.checkpoint.peer_every_steps > 0 or self.checkpoints.store is not None
+        if (not on or not self.stoppable or not keeps or self.state is not RunState.RUNNING
+                or self.spec.elastic.failure_domain != "world" or getattr(self.worker_group, "request_stop", None) is None
+                or self._stop is not None or self._stopping is not None):
+            return False
+        self._departing = tuple(on)
+        self._stop = ("peers", reason)
         return True
 
     def cancel(self) -> None:
@@ -418,7 +438,10 @@ class RunController:
             self._recover(now, seen.failure)
         elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None and (
                 self._stopped is not None or (self._stopping is not None and self.progress.step < self.spec.train.steps)):
-            self._stopped_at_boundary(now)  # (asked to stop and ended short of the last step: stopped, its word late)
+            if self._departing:
+                self._reseat_departing(now)
+            else:  # (asked to stop and ended short of the last step: stopped, its word late)
+                self._stopped_at_boundary(now)
         elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None:
             self._shutdown()
             failure = self.watch.finished(now)
@@ -442,6 +465,23 @@ class RunController:
         self.preempted = True
         self.waiting_for = f"{reason}: back in the queue from step {detail.get('step', self.progress.step)}"
         self.state = RunState.PENDING
+
+    def _reseat_departing(self, now: float) -> None:
+        """Every rank stopped after the same step, its state kept (on its buddies, for the departing
+        nodes' ranks): the next attempt starts at once from that step without those nodes, decided as
+        after their loss but charged nothing."""
+        assert self._stopping is not None and self.config is not None
+        self._shutdown()
+        detail, (keep, reason), nodes = self._stopped or {"step": self.progress.step}, self._stopping, self._departing
+        self._stopped = self._stopping = None
+        self._departing = ()
+        self.events.add(now, self.attempt, EventKind.DRAINED, nodes=list(nodes), step=detail.get("step", self.progress.step),
+                        kept=detail.get("kept", keep), reason=reason)
+        departure = FailureEvent(time=now, cause=FailureCause.DRAINED, nodes=nodes, message=reason)
+        self._last_failure = departure
+        self._apply(now, self.policy.on_failure(now, departure, failures_so_far=len(self.failures), mesh=self.config.mesh,
+                                                topology=self.topology, waiting_since=self._waiting_since,
+                                                placement=self.placement))
 
     @property
     def stopping(self) -> bool:
@@ -525,6 +565,7 @@ class RunController:
         self._detected(now, failure)
         self._shutdown()
         self._stop = self._stopping = self._stopped = None  # (a stop asked of the attempt that failed: asked again if still wanted)
+        self._departing = ()
         through = self.watch.take_rollback() if self.watch is not None else None
         if through is not None:
             # Whatever is decided next (even to fail), a later resume must not load suspect state;

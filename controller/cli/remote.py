@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -253,10 +255,35 @@ def cmd_report(opts: argparse.Namespace) -> int:
     return 0
 
 
+def deadline(text: str, now: float) -> float:
+    """`--by`: a duration from now (90s, 30m, 2h) or a time (ISO 8601; UTC unless it says) -> Unix seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        return now + float(text[:-1]) * units[text[-1]]
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise CliError(f"--by {text!r}: give a duration (90s, 30m, 2h) or a time (2026-11-28T18:00:00Z)") from None
+    return (when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
 def cmd_nodes(opts: argparse.Namespace) -> int:
-    if opts.action == "release" and not opts.node:
-        raise CliError("give the node to release: goodput nodes release NODE")
+    if opts.action in ("release", "drain") and not opts.node:
+        raise CliError(f"give the node: goodput nodes {opts.action} NODE")
+    if opts.by is not None and opts.action != "drain":
+        raise CliError("--by goes with drain: goodput nodes drain NODE --by 30m")
     with api() as client:
+        if opts.action == "drain":
+            body = {"by": deadline(opts.by, time.time())} if opts.by else None
+            row = client.call("POST", f"/v1/nodes/{opts.node}/drain", body)
+            if opts.json:
+                emit_json(row)
+            else:
+                runs = row.get("runs") or []
+                print(f"{row['name']}: {row['state']} ({row['reason']}); "
+                      + (f"moving {', '.join(runs)} off it at their next step boundary" if runs
+                         else "no run on it") + "; `goodput nodes` shows when it is drained")
+            return 0
         if opts.action == "release":
             released = client.call("POST", f"/v1/nodes/{opts.node}/release")
             if opts.json:

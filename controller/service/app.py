@@ -9,6 +9,7 @@ document with the error envelope `{"error": {"code", "message"}}`.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import socket
 import sys
 import threading
@@ -79,6 +80,11 @@ class TokenBody(BaseModel):
     name: str = Field(min_length=1, max_length=128, description="who it is for: a person or a team's automation")
     team: str = Field(DEFAULT_TEAM, max_length=63, description="the team whose runs it submits and sees")
     role: str = Field("submitter", max_length=16, description="viewer, submitter, operator or admin")
+
+
+class DrainBody(BaseModel):
+    by: datetime.datetime | None = Field(None, description="when the node goes (ISO 8601 or Unix seconds): shown "
+                                                           "with the node, and a drain that ends later says so")
 
 
 class TeamBody(BaseModel):
@@ -301,9 +307,19 @@ def create_app(service: Service, *, token: str | None = None, oidc: BearerVerifi
 
     @app.post("/v1/nodes/{name}/release", dependencies=[operator], responses=_errors(401, 403, 404, 422))
     def release_node(name: str = Path(pattern=NODE_NAME, description="node name")) -> dict[str, Any]:
-        """An operator's release of a quarantined node: new runs may use it again; on Kubernetes its
-        goodput taint goes, and its cordon if goodput made it."""
+        """An operator's release of a quarantined or drained node: new runs may use it again; on Kubernetes
+        its goodput taint goes, and its cordon if goodput made it."""
         return service.release_node(name)
+
+    @app.post("/v1/nodes/{name}/drain", status_code=202, responses=_errors(401, 403, 404, 409, 422))
+    def drain_node(name: str = Path(pattern=NODE_NAME, description="node name"), body: DrainBody | None = Body(None),
+                   p: Principal = operator) -> dict[str, Any]:
+        """A planned departure (maintenance, a node a cloud will reclaim): no new rank goes to the node, and
+        every run on it moves off at its next peer snapshot step (a spare takes its ranks, else the mesh
+        shrinks; 0 steps redone, nothing read from the store when its peers hold the step). The node is
+        then `drained` (GET /v1/nodes) until released."""
+        deadline = body.by.timestamp() if body is not None and body.by is not None else None
+        return service.drain_node(name, deadline=deadline, by=p.name)
 
     @app.get("/v1/cluster", dependencies=[viewer], responses=_errors(401, 403))
     def cluster() -> dict[str, Any]:
@@ -346,7 +362,8 @@ def create_app(service: Service, *, token: str | None = None, oidc: BearerVerifi
 HTTP_STATUS = {
     "drill_rejected": 400, "invalid_request": 422, "invalid_spec": 422, "does_not_fit": 422,
     "no_such_checkpoint": 422, "spec_too_large": 413, "unauthorized": 401,
-    "run_not_found": 404, "drill_not_found": 404, "node_not_quarantined": 404, "token_not_found": 404,
+    "run_not_found": 404, "drill_not_found": 404, "node_not_quarantined": 404, "node_not_found": 404,
+    "node_out_of_use": 409, "token_not_found": 404,
     "forbidden": 403, "unknown_team": 422, "team_exists": 409, "over_quota": 422,
     "run_ended": 409, "run_not_ended": 409, "submissions_closed": 409, "checkpoint_mismatch": 409,
     "too_many_drills": 429, "too_many_runs": 429, "not_leading": 503,

@@ -6,6 +6,7 @@ the pool while it is short. The caller (the service) holds its lock around every
 
 from __future__ import annotations
 
+import datetime
 import sys
 import threading
 from dataclasses import replace
@@ -21,7 +22,9 @@ class NodeBook:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         rows = registry.node_rows()
-        self.out_of_use: dict[str, dict[str, Any]] = {r["name"]: r for r in rows if r["state"] == "quarantined"}
+        self.out_of_use: dict[str, dict[str, Any]] = {r["name"]: r for r in rows if r["state"] in OUT_OF_USE}
+        """Quarantined nodes, and drained ones (and draining: no new rank; the runs on them leave at a step
+        boundary), until an operator releases them."""
         self.lost: dict[str, dict[str, Any]] = {r["name"]: r for r in rows if r["state"] == "lost"}
         """Nodes the cluster stopped showing (a dead raylet or host), until it shows them again."""
         self.released: dict[str, float] = {r["name"]: r["time"] for r in rows if r["state"] == "released"}
@@ -85,21 +88,49 @@ class NodeBook:
     def quarantine(self, node: str, reason: str, run_id: str, when: float) -> bool:
         """A run quarantined `node` at `when`: out of use for every run (False: already, or that
         quarantine was answered by a later release)."""
-        if node in self.out_of_use or when <= self.released.get(node, float("-inf")):
+        held = self.out_of_use.get(node)  # (a quarantine outranks a drain: a release must not trust it again)
+        if (held is not None and held["state"] == "quarantined") or when <= self.released.get(node, float("-inf")):
             return False
         self.out_of_use[node] = {"name": node, "state": "quarantined", "reason": reason, "run_id": run_id,
                                  "time": when}
         self.registry.set_node(node, state="quarantined", reason=reason, run_id=run_id, time=when)
         return True
 
+    def drain(self, name: str, when: float, *, deadline: float | None, by: str) -> dict[str, Any]:
+        """`name` must go (by `deadline`, Unix seconds, if given): no new rank on it; the runs on it leave
+        at a step boundary (Service), then it is `drained` until released. Asked again: as it is."""
+        row = self.out_of_use.get(name)
+        if row is not None and row["state"] == "quarantined":
+            raise ServiceError("node_out_of_use", f"node {name!r} is quarantined ({row['reason']}): it holds no "
+                                                  "rank already; `goodput nodes release` it first to drain it")
+        if row is not None:
+            return row
+        reason = f"drain asked by {by}" + (f", to be gone by {_utc(deadline)}" if deadline is not None else "")
+        row = {"name": name, "state": "draining", "reason": reason, "run_id": None, "time": when,
+               "deadline": deadline}
+        self.out_of_use[name] = row
+        self.registry.set_node(name, state="draining", reason=reason, run_id=None, time=when)
+        return row
+
+    def draining(self) -> dict[str, dict[str, Any]]:
+        return {n: r for n, r in self.out_of_use.items() if r["state"] == "draining"}
+
+    def drained(self, name: str, when: float) -> None:
+        """No run holds a rank on the draining `name` any more."""
+        row = self.out_of_use[name]
+        late = row.get("deadline") is not None and when > row["deadline"]
+        row.update(state="drained", reason=f"{row['reason']}; drained{' after its deadline' if late else ''}",
+                   time=when)
+        self.registry.set_node(name, state="drained", reason=row["reason"], run_id=None, time=when)
+
     def release(self, name: str, when: float, raw: Topology | None) -> tuple[dict[str, Any], str]:
-        """An operator's release of a quarantined node at `when` (no earlier than every quarantine of it):
-        (the quarantine it ends, the node's role now). `raw`: what the cluster shows (None: no answer,
-        its label decides)."""
+        """An operator's release of a quarantined or drained node at `when` (no earlier than every
+        quarantine of it): (the row it ends, the node's role now). `raw`: what the cluster shows (None:
+        no answer, its label decides)."""
         row = self.out_of_use.pop(name, None)
         if row is None:
-            raise ServiceError("node_not_quarantined", f"node {name!r} is not quarantined on this service; "
-                                                       "`goodput nodes` lists the nodes and their states")
+            raise ServiceError("node_not_quarantined", f"node {name!r} is neither quarantined nor drained on this "
+                                                       "service; `goodput nodes` lists the nodes and their states")
         self.released[name] = when
         self.registry.set_node(name, state="released", reason=f"released by an operator (was: {row['reason']})",
                                run_id=row.get("run_id"), time=when)
@@ -116,9 +147,17 @@ class NodeBook:
             state = out["state"] if out else (node.state.value if node else NodeState.LOST.value)
             rows.append({"name": name, "state": state, "rack": node.rack if node else None,
                          "gpus": node.num_gpus if node else 0, "run": holders.get(name),
-                         "reason": out["reason"] if out else None, "since": out["time"] if out else None})
+                         "reason": out["reason"] if out else None, "since": out["time"] if out else None,
+                         "deadline": out.get("deadline") if out else None})
         return rows
 
+
+
+OUT_OF_USE = ("quarantined", "draining", "drained")
+
+
+def _utc(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Cluster(Protocol):
@@ -170,8 +209,9 @@ class ServiceNodes:
         return Topology(tuple(n for n in nodes if n.name not in held))
 
     def of(self, names: set[str]) -> Topology:
-        """What the cluster shows of these nodes (a run's own: it merges back the nodes it lost)."""
-        return Topology(tuple(n for n in self.shown().nodes if n.name in names))
+        """What the cluster shows of these nodes that are in use (a run's own: it merges back the nodes it
+        lost, never one quarantined or drained)."""
+        return Topology(tuple(n for n in self.usable().nodes if n.name in names))
 
     def track(self, placed: Callable[[], set[str]]) -> None:
         """Notice nodes the cluster lost and got back, and keep the spare pool honest (NodeBook.track);
@@ -182,6 +222,27 @@ class ServiceNodes:
             return
         with self.lock:
             self.book.track(raw, self.clock(), self.holders(), placed())
+        departing = getattr(self.cluster, "departing", None)  # (Kubernetes: cordoned, or tainted to go)
+        for name, why in (departing() if departing is not None else {}).items():
+            with self.lock:
+                if name not in self.book.out_of_use:
+                    self.book.drain(name, self.clock(), deadline=None, by=f"Kubernetes ({why})")
+                    print(f"goodput serve: node {name}: draining ({why})", file=sys.stderr, flush=True)
+
+    def drain(self, name: str, *, deadline: float | None, by: str) -> dict[str, Any]:
+        """An operator's drain of a node the cluster shows (NodeBook.drain)."""
+        with self.lock:
+            if name not in self.shown().names and name not in self.book.out_of_use:
+                raise ServiceError("node_not_found", f"no node {name!r} in this service's cluster; `goodput nodes` "
+                                                     "lists them")
+            return self.book.drain(name, self.clock(), deadline=deadline, by=by)
+
+    def settle_drains(self, in_use: set[str]) -> None:
+        """Draining nodes no run's ranks are on (`in_use`: the nodes the live runs' placements use now)
+        are drained."""
+        with self.lock:
+            for name in sorted(set(self.book.draining()) - in_use):
+                self.book.drained(name, self.clock())
 
     def quarantine(self, quarantines: Iterable[dict[str, Any]], run_id: str,
                    record: Callable[[EventKind, dict[str, Any]], None]) -> None:

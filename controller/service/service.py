@@ -322,6 +322,7 @@ class Service:
         """Admit pending runs in the queue's order (service/scheduler.py: priority, the team's fair share,
         submission) while their plans fit the free nodes and their teams' quotas have room."""
         self.nodes.track(self._placed)
+        self.nodes.settle_drains(self._in_use())
         with self.lock:
             queued = {live.seq: live for live in self._runs.values() if not live.admitted and not live.controller.state.terminal}
             if not queued:  # (nothing to ask the cluster or the registry about: this runs every poll)
@@ -469,6 +470,7 @@ class Service:
             state = self._controller_error(live, e)
         try:
             self._note_out_of_use(live)
+            self._leave_draining(live)
             if state.terminal and not live.closed:
                 live.close()
             if c.preempted and live.admitted:
@@ -540,6 +542,33 @@ class Service:
             live.controller.record(self.clock(), kind, **detail)
         self._save(live)
 
+    def _in_use(self) -> set[str]:
+        """The nodes the live runs' ranks are on now, or are to be (a launch or a reseat in progress)."""
+        with self.lock:
+            return {n for live in self._runs.values() if live.admitted and not live.controller.state.terminal
+                    and live.controller.placement is not None for n in live.controller.placement.nodes()}
+
+    def _leave_draining(self, live: LiveRun) -> None:
+        """A running run with ranks on a draining node is asked to stop at its next snapshot step and
+        reseat them elsewhere (RunController.drain: asked again each step until it can be)."""
+        c = live.controller
+        draining = self.nodes.book.draining()
+        if draining and c.state is RunState.RUNNING and c.placement is not None and not c.stopping:
+            on = set(draining) & c.placement.nodes()
+            if on and c.drain(on, f"drain of {', '.join(sorted(on))}"):
+                print(f"goodput serve: run {c.run_id}: leaving {sorted(on)} at its next step boundary", file=sys.stderr,
+                      flush=True)
+
+    def drain_node(self, name: str, *, deadline: float | None, by: str) -> dict[str, Any]:
+        """An operator's drain: no new rank on `name`; every run on it moves off at a step boundary
+        (0 steps redone; nothing read from the store when its peers hold the step), then it is
+        `drained` until released."""
+        row = self.nodes.drain(name, deadline=deadline, by=by)
+        runs = sorted({live.controller.run_id for live in self._runs.values()
+                       if live.controller.placement is not None and not live.controller.state.terminal
+                       and name in live.controller.placement.nodes()})
+        return {**row, "runs": runs}
+
     def release_node(self, name: str) -> dict[str, Any]:
         """An operator's explicit release of a quarantined node: usable by new runs again. Runs that
         quarantined it keep it out of their own topology."""
@@ -599,8 +628,8 @@ class Service:
         c = RunController(spec, self.nodes.usable(), group, now=created_at, checkpoint_store=store, run_id=run_id,
                           injector=self._injector(group), topology_source=functools.partial(self._own_view, run_id),
                           own_checkpoints_only=self.accept_submissions)
-        # a shared service may preempt it (`goodput run`'s one run: never), unless nothing ranks above it
-        c.stoppable = self.accept_submissions and PRIORITY_CLASSES[spec.priority] < max(PRIORITY_CLASSES.values())
+        # a shared service may preempt it or drain a node under it (`goodput run`'s one run: never)
+        c.stoppable = self.accept_submissions
         return c
 
     def _injector(self, group: WorkerGroup) -> DrillInjector | None:

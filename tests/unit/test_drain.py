@@ -1,0 +1,150 @@
+"""Planned departures (issue 45), the controller's and the service's side on fake workers: `goodput nodes
+drain NODE` (or Kubernetes cordoning or tainting a node to go) puts no new rank on the node and moves every
+run on it off at a step boundary: its ranks stop after the same step with the state kept (their peer
+snapshot; the fakes keep it in the store), the node's ranks are reseated on a spare (else the mesh
+shrinks), the run goes on from that step, and nothing is charged to elastic.max_failures. The node is
+then `drained` until released. The trainer's side is tests/dist/test_stop.py; a drain on the Ray cluster
+is tests/cluster/test_service.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controller.errors import ServiceError
+from controller.failure_policy import Action, ElasticLimits, FailureCause, FailureEvent, decide
+from controller.service.registry import sqlite_url
+from controller.spec import parse_spec
+from controller.topology import Topology
+from tests.unit.fakes import FakeCluster
+from tests.unit.test_service import Harness, _commit, raw_spec
+
+CLUSTER = Topology.from_local(nodes=5, gpus_per_node=2, racks=2, spares=1)  # node-4: the spare
+
+
+def states(h: Harness) -> dict[str, str]:
+    return {n["name"]: n["state"] for n in h.service.cluster_view()["nodes"]}
+
+
+def test_a_drain_reseats_the_nodes_ranks_on_the_spare_at_a_step_boundary_and_charges_nothing(tmp_path: Path) -> None:
+    h = Harness(sqlite_url(str(tmp_path)), store_root=tmp_path / "ckpt")
+    s = h.service
+    s.add(parse_spec(raw_spec("r", dp=4, tp=2, elastic={"max_failures": 0})))  # no failure budget at all
+    h.until("r", "running")
+    c = s.controller("r")
+    assert "node-1" in c.placement.nodes()
+    h.group("r").finish_steps(1, 5)
+    h.tick("r")
+    row = s.drain_node("node-1", deadline=None, by="olga")
+    assert (row["state"], row["runs"]) == ("draining", ["r"]) and "olga" in row["reason"]
+    h.tick("r")
+    h.tick("r")
+    assert h.group("r").stop_requests == [("peers", "drain of node-1")], "kept by its peers, once"
+    assert states(h)["node-1"] == "draining"
+    h.group("r").finish_steps(6, 6)
+    _commit(tmp_path / "ckpt", "r", 6, at=h.clock.t)  # (the fakes keep no peer snapshot: the store has the step)
+    h.group("r").stop_at(6)
+    h.tick("r")
+    drained = c.events.of_kind("drained")[-1].detail
+    assert drained == {"nodes": ["node-1"], "step": 6, "kept": "peers", "reason": "drain of node-1"}
+    decision = c.events.of_kind("decision")[-1].detail
+    assert decision["action"] == "replace" and "spare ['node-4']" in decision["reason"], decision
+    assert c.failures == [] and not c.events.of_kind("failure_detected"), "not a failure: nothing charged"
+    h.until("r", "running")
+    started = h.group("r").started[-1]
+    assert (started.attempt, started.resume_step) == (1, 6), "0 steps redone"
+    assert "node-1" not in started.placement.nodes() and "node-4" in started.placement.nodes()
+    moved = [r for r in range(8) if started.placement.node_of_rank[r] != h.group("r").started[0].placement.node_of_rank[r]]
+    assert {h.group("r").started[0].placement.node_of_rank[r] for r in moved} == {"node-1"}, "only its ranks moved"
+    h.tick("r")
+    assert states(h)["node-1"] == "drained"
+    assert s.run("r")["state"] == "running"
+    h.group("r").finish_steps(7, 8)
+    h.tick("r")
+    goodput = c.goodput(h.clock.t)
+    assert goodput["failures"] == [] and goodput["badput_seconds"]["recomputation"] == 0
+    assert goodput["productive_seconds"] + sum(goodput["badput_seconds"].values()) == \
+        pytest.approx(goodput["wall_seconds"], abs=1e-6)
+    released = s.release_node("node-1")
+    assert released["state"] == "spare" and released["was"]["state"] == "drained", "it refills the spare pool"
+    assert states(h)["node-1"] == "spare"
+
+
+def test_a_node_with_no_run_is_drained_at_once_and_gets_no_new_rank(tmp_path: Path) -> None:
+    h = Harness(sqlite_url(str(tmp_path)), topology=CLUSTER)
+    s = h.service
+    assert s.drain_node("node-0", deadline=2e9, by="olga")["runs"] == []
+    h.tick()
+    assert states(h)["node-0"] == "drained"
+    assert "2033-05-18T03:33:20Z" in s.cluster_view()["nodes"][0]["reason"], "the deadline, said"
+    assert s.drain_node("node-0", deadline=None, by="olga")["state"] == "drained", "asked again: as it is"
+    s.drain_node("node-1", deadline=None, by="olga")
+    s.add(parse_spec(raw_spec("r", dp=2, tp=2)))
+    h.until("r", "running")
+    assert s.controller("r").placement.nodes() == {"node-2", "node-3"}
+
+
+def test_bad_drains_say_what_to_fix(tmp_path: Path) -> None:
+    h = Harness(sqlite_url(str(tmp_path)), topology=CLUSTER)
+    with pytest.raises(ServiceError) as e:
+        h.service.drain_node("node-9", deadline=None, by="olga")
+    assert e.value.code == "node_not_found" and "goodput nodes" in e.value.message
+    h.service.nodes.book.quarantine("node-2", "sdc", "r", 1.0)
+    with pytest.raises(ServiceError) as e:
+        h.service.drain_node("node-2", deadline=None, by="olga")
+    assert e.value.code == "node_out_of_use" and "release" in e.value.message
+    with pytest.raises(ServiceError) as e:
+        h.service.release_node("node-3")
+    assert "neither quarantined nor drained" in e.value.message
+
+
+class Tainted(FakeCluster):
+    """A Kubernetes cluster as KubeTopologyCluster shows it: nodes cordoned or tainted to go."""
+
+    def __init__(self, topology: Topology) -> None:
+        super().__init__(topology)
+        self.going: dict[str, str] = {}
+
+    def departing(self) -> dict[str, str]:
+        return dict(self.going)
+
+
+def test_a_node_kubernetes_will_delete_is_drained_like_an_operators(tmp_path: Path) -> None:
+    h = Harness(sqlite_url(str(tmp_path)), store_root=tmp_path / "ckpt")
+    cluster = Tainted(CLUSTER)
+    h.service.nodes.cluster = cluster
+    h.service.add(parse_spec(raw_spec("r", dp=4, tp=2)))
+    h.until("r", "running")
+    h.group("r").finish_steps(1, 2)
+    cluster.going["node-3"] = "taint ToBeDeletedByClusterAutoscaler"
+    h.tick("r")
+    h.tick("r")
+    assert states(h)["node-3"] == "draining"
+    assert h.group("r").stop_requests == [("peers", "drain of node-3")]
+    assert "Kubernetes (taint ToBeDeletedByClusterAutoscaler)" in h.service.cluster_view()["nodes"][3]["reason"]
+
+
+def test_a_drain_is_decided_like_a_loss_but_never_charged() -> None:
+    from controller.placement import place
+    from controller.planner import plan_run
+
+    spec = parse_spec(raw_spec("r", dp=4, tp=2))
+    plan, placement = plan_run(spec, CLUSTER)
+    limits = ElasticLimits(min_dp=1, max_failures=2, wait_for_capacity_s=0)
+    for cause, spent in ((FailureCause.NODE_LOST, 2), (FailureCause.DRAINED, 2), (FailureCause.DRAINED, 50)):
+        event = FailureEvent(time=1.0, cause=cause, nodes=("node-1",))
+        d = decide(1.0, event=event, failures_so_far=spent, mesh=plan.mesh, spec_mesh=plan.mesh, topology=CLUSTER,
+                   limits=limits, global_batch=spec.train.global_batch, micro_batch=spec.train.micro_batch,
+                   placement=placement)
+        if cause is FailureCause.NODE_LOST:
+            assert d.action is Action.FAIL and d.code == "failure_budget"
+        else:
+            assert d.action is Action.REPLACE and "drained ['node-1']" in d.reason, d.reason
+            assert d.placement is not None and "node-1" not in d.placement.nodes()
+    no_spare = Topology(tuple(n for n in CLUSTER.nodes if n.name != "node-4"))
+    d = decide(1.0, event=FailureEvent(time=1.0, cause=FailureCause.DRAINED, nodes=("node-1",)), failures_so_far=9,
+               mesh=plan.mesh, spec_mesh=plan.mesh, topology=no_spare, limits=limits,
+               global_batch=spec.train.global_batch, micro_batch=spec.train.micro_batch, placement=placement)
+    assert d.action is Action.SHRINK and d.mesh is not None and d.mesh.dp == 2, "no spare: shrink, keeping the batch"
+    assert place(d.mesh, d.topology).nodes().isdisjoint({"node-1"})
