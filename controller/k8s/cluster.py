@@ -1,5 +1,6 @@
 """A Ray cluster seen through Kubernetes: the same nodes, racked by their Kubernetes nodes' labels
-(controller.k8s.topology), read through the API at most every `refresh_s`."""
+(controller.k8s.topology), and the nodes about to go (cordoned, or tainted to be deleted or reclaimed:
+the service drains them), read through the API at most every `refresh_s`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from controller.topology import Topology
 
 class KubeTopologyCluster:
     def __init__(self, inner: Any, nodes: KubeNodes, *, rack_label: str = DEFAULT_RACK_LABEL,
-                 domain_label: str | None = DEFAULT_DOMAIN_LABEL, refresh_s: float = 30.0,
+                 domain_label: str | None = DEFAULT_DOMAIN_LABEL, refresh_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.inner = inner
         self.nodes = nodes
@@ -24,6 +25,7 @@ class KubeTopologyCluster:
         self.refresh_s = refresh_s
         self.clock = clock
         self._labels: dict[str, dict[str, str]] = {}
+        self._departing: dict[str, str] = {}
         self._read_at: float | None = None
         self._warned = False
         self._lock = threading.Lock()
@@ -39,7 +41,7 @@ class KubeTopologyCluster:
             now = self.clock()
             if self._read_at is None or now - self._read_at >= self.refresh_s:
                 try:
-                    self._labels = self.nodes.node_labels()
+                    self._labels, self._departing = self.nodes.node_facts()
                     self._warned = False
                 except KubeError as e:
                     if not self._warned:
@@ -48,6 +50,11 @@ class KubeTopologyCluster:
                         self._warned = True
                 self._read_at = now
             return self._labels
+
+    def departing(self) -> dict[str, str]:
+        """node -> why it is about to go (controller.k8s.nodes.departure), as last read."""
+        self.node_labels()
+        return dict(self._departing)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -10,7 +10,9 @@ client, only when the service runs in a cluster with a service account (off in l
 - release(node): only on an operator's explicit `goodput nodes release NODE`, never automatically:
   the taint goes, and the cordon too unless someone else had cordoned the node first (the
   annotation `goodput.dev/cordoned-by` says whether goodput did).
-- node_labels(): every node's labels, for topology discovery (controller.k8s.topology).
+- node_labels(): every node's labels, for topology discovery (controller.k8s.topology); node_facts():
+  those and the nodes about to go (`departing`: cordoned by someone else, or tainted by the cluster
+  autoscaler, Karpenter or a spot interruption handler), which the service drains.
 """
 
 from __future__ import annotations
@@ -26,6 +28,31 @@ CORDONED_BY = "goodput.dev/cordoned-by"
 SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 T = TypeVar("T")
+
+DEPARTING_TAINTS = {
+    "ToBeDeletedByClusterAutoscaler": "the cluster autoscaler deletes it",
+    "DeletionCandidateOfClusterAutoscaler": None,  # (a candidate only: it may stay; not a departure)
+    "karpenter.sh/disrupted": "Karpenter disrupts it",
+    "karpenter.sh/disruption": "Karpenter disrupts it",
+    "cloud.google.com/impending-node-termination": "GKE reclaims it (spot or preemptible)",
+    "aws-node-termination-handler/spot-itn": "AWS spot interruption notice",
+    "aws-node-termination-handler/scheduled-maintenance": "AWS scheduled maintenance",
+    "aws-node-termination-handler/asg-lifecycle-termination": "its autoscaling group terminates it",
+    "aws-node-termination-handler/rebalance-recommendation": "AWS spot rebalance recommendation",
+}
+"""Taints that say a node is about to go, and why (None: seen but not a departure)."""
+
+
+def departure(node: Any) -> str | None:
+    """Why the Node object `node` is about to go, or None: a taint of DEPARTING_TAINTS, or a cordon that
+    goodput's quarantine did not make (an operator's `kubectl drain`, an upgrade)."""
+    for taint in node.spec.taints or []:
+        why = DEPARTING_TAINTS.get(taint.key)
+        if why:
+            return f"taint {taint.key}: {why}"
+    if node.spec.unschedulable and not any(t.key == TAINT_KEY for t in node.spec.taints or []):
+        return "cordoned"
+    return None
 
 
 class KubeError(Exception):
@@ -125,9 +152,14 @@ class KubeNodes:
                            lambda: dict(self.api.read_node(node).metadata.labels or {}))
 
     def node_labels(self) -> dict[str, dict[str, str]]:
-        def attempt() -> dict[str, dict[str, str]]:
+        return self.node_facts()[0]
+
+    def node_facts(self) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+        """Every node's labels, and the nodes about to go with why (`departure`), from one listing."""
+        def attempt() -> tuple[dict[str, dict[str, str]], dict[str, str]]:
             listed = self.api.list_node()
-            return {n.metadata.name: dict(n.metadata.labels or {}) for n in listed.items}
+            going = {n.metadata.name: why for n in listed.items if (why := departure(n)) is not None}
+            return {n.metadata.name: dict(n.metadata.labels or {}) for n in listed.items}, going
 
         return self._retry("list nodes", "list", attempt)
 

@@ -225,7 +225,7 @@ class ServiceNodes:
         departing = getattr(self.cluster, "departing", None)  # (Kubernetes: cordoned, or tainted to go)
         for name, why in (departing() if departing is not None else {}).items():
             with self.lock:
-                if name not in self.book.out_of_use:
+                if name in raw.names and name not in self.book.out_of_use:
                     self.book.drain(name, self.clock(), deadline=None, by=f"Kubernetes ({why})")
                     print(f"goodput serve: node {name}: draining ({why})", file=sys.stderr, flush=True)
 

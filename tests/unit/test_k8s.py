@@ -215,3 +215,23 @@ def test_the_service_cordons_what_a_run_quarantines_and_releases_on_request(kube
     again = api.post(f"/v1/nodes/{bad}/release")
     assert again.status_code == 404 and "goodput nodes" in again.json()["error"]["message"]
     assert api.post("/v1/nodes/bad name!/release").status_code in (404, 422)
+
+
+def test_nodes_cordoned_or_tainted_to_go_are_departing_but_not_goodputs_own_quarantine() -> None:
+    server = FakeKube([
+        node("gpu-1", {}),
+        node("gpu-2", {}, taints=[{"key": "ToBeDeletedByClusterAutoscaler", "value": "1700000000",
+                                   "effect": "NoSchedule"}]),
+        node("gpu-3", {}, unschedulable=True),  # an operator's `kubectl drain`
+        node("gpu-4", {}, taints=[{"key": "aws-node-termination-handler/spot-itn", "effect": "NoSchedule"}]),
+        node("gpu-5", {}, unschedulable=True, taints=[{"key": TAINT_KEY, "value": "sdc", "effect": "NoSchedule"}]),
+        node("gpu-6", {}, taints=[{"key": "DeletionCandidateOfClusterAutoscaler", "effect": "PreferNoSchedule"}]),
+    ])
+    try:
+        cluster = KubeTopologyCluster(StaticCluster(ray_topology("gpu-1", "gpu-2")), nodes(server))
+        going = cluster.departing()
+    finally:
+        server.stop()
+    assert set(going) == {"gpu-2", "gpu-3", "gpu-4"}, going
+    assert "cluster autoscaler deletes it" in going["gpu-2"] and going["gpu-3"] == "cordoned"
+    assert "spot interruption" in going["gpu-4"]
