@@ -207,3 +207,47 @@ def test_a_high_priority_run_preempts_a_low_one_which_resumes_and_ends_bit_ident
         (tmp_path / "svc-ref" / "model.safetensors").read_bytes(), "the same weights as never preempted"
     teams = {t["name"]: t for t in service.json("teams")}  # type: ignore[union-attr]
     assert teams["nlp"]["preemptions"] == 1 and teams["vision"]["preemptions"] == 0
+
+
+def test_a_drained_node_is_left_at_a_step_boundary_from_peers_memory_and_the_run_ends_bit_identical(
+        service: Serve, tmp_path: Path) -> None:
+    """`goodput nodes drain NODE --by 10m` on a node of a training run (issue 45): the ranks stop after
+    their next peer snapshot step, the node's ranks go to the spare and load that step from their
+    buddies' memory (0 bytes from the store, 0 steps redone, nothing charged); the node is `drained`
+    until `goodput nodes release`, and the run ends with the same weights as the same spec never
+    drained."""
+    spec = lambda name: str(write_spec(tmp_path / f"{name}.yaml", name, steps=40, dp=2, tp=2,  # noqa: E731
+                                       every_steps=25))
+    service.cli("submit", spec("svc-drain"))
+    status = wait_for(service, "svc-drain", lambda s: s["step"] >= 5)
+    node = sorted({row["node"] for row in status["placement"]})[-1]
+    out = service.cli("nodes", "drain", node, "--by", "10m").stdout
+    assert "draining" in out and "svc-drain" in out, out
+    final = wait_for(service, "svc-drain", lambda s: s["state"] == "succeeded", timeout_s=600)
+    events = service.json("events", "svc-drain")
+    assert isinstance(events, list)
+    kinds = [e["kind"] for e in events]
+    assert "failure_detected" not in kinds and final["attempt"] == 1, "a drain is not a failure"
+    (asked,) = [e for e in events if e["kind"] == "stop_requested"]
+    (drained,) = [e for e in events if e["kind"] == "drained"]
+    assert asked["detail"]["keep"] == "peers" and drained["detail"]["nodes"] == [node], drained
+    assert drained["detail"]["kept"] == "peers", drained
+    step = drained["detail"]["step"]
+    assert step <= asked["detail"]["step"] + 2, "within the next steps"
+    (started,) = [e for e in events if e["kind"] == "attempt_started" and e["attempt"] == 1]
+    assert (started["detail"]["start_step"], started["detail"]["restore_from"]) == (step, "peer"), "0 steps redone"
+    restored = [e for e in events if e["kind"] == "restored" and e["attempt"] == 1]
+    assert restored and {e["detail"]["source"] for e in restored} == {"peer"}, restored
+    assert sum(e["detail"]["bytes_read"] for e in restored) == 0, "0 bytes from the store"
+    assert node not in {row["node"] for row in final["placement"]}
+    nodes = {n["name"]: n for n in service.json("nodes")["nodes"]}  # type: ignore[index]
+    assert nodes[node]["state"] == "drained", nodes[node]
+    assert final["goodput"]["failures"] == [] and final["goodput"]["badput_seconds"]["recomputation"] == 0
+    service.cli("nodes", "release", node)
+    assert {n["name"]: n for n in service.json("nodes")["nodes"]}[node]["state"] in ("spare", "healthy")  # type: ignore[index]
+    service.cli("submit", spec("svc-drain-ref"))
+    wait_for(service, "svc-drain-ref", lambda s: s["state"] == "succeeded", timeout_s=600)
+    for run in ("svc-drain", "svc-drain-ref"):
+        service.cli("export", run, "--hf", str(tmp_path / run), "--dtype", "float32")
+    assert (tmp_path / "svc-drain" / "model.safetensors").read_bytes() == \
+        (tmp_path / "svc-drain-ref" / "model.safetensors").read_bytes(), "the same weights as never drained"
