@@ -1,7 +1,10 @@
 """Trainer step time / a bare hand-written torch loop on the same mesh and model.
 
 Both run in the same processes, steps interleaved (goodput, bare, goodput, bare, ...) so machine
-noise hits both alike; the ratio of medians is printed per mesh. Target: <= 1.05.
+noise hits both alike; the ratio of medians is printed per mesh. Target: <= 1.05. Beside it, the
+per-step look for a stop at the step boundary (trainer/stop.py: rank 0 asks the store, one all-reduce
+of an int; every run of a service makes it, for preemptions, drains and SIGTERMs), timed after each
+goodput step: its median, and (step + look) / step.
 
     python benchmarks/trainer_overhead.py [--steps 20] [--meshes 2,1,1 2,2,2]
 """
@@ -86,6 +89,7 @@ def bare_loop(mesh: "torch.distributed.device_mesh.DeviceMesh", shape: MeshShape
 
 def measure(*, rank: int, world_size: int, store_port: int, mesh: tuple[int, int, int], steps: int) -> dict:
     from trainer.parallel import build_mesh, choose_device, init_process_group
+    from trainer.stop import StopWatch
     from trainer.train import Trainer
 
     torch.set_num_threads(1)
@@ -100,12 +104,15 @@ def measure(*, rank: int, world_size: int, store_port: int, mesh: tuple[int, int
         device_mesh = build_mesh(shape, "cpu")
         trainer = Trainer(cfg, device_mesh, choose_device("float32"))
         bare = bare_loop(device_mesh, shape, 16, 2, 1e-3)
-        goodput_times, bare_times = [], []
+        stop = StopWatch(store, rank=rank, device=torch.device("cpu"), catch_sigterm=False)
+        goodput_times, bare_times, poll_times = [], [], []
         for i in range(steps + 2):
             dist.barrier()
             t0 = time.perf_counter()
             trainer.train_step()
             t1 = time.perf_counter()
+            stop.poll()
+            t1p = time.perf_counter()
             dist.barrier()
             t2 = time.perf_counter()
             bare()
@@ -113,7 +120,9 @@ def measure(*, rank: int, world_size: int, store_port: int, mesh: tuple[int, int
             if i >= 2:  # warm-up
                 goodput_times.append(t1 - t0)
                 bare_times.append(t3 - t2)
-        return {"goodput": statistics.median(goodput_times), "bare": statistics.median(bare_times)}
+                poll_times.append(t1p - t1)
+        return {"goodput": statistics.median(goodput_times), "bare": statistics.median(bare_times),
+                "poll": statistics.median(poll_times)}
     finally:
         dist.destroy_process_group()
 
@@ -129,8 +138,10 @@ def main() -> None:
         # The step ends when the slowest rank ends: compare the slowest rank's medians.
         goodput = max(r["goodput"] for r in results)
         bare = max(r["bare"] for r in results)
+        poll = max(r["poll"] for r in results)
         print(f"mesh dp{mesh[0]} pp{mesh[1]} tp{mesh[2]}: goodput step {goodput * 1e3:.1f} ms, "
-              f"bare torch loop {bare * 1e3:.1f} ms, ratio {goodput / bare:.3f} (target <= 1.05)", flush=True)
+              f"bare torch loop {bare * 1e3:.1f} ms, ratio {goodput / bare:.3f} (target <= 1.05); "
+              f"stop look {poll * 1e3:.2f} ms a step, (step + look) / step {(goodput + poll) / goodput:.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ def drill_report(events: list[Event], i: int) -> dict[str, Any]:
         report = _collective_fault_report(ev, later)
     elif kind == DrillKind.STORAGE_OUTAGE:
         report = _outage_report(ev, later)
+    elif kind == DrillKind.SPOT_RECLAIM and not _failed_before(later, EventKind.DRAINED):
+        report = _departure_report(ev, later)
     else:
         report = _failure_report(ev, later)
     report = {"id": ev.detail.get("id"), "kind": kind, "target": ev.detail.get("target"),
@@ -171,6 +173,35 @@ def _collective_fault_report(ev: Event, later: list[Event]) -> dict[str, Any]:
         "restored_from": None,
         "outcome": outcome,
     }
+
+
+def _departure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
+    """spot-reclaim left in its grace period: the ranks said `terminating` (detected), stopped at a step
+    boundary (`drained`), and the next attempt went on from that step without the node."""
+    told = _first(later, EventKind.TERMINATING)
+    drained = _first(later, EventKind.DRAINED)
+    decision = _first(later, EventKind.DECISION)
+    recovered = _first(later, EventKind.FIRST_STEP_AFTER_RECOVERY)
+    restored = _first(later, EventKind.ATTEMPT_STARTED)
+    ended = _ended(later)
+    resumed_from = restored.detail.get("start_step", 0) if restored else None
+    return {
+        "detected_at": told.time if told else None, "cause": "drained" if drained else None,
+        "attributed_to": {"nodes": drained.detail.get("nodes"), "ranks": None} if drained else None,
+        "decision": decision.detail.get("action") if decision and drained else None,
+        "drained_at": drained.time if drained else None, "drained_step": drained.detail.get("step") if drained else None,
+        "recovered_at": recovered.detail.get("ended_at", recovered.time) if recovered else None,
+        "recovery_heard_at": recovered.time if recovered else None,
+        "steps_lost": max(0, drained.detail["step"] - resumed_from) if drained and resumed_from is not None else None,
+        "restored_from": restored.detail.get("restore_from") if restored else None,
+        "outcome": _outcome(recovered is not None, told is not None, ended.kind if ended else None),
+    }
+
+
+def _failed_before(later: list[Event], kind: str) -> bool:
+    """Whether a failure was detected before the first event of `kind` (or with none of it)."""
+    return next((e.kind for e in later if e.kind in (kind, EventKind.FAILURE_DETECTED)), None) == \
+        EventKind.FAILURE_DETECTED
 
 
 def _failed_first(later: list[Event]) -> bool:

@@ -36,13 +36,16 @@ class DrillKind(enum.StrEnum):
     # The replica protocol's own faults (failure_domain: replica): one named collective between replicas
     # fails, or comes too late, on one rank (trainer/protocol.ProtocolFault), with no process or node lost.
     COLLECTIVE_FAULT = "collective-fault"
+    # A planned departure with notice: the node's training processes get a SIGTERM (a spot VM reclaimed, a
+    # Kubernetes eviction), and `seconds` later (the grace period) the node dies like kill-node.
+    SPOT_RECLAIM = "spot-reclaim"
 
     @property
     def target(self) -> str:
         """`node`, `rank` or `store` (the run's object store: no target to give)."""
         if self.silent:
             return "node"
-        return {"kill-node": "node", "storage-outage": "store"}.get(self.value, "rank")
+        return {"kill-node": "node", "spot-reclaim": "node", "storage-outage": "store"}.get(self.value, "rank")
 
     @property
     def silent(self) -> bool:
@@ -54,7 +57,7 @@ class DrillKind(enum.StrEnum):
         """The parameters this kind takes (of PARAMS)."""
         return {"slow-rank": ("factor",), "storage-outage": ("seconds",), "partition": ("seconds",),
                 "freeze-node": ("seconds",), "slow-link": ("delay_ms",), "lossy-link": ("loss",),
-                "collective-fault": ("point", "seconds")}.get(self.value, ())
+                "collective-fault": ("point", "seconds"), "spot-reclaim": ("seconds",)}.get(self.value, ())
 
     def default(self, param: str) -> float | str | None:
         """A parameter's default (None for partition's and freeze-node's `seconds`: they last; for
@@ -62,7 +65,7 @@ class DrillKind(enum.StrEnum):
         defaults: dict[tuple[str, str], float | str] = {
             ("slow-rank", "factor"): DEFAULT_FACTOR, ("storage-outage", "seconds"): DEFAULT_OUTAGE_S,
             ("slow-link", "delay_ms"): DEFAULT_DELAY_MS, ("lossy-link", "loss"): DEFAULT_LOSS,
-            ("collective-fault", "point"): DEFAULT_POINT}
+            ("collective-fault", "point"): DEFAULT_POINT, ("spot-reclaim", "seconds"): DEFAULT_GRACE_S}
         return defaults.get((self.value, param))
 
     @property
@@ -71,7 +74,8 @@ class DrillKind(enum.StrEnum):
         return {"kill-node": "host", "kill-rank": "rank", "hang-rank": "hang", "bitflip": "sdc",
                 "slow-rank": "straggler", "storage-outage": "storage-outage", "power-off": "host",
                 "partition": "host", "slow-link": "network", "lossy-link": "network",
-                "freeze-node": "host", "collective-fault": "collective"}[self.value]
+                "freeze-node": "host", "collective-fault": "collective",
+                "spot-reclaim": "host"}[self.value]  # (the model has no notice: a host lost)
 
     @property
     def effect(self) -> str:
@@ -88,7 +92,9 @@ class DrillKind(enum.StrEnum):
                 "freeze-node": "SIGSTOP every process on the node; `seconds` thaws it (a hung host)",
                 "collective-fault": "the rank's next `point` of the replica protocol (reduce, vote, agree, init, "
                                     "sync) fails, or with `seconds` starts that late (past the timeout: a replica "
-                                    "too slow); failure_domain: replica"}[self.value]
+                                    "too slow); failure_domain: replica",
+                "spot-reclaim": "SIGTERM the node's training processes, SIGKILL the node `seconds` later (a spot "
+                                "VM's notice, an eviction's grace period): the run leaves it at a step boundary"}[self.value]
 
     @classmethod
     def names(cls) -> str:
@@ -104,6 +110,8 @@ DEFAULT_DELAY_MS = 50.0
 """slow-link: milliseconds added to everything the node sends."""
 DEFAULT_LOSS = 5.0
 """lossy-link: percent of the node's packets dropped."""
+DEFAULT_GRACE_S = 30.0
+"""spot-reclaim: seconds between the SIGTERM and the node's end (GKE's spot notice; AWS gives 120)."""
 DEFAULT_POINT = "reduce"
 """collective-fault: the gradient all-reduce between replicas."""
 PARAMS = ("factor", "seconds", "delay_ms", "loss", "point")

@@ -48,6 +48,7 @@ class EventKind(enum.StrEnum):
     STOPPED_AT_BOUNDARY = "stopped_at_boundary"  # (rank) the ranks stopped after a step as asked (trainer/stop.py), its state kept
     STOP_REQUESTED = "stop_requested"  # the controller asked the ranks to stop at their next step boundary
     PREEMPTED = "preempted"  # the run stopped for a higher-priority run, its state kept: back to the queue
+    TERMINATING = "terminating"  # (rank) its process got a SIGTERM (its node goes): the ranks leave at their next snapshot step
     DRAINED = "drained"  # the run stopped at a step boundary for nodes that must go, its state kept: reseated without them
     DECISION = "decision"
     CONTROLLER_ISOLATED = "controller_isolated"  # every node silent at once: the controller suspects itself

@@ -426,6 +426,8 @@ class RunController:
                 self.replicas.resynced(now)  # (its first step after: the survivors' stall ends)
             if kind == EventKind.STOPPED_AT_BOUNDARY:
                 self._stopped = dict(detail)
+            if kind == EventKind.TERMINATING and rank >= 0 and self.placement is not None:
+                self._terminating(self.placement.node_of_rank[rank])
         self.replicas.survivors_stepped(now, self.attempt, result.reports)
         if self.replicas_out and seen.failure is None:
             self._form_replicas(now)
@@ -465,6 +467,16 @@ class RunController:
         self.preempted = True
         self.waiting_for = f"{reason}: back in the queue from step {detail.get('step', self.progress.step)}"
         self.state = RunState.PENDING
+
+    def _terminating(self, node: str) -> None:
+        """A rank on `node` got a SIGTERM (its node goes within a grace period): the ranks agreed to stop
+        at their next snapshot step by themselves (trainer/stop.py); the node's ranks are then reseated
+        like a drained node's."""
+        if node not in self._departing:
+            self._departing += (node,)
+        if self._stopping is None:
+            self._stopping = self._stop or ("peers", f"SIGTERM on {node}")
+            self._stop = None
 
     def _reseat_departing(self, now: float) -> None:
         """Every rank stopped after the same step, its state kept (on its buddies, for the departing

@@ -10,12 +10,19 @@ How the state is kept:
   drain, where every rank's state outlives the one node; 0 bytes read from the store). Between two
   snapshot steps the ranks train on to the next; a run without peer snapshots keeps it in the store.
 A run with neither never stops this way (nothing would keep its state).
+
+A SIGTERM on a rank's process (a spot VM reclaimed, a Kubernetes eviction: a grace period, then the
+end) is a stop too: the rank catches it, the world agrees on it at the next boundary like a drain
+(`peers`), and the rank says `terminating` so that the controller reseats its node's ranks elsewhere.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import signal
+import threading
+import time
 from typing import Any
 
 STOP_KEY = "stop"
@@ -43,11 +50,26 @@ def stop_asked(store: Any) -> tuple[Keep, str]:
 class StopWatch:
     """One per rank and attempt; `poll()` is collective (every rank, every step boundary)."""
 
-    def __init__(self, store: Any, *, rank: int, device: Any) -> None:
+    def __init__(self, store: Any, *, rank: int, device: Any, catch_sigterm: bool = True) -> None:
         self.store, self.rank, self.device = store, rank, device
         self.keep = Keep.NONE
         """What the world agreed on (kept once agreed: a `peers` stop may wait for its snapshot step)."""
         self.reason = ""
+        self.terminated_at: float | None = None
+        """When this process got a SIGTERM (time.monotonic), if it did."""
+        self._previous: Any = None
+        if catch_sigterm and threading.current_thread() is threading.main_thread():  # (only there can it)
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.terminated_at is None:  # (only a flag: the loop acts on it at its next step boundary)
+            self.terminated_at = time.monotonic()
+
+    def close(self) -> None:
+        """Hand SIGTERM back to whoever had it (whoever ends the process now ends it)."""
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
     def poll(self) -> Keep:
         import torch
@@ -58,9 +80,13 @@ class StopWatch:
         mine = Keep.NONE
         if self.rank == 0:
             mine, self.reason = stop_asked(self.store)
+        if self.terminated_at is not None:  # (its node goes within the grace period: leave like a drain)
+            mine = max(mine, Keep.PEERS)
         agreed = torch.tensor([int(mine)], dtype=torch.int32, device=self.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         self.keep = Keep(int(agreed.item()))
+        if self.keep is not Keep.NONE and not self.reason:  # (no request in the store: a rank's own SIGTERM)
+            self.reason = "a rank's SIGTERM"
         return self.keep
 
     def where(self, *, step: int, peer_every: int, has_peers: bool, has_store: bool) -> Keep:

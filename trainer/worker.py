@@ -154,6 +154,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                            timeout_s=args.collective_timeout_s)
     checkpointer = None
     peers = None
+    stop: StopWatch | None = None
     replica_log: list[dict[str, Any]] = []
     try:
         mesh = build_mesh(config.mesh, choice.device.type)
@@ -197,8 +198,10 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                                         staging_dir=Path(args.staging_dir),
                                         retry_budget_s=args.store_retry_budget_s)
         interval = CheckpointInterval(args.checkpoint_every, auto=args.checkpoint_auto, mtbf_s=args.mtbf_s)
-        stop = StopWatch(store, rank=args.rank, device=choice.device) if args.stoppable and cross is None else None
+        if args.stoppable and cross is None:
+            stop = StopWatch(store, rank=args.rank, device=choice.device)
         stopped: Keep | None = None
+        said_terminating = False
         last: StepReport | None = None
         since_snapshot: list[StepReport] = []
         """This rank's reports since its last snapshot: the next one's markers carry them."""
@@ -230,6 +233,10 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                     if chosen is not None:
                         sink.event("checkpoint_interval", chosen)
             if stop is not None and trainer.step < args.config.train.steps and stop.poll() is not Keep.NONE:
+                if stop.terminated_at is not None and not said_terminating:
+                    sink.event("terminating", {"step": trainer.step, "signal": "SIGTERM",
+                                               "seconds_ago": time.monotonic() - stop.terminated_at})
+                    said_terminating = True
                 stopped = stop.where(step=trainer.step, peer_every=args.peer_every, has_peers=peers is not None,
                                      has_store=ckpt_store is not None)
                 if stopped is not Keep.NONE:
@@ -249,6 +256,8 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
             on_leave()
         raise
     finally:
+        if stop is not None:
+            stop.close()
         if checkpointer is not None:
             checkpointer.close()
         if peers is not None:

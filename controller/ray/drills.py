@@ -2,7 +2,8 @@
 slow-link, lossy-link, freeze-node) act on the node's own link and processes from a task placed there
 (controller/ray/netfaults.py). kill-node SIGKILLs a node's raylet (on
 the embedded cluster through Ray's test facility, on any other from a task on that node), kill-rank
-SIGKILLs a rank's training process, hang-rank SIGSTOPs it; slow-rank, bitflip, collective-fault and
+SIGKILLs a rank's training process, hang-rank SIGSTOPs it, spot-reclaim SIGTERMs every training process
+of a node and kills the node `seconds` later; slow-rank, bitflip, collective-fault and
 storage-outage flip the switches of the targeted GPU slots (trainer/switches.py): the
 rank's own compute takes `factor` times as long, one bit of its parameters flips in place, the rank's
 next named collective between replicas fails (or starts `seconds` late), the object store refuses
@@ -11,11 +12,13 @@ checkpoint writes for `seconds`."""
 from __future__ import annotations
 
 import signal
+import sys
+import threading
 import time
 from typing import Any
 
-from controller.drills import (DEFAULT_DELAY_MS, DEFAULT_FACTOR, DEFAULT_LOSS, DEFAULT_OUTAGE_S, DEFAULT_POINT,
-                               DrillKind)
+from controller.drills import (DEFAULT_DELAY_MS, DEFAULT_FACTOR, DEFAULT_GRACE_S, DEFAULT_LOSS, DEFAULT_OUTAGE_S,
+                               DEFAULT_POINT, DrillKind)
 from controller.errors import ClusterError
 from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
 from controller.ray.worker_group import RayWorkerGroup
@@ -37,6 +40,14 @@ class RayDrillInjector:
         if kind is DrillKind.KILL_NODE:
             self.cluster.kill_node(target)
             return {"node": target}
+        if kind is DrillKind.SPOT_RECLAIM:  # the notice to every training process of the node, the end later
+            grace = seconds or DEFAULT_GRACE_S
+            ranks = self.group.ranks_on(target)
+            pids = [self._signal(rank, signal.SIGTERM) for rank in ranks]
+            ending = threading.Timer(grace, self._reclaim, args=(target,))
+            ending.daemon = True
+            ending.start()
+            return {"node": target, "ranks": ranks, "pids": pids, "seconds": grace, "ends_at": time.time() + grace}
         if kind is DrillKind.KILL_RANK:
             return {"rank": int(target), "pid": self._signal(int(target), signal.SIGKILL)}
         if kind is DrillKind.HANG_RANK:  # the attempt's end kills the stopped process
@@ -58,6 +69,14 @@ class RayDrillInjector:
             self._call([actor.outage.remote(until) for actor in self.group.slot_actors()])
             return {"seconds": seconds, "until": until}
         raise ClusterError(f"drill {kind!r} is unknown")
+
+    def _reclaim(self, node: str) -> None:
+        """The grace period is over: the node goes (whatever still runs there ends with it)."""
+        try:
+            self.cluster.kill_node(node)
+        except Exception as e:  # noqa: BLE001 - a node already gone (or a cluster shut down) is the end anyway
+            print(f"goodput: spot-reclaim of {node}: the node's end failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
 
     def _signal(self, rank: int, sig: int) -> int:
         """Send `sig` to one rank's training process; its pid."""

@@ -448,6 +448,10 @@ class RayWorkerGroup:
         """This attempt's actor of `rank` (drills act on it: controller/ray/drills.py)."""
         return self.actors[rank]
 
+    def ranks_on(self, node: str) -> list[int]:
+        """This attempt's ranks on `node`."""
+        return [rank for rank, on in enumerate(self._node_of_rank) if on == node]
+
     def slot_actors(self) -> list[Any]:
         """Every warm actor of the pool, idle or assigned: one per GPU slot this group holds."""
         return [actor for pool in self._pool.values() for actor in pool]

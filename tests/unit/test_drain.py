@@ -148,3 +148,28 @@ def test_a_drain_is_decided_like_a_loss_but_never_charged() -> None:
                global_batch=spec.train.global_batch, micro_batch=spec.train.micro_batch, placement=placement)
     assert d.action is Action.SHRINK and d.mesh is not None and d.mesh.dp == 2, "no spare: shrink, keeping the batch"
     assert place(d.mesh, d.topology).nodes().isdisjoint({"node-1"})
+
+
+def test_a_rank_that_got_a_sigterm_has_its_nodes_ranks_reseated_like_a_drain(tmp_path: Path) -> None:
+    """The ranks agree on a SIGTERM by themselves (trainer/stop.py); the rank says `terminating` and the
+    controller reseats its node's ranks once they stopped, asking nothing and charging nothing."""
+    h = Harness(sqlite_url(str(tmp_path)), store_root=tmp_path / "ckpt")
+    h.service.add(parse_spec(raw_spec("r", dp=4, tp=2)))
+    h.until("r", "running")
+    c = h.service.controller("r")
+    node = c.placement.node_of_rank[5]
+    h.group("r").finish_steps(1, 3)
+    h.group("r").emit(5, "terminating", step=3, signal="SIGTERM", seconds_ago=0.2)
+    h.tick("r")
+    h.group("r").finish_steps(4, 4)
+    _commit(tmp_path / "ckpt", "r", 4, at=h.clock.t)
+    h.group("r").emit(0, "stopped_at_boundary", step=4, kept="peers", reason="a rank's SIGTERM")
+    h.group("r").complete()
+    h.tick("r")
+    assert h.group("r").stop_requests == [], "the controller asked nothing"
+    assert c.events.of_kind("drained")[-1].detail == {"nodes": [node], "step": 4, "kept": "peers",
+                                                       "reason": f"SIGTERM on {node}"}
+    h.until("r", "running")
+    started = h.group("r").started[-1]
+    assert (started.attempt, started.resume_step) == (1, 4) and node not in started.placement.nodes()
+    assert c.failures == []

@@ -55,7 +55,7 @@ def test_a_node_lost_silently_is_not_taken_back_while_ray_lists_it_under_the_sam
     ("freeze-node", {"seconds": 5.0}, None),
     ("slow-link", {"delay_ms": 50.0}, None),
     ("lossy-link", {"loss": 5.0}, None),
-    ("power-off", {"seconds": 3.0}, "seconds is for storage-outage, partition, freeze-node, collective-fault drills, not power-off"),
+    ("power-off", {"seconds": 3.0}, "seconds is for storage-outage, partition, freeze-node, collective-fault, spot-reclaim drills, not power-off"),
     ("slow-link", {"loss": 3.0}, "loss is for lossy-link drills, not slow-link"),
     ("lossy-link", {"loss": 130.0}, "loss = 130.0 must be in (0, 100]"),
     ("slow-link", {"delay_ms": -1.0}, "delay_ms = -1.0 must be in (0, 60000]"),
