@@ -251,3 +251,22 @@ def test_a_drained_node_is_left_at_a_step_boundary_from_peers_memory_and_the_run
         service.cli("export", run, "--hf", str(tmp_path / run), "--dtype", "float32")
     assert (tmp_path / "svc-drain" / "model.safetensors").read_bytes() == \
         (tmp_path / "svc-drain-ref" / "model.safetensors").read_bytes(), "the same weights as never drained"
+
+
+def test_a_spot_reclaim_is_left_within_its_grace_period_from_peers_memory(service: Serve, tmp_path: Path) -> None:
+    """The spot-reclaim drill SIGTERMs a node's training processes and kills the node 30 s later (a spot
+    VM's notice): the ranks catch it, stop together at their next peer snapshot step, and the node's
+    ranks go on elsewhere from that step before the node dies; nothing redone, nothing charged."""
+    service.cli("submit", str(write_spec(tmp_path / "spot.yaml", "svc-spot", steps=40, dp=2, tp=2, every_steps=25)))
+    status = wait_for(service, "svc-spot", lambda s: s["step"] >= 5)
+    node = sorted({row["node"] for row in status["placement"]})[-1]
+    report = service.json("drill", "svc-spot", "spot-reclaim", "--target", node, "--seconds", "30")
+    assert isinstance(report, dict) and report["outcome"] == "recovered", report
+    assert (report["cause"], report["decision"], report["steps_lost"]) == ("drained", "replace", 0), report
+    assert report["restored_from"] == "peer" and report["drained_at"] < report["injected_at"] + 30, report
+    final = wait_for(service, "svc-spot", lambda s: s["state"] == "succeeded", timeout_s=600)
+    events = service.json("events", "svc-spot")
+    assert isinstance(events, list)
+    assert not [e for e in events if e["kind"] == "failure_detected"], "left before the node died: no failure"
+    assert [e["detail"]["reason"] for e in events if e["kind"] == "drained"] == [f"SIGTERM on {node}"]
+    assert node not in {row["node"] for row in final["placement"]} and final["goodput"]["failures"] == []
