@@ -98,6 +98,8 @@ class RunController:
         self._raised: Raised | None = None
         """The exception a worker error first raised, and where: the same at the same step from other
         nodes is the user's code (controller/user_errors.py)."""
+        self._raised_failure: FailureEvent | None = None
+        """The failure it was raised in (charged unless the second raising shows it was the user's code)."""
         self._stop: tuple[str, str] | None = None
         """(keep, reason) of a stop at a step boundary asked by the service (a preemption), until sent."""
         self._stopping: tuple[str, str] | None = None
@@ -333,7 +335,7 @@ class RunController:
                 self.checkpoints.exclude_peers(attempt, step)
         self._cancel_requested = False
         self.error = None
-        self._raised = None  # (the code may have been fixed)
+        self._raised, self._raised_failure = None, None  # (the code may have been fixed)
         self.finished_at = None
         self.state = RunState.PENDING
         self.checkpoints.adopted = True
@@ -496,6 +498,11 @@ class RunController:
                                                 placement=self.placement))
 
     @property
+    def user_error_retried(self) -> bool:
+        """A worker error was retried on other nodes once (its second raising there ends the run)."""
+        return self._raised is not None
+
+    @property
     def stopping(self) -> bool:
         """A stop at a step boundary was asked and the ranks have not stopped yet."""
         return self._stop is not None or self._stopping is not None
@@ -601,7 +608,8 @@ class RunController:
             if self.placement is not None else None
         judged = judge(self._raised, seen) if seen is not None else None
         if seen is not None and judged is Judgement.USER_ERROR:
-            self.failures.append(failure)
+            # The user's code, not the cluster: neither raising is charged to elastic.max_failures.
+            self.failures = [f for f in self.failures if f is not self._raised_failure]
             self._fail(now, "user_error", f"user error: {seen.signature}, raised at step {seen.step} by rank(s) "
                                           f"{list(seen.ranks)} again after a restart on other nodes (it was raised on "
                                           f"{sorted(self._raised.nodes) if self._raised else []}, then on {sorted(seen.nodes)}): "
@@ -612,7 +620,7 @@ class RunController:
                                           topology=self.topology, waiting_since=self._waiting_since,
                                           placement=self.placement)
         if seen is not None and judged is Judgement.FIRST:
-            self._raised = seen
+            self._raised, self._raised_failure = seen, failure
             decision = elsewhere(decision, seen, self.placement)
         self.failures.append(failure)
         self._apply(now, decision)

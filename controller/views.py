@@ -3,6 +3,7 @@ goodput accounting, read from a RunController without changing it."""
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Any
 
 from controller.accounting import account
@@ -60,6 +61,16 @@ def health_view(c: RunController) -> dict[str, Any]:
     return {"straggler_ratio": c.spec.health.straggler_ratio, "scores": scores, "counts": counts}
 
 
+def budgets_view(c: RunController) -> dict[str, Any]:
+    """What each kind of stop has cost the run, against its budget: infrastructure failures (node lost,
+    hang, collective error, SDC, straggler) against elastic.max_failures; a user error gets one retry
+    on other nodes; preemptions and drains are planned and never charged."""
+    by_kind = collections.Counter(e.kind for e in c.events if e.kind in (EventKind.PREEMPTED, EventKind.DRAINED))
+    return {"infrastructure": {"used": len(c.failures), "max": c.spec.elastic.max_failures},
+            "user_error": {"retried": c.user_error_retried, "max_retries": 1},
+            "preemptions": by_kind[EventKind.PREEMPTED], "drains": by_kind[EventKind.DRAINED]}
+
+
 def run_view(c: RunController, now: float, *, full: bool = True) -> dict[str, Any]:
     """The Run object; `full` adds the per-step history and the whole timeline."""
     mesh = c.config.mesh if c.config else None
@@ -76,6 +87,7 @@ def run_view(c: RunController, now: float, *, full: bool = True) -> dict[str, An
         "error": ({"code": c.error.code, "message": c.error.message}
                   | ({"traceback": c.error.traceback} if c.error.traceback else {})) if c.error else None,
     }
+    out["budgets"] = budgets_view(c)
     out["waiting_for"] = c.waiting_for if c.state.value == "pending" else None
     out["drills"] = c.drill_reports()
     out["quarantined"] = list(c.quarantined)

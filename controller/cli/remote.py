@@ -113,6 +113,11 @@ def cmd_status(opts: argparse.Namespace) -> int:
     lost = sorted(((k, v) for k, v in goodput["badput_seconds"].items() if v >= 0.05), key=lambda kv: -kv[1])
     print(f"  goodput: {goodput['productive_seconds']:.1f} s productive of {goodput['wall_seconds']:.1f} s; badput: "
           + (", ".join(f"{k} {v:.1f} s" for k, v in lost) or "none"))
+    if run.get("budgets"):
+        b = run["budgets"]
+        print(f"  failures: {b['infrastructure']['used']} of elastic.max_failures {b['infrastructure']['max']}"
+              f"{'; a worker error retried once on other nodes' if b['user_error']['retried'] else ''}; "
+              f"not charged: {b['preemptions']} preemption(s), {b['drains']} drain(s)")
     for d in run.get("drills", []):
         print(f"  {d['id']}: {d['kind']} {d['target']} at step {d['at_step']} -> {d['outcome']}")
     if run.get("error"):

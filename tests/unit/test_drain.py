@@ -51,6 +51,8 @@ def test_a_drain_reseats_the_nodes_ranks_on_the_spare_at_a_step_boundary_and_cha
     decision = c.events.of_kind("decision")[-1].detail
     assert decision["action"] == "replace" and "spare ['node-4']" in decision["reason"], decision
     assert c.failures == [] and not c.events.of_kind("failure_detected"), "not a failure: nothing charged"
+    assert s.run("r")["budgets"] == {"infrastructure": {"used": 0, "max": 0}, "user_error": {"retried": False,
+                                     "max_retries": 1}, "preemptions": 0, "drains": 1}
     h.until("r", "running")
     started = h.group("r").started[-1]
     assert (started.attempt, started.resume_step) == (1, 6), "0 steps redone"
