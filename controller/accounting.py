@@ -241,8 +241,8 @@ def account(events: Sequence[dict[str, Any]], spans: Sequence[StepSpan], *, end:
     for p in preemptions:
         intervals.append((p.last_step_end, p.at, "checkpoint_stall"))  # the stopped step's commit
         intervals.append((p.at, p.resumed_at if p.resumed_at is not None else end, "waiting_for_capacity"))
-    for e in events:
-        if e["kind"] == EventKind.DRAINED:
+    for e in events:  # (a replica drain stops only those replicas: replica_lost and replica_rejoined say the rest)
+        if e["kind"] == EventKind.DRAINED and "replicas" not in e["detail"]:
             t = float(e["time"])
             intervals.append((_last_end(ends_by_attempt, e["attempt"], t, default=t), t, "checkpoint_stall"))
             k = bisect.bisect_right(attempt_starts, t)

@@ -107,9 +107,9 @@ class ReplicaDomain:
         if (self._elastic.failure_domain != "replica" or mesh.dp_replicas < 2 or lose is None
                 or contains is None or not contains()
                 or not (failure.cause in (FailureCause.NODE_LOST, FailureCause.RANK_DIED, FailureCause.WORKER_ERROR,
-                                          FailureCause.COLLECTIVE_ERROR)
+                                          FailureCause.COLLECTIVE_ERROR, FailureCause.DRAINED)
                         or (failure.cause is FailureCause.SDC and failure.contained and failure.ranks))
-                or failures + 1 > self._elastic.max_failures):
+                or (failure.cause is not FailureCause.DRAINED and failures + 1 > self._elastic.max_failures)):
             return None
         per = mesh.world_size // mesh.dp_replicas
         ranks = frozenset(failure.ranks) | frozenset(ranks_on(placement.node_of_rank, failure.nodes))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import enum
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Mapping
@@ -92,7 +93,9 @@ class RunController:
         self.policy = self._policy()
         """The spec's decisions (failure_policy.RunPolicy); built again when a resume changes the spec."""
         self._goodput = GoodputView()
-        self.topology_source = topology_source
+        self._left: set[str] = set()
+        """Nodes this run was drained off: it never takes them back (a service's release offers them to new runs)."""
+        self.topology_source = None if topology_source is None else functools.partial(self._without_left, topology_source)
         self.drills = RunDrills(self.run_id, spec.drills)
         self.failures: list[FailureEvent] = []
         self._raised: Raised | None = None
@@ -108,6 +111,8 @@ class RunController:
         """The ranks' stopped_at_boundary detail, once heard."""
         self._departing: tuple[str, ...] = ()
         """The nodes the stop asked is for (a drain): reseated without them once the ranks stopped."""
+        self._replica_departure: tuple[tuple[str, ...], str] | None = None
+        """failure_domain replica: (nodes, reason) of a drain, until the driving thread takes their replicas out."""
         self.preempted = False
         """Stopped for another run, its state kept: back in a service's queue until admitted again."""
         self.stoppable = False
@@ -135,6 +140,11 @@ class RunController:
         self.warmed_at = float("-inf")
         """When the running attempt last looked for spares to warm workers on (launch.warm_spares)."""
         self.events.add(now, 0, EventKind.SUBMITTED, name=spec.name)
+
+    def _without_left(self, source: Callable[[], Topology]) -> Topology:
+        """What the cluster shows, less the nodes this run was drained off."""
+        shown = source()
+        return Topology(tuple(n for n in shown.nodes if n.name not in self._left)) if self._left else shown
 
     @property
     def isolated(self) -> str | None:
@@ -193,14 +203,44 @@ class RunController:
         cannot be asked now: not running, none of its ranks there, failure_domain replica, nothing
         that could keep the state, a worker group that cannot stop, or a stop already asked."""
         on = sorted(set(nodes) & self.placement.nodes()) if self.placement is not None else []
+        if not on or self.state is not RunState.RUNNING or self._stop is not None or self._stopping is not None:
+            return False
+        if self.spec.elastic.failure_domain == "replica" and self.config is not None and self.config.mesh.dp_replicas > 1:
+            if self._replica_departure is not None:
+                return False
+            self._replica_departure = (tuple(on), reason)  # (acted on by the driving thread: _leave_by_replicas)
+            return True
         keeps = self.spec.checkpoint.peer_every_steps > 0 or self.checkpoints.store is not None
-        if (not on or not self.stoppable or not keeps or self.state is not RunState.RUNNING
-                or self.spec.elastic.failure_domain != "world" or getattr(self.worker_group, "request_stop", None) is None
-                or self._stop is not None or self._stopping is not None):
+        if (not self.stoppable or not keeps or self.spec.elastic.failure_domain != "world"
+                or getattr(self.worker_group, "request_stop", None) is None):
             return False
         self._departing = tuple(on)
         self._stop = ("peers", reason)
         return True
+
+    def _leave_by_replicas(self, now: float) -> None:
+        """failure_domain replica: the replicas with ranks on the departing nodes stop (the others train
+        on) and form again elsewhere from a live replica's memory, as after their loss but charged
+        nothing; the step in flight of the survivors may be done again (their collectives with the
+        leaving replicas fail). A departure the domain cannot contain (the last live replica) waits."""
+        assert self._replica_departure is not None and self.config is not None and self.placement is not None
+        assert self.watch is not None
+        nodes, reason = self._replica_departure
+        departure = FailureEvent(time=now, cause=FailureCause.DRAINED, nodes=nodes, message=reason)
+        held = self.replicas.contains(departure, mesh=self.config.mesh, placement=self.placement,
+                                      failures=len(self.failures))
+        if held is None:
+            return  # (looked at again at the next poll)
+        self._replica_departure = None
+        if not held.lost:
+            return  # (its replicas are out already, to form again elsewhere)
+        self.events.add(now, self.attempt, EventKind.DRAINED, nodes=list(nodes), step=self.progress.step,
+                        kept="replicas", replicas=list(held.lost), reason=reason)
+        self._left.update(nodes)
+        self.topology = self.topology.with_states({n: NodeState.LOST for n in nodes})
+        self.replicas.take_out(now, departure, held, attempt=self.attempt, mesh=self.config.mesh,
+                               placement=self.placement, watch=self.watch)
+        self._form_replicas(now)
 
     def cancel(self) -> None:
         """Safe from any thread: the next step cancels; a launch in progress gives up first."""
@@ -391,6 +431,8 @@ class RunController:
 
     def _on_running(self, now: float) -> None:
         assert self.watch is not None
+        if self._replica_departure is not None:
+            self._leave_by_replicas(now)
         if self._stop is not None:
             keep, reason = self._stopping = self._stop
             self._stop = None
@@ -492,6 +534,7 @@ class RunController:
         self.events.add(now, self.attempt, EventKind.DRAINED, nodes=list(nodes), step=detail.get("step", self.progress.step),
                         kept=detail.get("kept", keep), reason=reason)
         departure = FailureEvent(time=now, cause=FailureCause.DRAINED, nodes=nodes, message=reason)
+        self._left.update(nodes)
         self._last_failure = departure
         self._apply(now, self.policy.on_failure(now, departure, failures_so_far=len(self.failures), mesh=self.config.mesh,
                                                 topology=self.topology, waiting_since=self._waiting_since,
@@ -584,7 +627,7 @@ class RunController:
         self._detected(now, failure)
         self._shutdown()
         self._stop = self._stopping = self._stopped = None  # (a stop asked of the attempt that failed: asked again if still wanted)
-        self._departing = ()
+        self._departing, self._replica_departure = (), None
         through = self.watch.take_rollback() if self.watch is not None else None
         if through is not None:
             # Whatever is decided next (even to fail), a later resume must not load suspect state;

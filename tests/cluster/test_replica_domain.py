@@ -286,3 +286,28 @@ def test_a_bit_flipped_in_the_only_live_replica_while_the_other_forms_never_reac
     # reached any state would show in the loss: every step's is finite and below the first's.
     losses = [h["loss"] for h in c.progress.history]
     assert all(math.isfinite(x) and x < losses[0] for x in losses[1:]), losses
+
+
+def test_a_drained_node_is_left_by_its_replica_only_which_forms_again_on_the_spare(
+        ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
+    """A drain of node-3 (replica 1's) after step 6: replica 1 stops and forms again on the spare from
+    replica 0's memory while replica 0 trains on; one attempt, no failure, node-3 never taken back."""
+    s = replica_spec("replica-drain", tmp_path, drills=[], steps=24)
+    asked: list[bool] = []
+
+    def drain_after_6(c: RunController) -> None:
+        if not asked and c.state is RunState.RUNNING and c.progress.step >= 6:
+            asked.append(c.drain({"node-3"}, "drain of node-3"))
+
+    c = drive(s, ray_cluster, on_tick=drain_after_6)
+    assert c.state is RunState.SUCCEEDED, c.error
+    assert asked == [True] and len(c.events.of_kind("attempt_started")) == 1, "the world never stopped"
+    (drained,) = [e.detail for e in c.events.of_kind("drained")]
+    assert drained["replicas"] == [1] and drained["kept"] == "replicas", drained
+    assert not c.events.of_kind("failure_detected") and c.failures == [], "a drain is not a failure"
+    (rejoined,) = [e.detail for e in c.events.of_kind("replica_rejoined")]
+    assert rejoined["replicas"] == [1] and rejoined["source"] == 0, rejoined
+    assert "node-3" not in c.placement.node_of_rank and "node-4" in c.placement.node_of_rank
+    sums = [e.detail for e in c.events.of_kind("replica_checksums")]
+    assert sums and all(d["agree"] for d in sums), sums
+    assert [h["step"] for h in c.progress.history] == list(range(1, 25)), "every step once"

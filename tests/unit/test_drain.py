@@ -175,3 +175,31 @@ def test_a_rank_that_got_a_sigterm_has_its_nodes_ranks_reseated_like_a_drain(tmp
     started = h.group("r").started[-1]
     assert (started.attempt, started.resume_step) == (1, 4) and node not in started.placement.nodes()
     assert c.failures == []
+
+
+def test_a_replica_run_leaves_a_drained_node_by_its_replicas_the_others_training_on() -> None:
+    """failure_domain replica: the replicas with ranks on the node stop and wait to form again elsewhere
+    (from a live replica's memory), the others train on; nothing charged, nothing stops the world."""
+    import yaml
+
+    from controller.state import RunController, RunState
+    from tests.unit.fakes import FakeReplicaGroup, drive
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-gpt-replicas.yaml").read_text())
+    raw["drills"] = []
+    spec = parse_spec(raw)
+    group = FakeReplicaGroup()
+    c = RunController(spec, spec.topology(), group, now=100.0, topology_source=spec.topology)
+    drive(c, RunState.RUNNING)
+    node = c.placement.node_of_rank[c.config.mesh.world_size - 1]
+    group.finish_steps(1, 3, end=104.0)
+    c.step(105.0)
+    assert c.drain({node}, f"drain of {node}") and not c.drain({node}, "again"), "one at a time"
+    c.step(110.0)
+    (drained,) = c.events.of_kind("drained")
+    replica = c.config.mesh.dp_replicas - 1
+    assert drained.detail == {"nodes": [node], "step": 3, "kept": "replicas", "replicas": [replica],
+                              "reason": f"drain of {node}"}
+    assert group.lost == [([replica], (node,))] and c.state is RunState.RUNNING, "the others train on"
+    assert c.failures == [] and not c.events.of_kind("failure_detected") and replica in c.replicas_out
+    assert group.stop_requests == [], "no world stop"
