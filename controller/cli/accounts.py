@@ -53,6 +53,17 @@ def cmd_teams(opts: argparse.Namespace) -> int:
                 quota = "no GPU quota" if made["gpu_quota"] is None else f"a quota of {made['gpu_quota']} GPU(s)"
                 print(f"team {made['name']}: made, with {quota}")
             return 0
+        if opts.action == "quota":
+            if not opts.name or opts.gpu_quota is None and not opts.no_quota:
+                raise CliError("give the team and its quota: goodput teams quota NAME --gpu-quota N (or --no-quota)")
+            row = client.call("POST", f"/v1/teams/{opts.name}/quota",
+                              {"gpu_quota": None if opts.no_quota else opts.gpu_quota})
+            if opts.json:
+                emit_json(row)
+            else:
+                print(f"team {row['name']}: " + ("no GPU quota" if row["gpu_quota"] is None
+                                                 else f"a quota of {row['gpu_quota']} GPU(s)") + " from now on")
+            return 0
         listed = client.call("GET", "/v1/teams")
     if opts.json:
         emit_json(listed)
@@ -85,10 +96,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         help="create: what it may do (default submitter)")
     tokens.add_argument("--json", action="store_true")
     tokens.set_defaults(func=cmd_tokens)
-    teams = sub.add_parser("teams", help="the service's teams and their GPU quotas; an admin creates one")
-    teams.add_argument("action", nargs="?", choices=["list", "create"], default="list")
-    teams.add_argument("name", nargs="?", help="create: the team's name")
-    teams.add_argument("--gpu-quota", type=int, help="create: GPUs its runs may hold at once (default: no limit)")
+    teams = sub.add_parser("teams", help="the service's teams and their GPU quotas; an admin creates one or "
+                                         "changes its quota")
+    teams.add_argument("action", nargs="?", choices=["list", "create", "quota"], default="list")
+    teams.add_argument("name", nargs="?", help="create, quota: the team's name")
+    teams.add_argument("--gpu-quota", type=int, help="create, quota: GPUs its runs may hold at once (default: no limit)")
+    teams.add_argument("--no-quota", action="store_true", help="quota: no limit from now on")
     teams.add_argument("--json", action="store_true")
     teams.set_defaults(func=cmd_teams)
     audit = sub.add_parser("audit", help="every mutating request to the service: who, what, when, the answer")

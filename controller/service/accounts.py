@@ -101,6 +101,16 @@ class Accounts:
             conn.execute(insert(teams).values(name=name, gpu_quota=gpu_quota, created_at=self.clock()))
         return self.team(name)
 
+    def set_quota(self, name: str, gpu_quota: int | None) -> dict[str, Any]:
+        """A team's GPU quota from now on (None: no limit). Runs already holding more go on; the team's
+        next runs wait until its runs hold less."""
+        if gpu_quota is not None and gpu_quota < 0:
+            raise ServiceError("invalid_request", f"a GPU quota is 0 or more (got {gpu_quota}); give none for no limit")
+        self.team(name)  # (unknown_team when it does not exist)
+        with self.registry.transaction() as conn:
+            conn.execute(update(teams).where(teams.c.name == name).values(gpu_quota=gpu_quota))
+        return self.team(name)
+
     def team(self, name: str) -> dict[str, Any]:
         with self.registry.reading() as conn:
             row = conn.execute(select(teams).where(teams.c.name == name)).first()

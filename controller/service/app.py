@@ -87,6 +87,11 @@ class DrainBody(BaseModel):
                                                            "with the node, and a drain that ends later says so")
 
 
+class QuotaBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gpu_quota: int | None = Field(description="GPUs the team's runs may hold at once (null: no limit)")
+
+
 class TeamBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(max_length=63, description="lowercase letters, digits and '-'")
@@ -340,6 +345,12 @@ def create_app(service: Service, *, token: str | None = None, oidc: BearerVerifi
     @app.post("/v1/teams", status_code=201, dependencies=[admin], responses=_errors(401, 403, 409, 422))
     def create_team(body: TeamBody) -> dict[str, Any]:
         return accounts.add_team(body.name, gpu_quota=body.gpu_quota)
+
+    @app.post("/v1/teams/{name}/quota", dependencies=[admin], responses=_errors(401, 403, 422))
+    def set_quota(body: QuotaBody, name: str = Path(max_length=63, description="team name")) -> dict[str, Any]:
+        """The team's GPU quota from now on (null: no limit). Its runs already holding more go on; its
+        next runs wait until its runs hold less."""
+        return accounts.set_quota(name, body.gpu_quota)
 
     @app.get("/v1/tokens", dependencies=[admin], responses=_errors(401, 403))
     def list_tokens() -> list[dict[str, Any]]:

@@ -190,6 +190,25 @@ def test_bad_input_gets_a_4xx_that_says_what_to_fix(shared: Shared) -> None:
     assert status == 422 and "not a valid name" in message
     status, code, _ = error(shared.api.post("/v1/tokens/0123456789ab/revoke", headers=ADMIN))
     assert (status, code) == (404, "token_not_found")
+    status, _, message = error(shared.api.post("/v1/teams/vision/quota", json={"gpu_quota": -2}, headers=ADMIN))
+    assert status == 422 and "0 or more" in message
+    status, code, _ = error(shared.api.post("/v1/teams/robotics/quota", json={"gpu_quota": 4}, headers=ADMIN))
+    assert (status, code) == (422, "unknown_team")
+    status, code, message = error(shared.api.post("/v1/runs", json={**BASE, "name": "p", "priority": "urgent"},
+                                                  headers=shared.as_("sam")))
+    assert status == 422 and "priority" in message and "critical" in message, message
+    assert shared.controller.state is RunState.RUNNING, "a run already training goes on through all of it"
+
+
+def test_an_admin_changes_a_teams_quota_and_the_queue_follows(shared: Shared) -> None:
+    changed = shared.api.post("/v1/teams/vision/quota", json={"gpu_quota": 2}, headers=ADMIN)
+    assert changed.status_code == 200 and changed.json()["gpu_quota"] == 2
+    assert {t["name"]: t["gpu_quota"] for t in shared.api.get("/v1/teams", headers=ADMIN).json()}["vision"] == 2
+    assert shared.controller.state is RunState.RUNNING, "a run holding more goes on"
+    status, _, message = error(shared.api.post("/v1/teams/vision/quota", json={"gpu_quota": 16},
+                                               headers=shared.as_("olga")))
+    assert status == 403 and "admin role" in message
+    assert shared.api.post("/v1/teams/vision/quota", json={"gpu_quota": None}, headers=ADMIN).json()["gpu_quota"] is None
 
 
 def test_a_run_submitted_with_a_team_token_is_that_teams() -> None:
@@ -224,6 +243,8 @@ def test_the_cli_makes_lists_and_revokes_tokens_on_a_real_server(shared: Shared,
         monkeypatch.setenv("GOODPUT_TOKEN", "service-admin-token")
         assert cli("teams", "create", "robotics", "--gpu-quota", "4") == 0
         assert "team robotics: made, with a quota of 4 GPU(s)" in capsys.readouterr().out
+        assert cli("teams", "quota", "robotics", "--gpu-quota", "6") == 0
+        assert "team robotics: a quota of 6 GPU(s) from now on" in capsys.readouterr().out
         assert cli("tokens", "create", "rita", "--team", "robotics", "--role", "viewer") == 0
         out = capsys.readouterr().out
         token = next(line for line in out.splitlines() if line.startswith("gp_"))
