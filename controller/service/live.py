@@ -87,6 +87,8 @@ class LiveRun:
     _requested: tuple[RunSpec, int] | None = None
     preemption: tuple[Any, tuple[int, ...] | None] | None = None
     """The last preemption looked for on this run's behalf and what it was looked for on (service.py)."""
+    wake: threading.Event = field(default_factory=threading.Event)
+    """Set to step the run now rather than at its next poll (a stop asked of it, the service stopping)."""
 
     def __post_init__(self) -> None:
         self.controller.outside_lock = self.lock.released

@@ -115,23 +115,29 @@ class Service:
         well train on); `lost_cluster` says why, for the process to end on."""
         if self.lost_cluster is None:
             self.lost_cluster = why
-        self._stop.set()
+        self._halt()
 
     def lead_lost(self, why: str) -> None:
         """This process lost the registry's lock: another service may lead now. Stop driving at once,
         touching no run and writing nothing more (the new leader re-attaches to the runs)."""
         if self.lost_lead is None:
             self.lost_lead = why
+        self._halt()
+
+    def _halt(self) -> None:
+        """Every loop of this service ends now (the drivers' waits too)."""
         self._stop.set()
+        for live in list(self._runs.values()):
+            live.wake.set()
 
     def stop(self) -> None:
         """Stop driving: every run's workers are shut down; unfinished runs stay unfinished in the
         registry and go on when a service starts again on it. After `cluster_lost`, nothing is shut
         down (nothing can be): the runs are left for the next service to re-attach to."""
         if self.lost_cluster is not None or self.lost_lead is not None:
-            self._stop.set()
+            self._halt()
             return
-        self._stop.set()
+        self._halt()
         if self._scheduler is not None:
             self._scheduler.join(timeout=10)
         for live in list(self._runs.values()):
@@ -381,6 +387,8 @@ class Service:
             return None
         reason = f"preempted by {live.controller.run_id} (priority {live.controller.spec.priority})"
         asked = [running[seq].controller.run_id for seq in chosen if running[seq].controller.preempt(reason)]
+        for seq in chosen:  # (its driver sends the stop now, not at its next poll)
+            running[seq].wake.set()
         return f"waiting for capacity: preempting {', '.join(asked)}" if asked else None
 
     def usage(self) -> dict[str, int]:
@@ -453,7 +461,8 @@ class Service:
             if state.terminal or not live.admitted:  # (preempted: the next admission starts another driver)
                 return
             if state is RunState.RUNNING or state is before:
-                self._stop.wait(self.poll_s)
+                live.wake.wait(self.poll_s)
+                live.wake.clear()
 
     def advance(self, run_id: str, now: float | None = None) -> RunState:
         """One step of a run's controller, then persist it (what its driver thread repeats; tests call
@@ -564,10 +573,12 @@ class Service:
         (0 steps redone; nothing read from the store when its peers hold the step), then it is
         `drained` until released."""
         row = self.nodes.drain(name, deadline=deadline, by=by)
-        runs = sorted({live.controller.run_id for live in self._runs.values()
-                       if live.controller.placement is not None and not live.controller.state.terminal
-                       and name in live.controller.placement.nodes()})
-        return {**row, "runs": runs}
+        on = [live for live in list(self._runs.values()) if live.controller.placement is not None
+              and not live.controller.state.terminal and name in live.controller.placement.nodes()]
+        for live in on:  # asked now, not at its next poll (its driver wakes to send the stop at once)
+            self._leave_draining(live)
+            live.wake.set()
+        return {**row, "runs": sorted(live.controller.run_id for live in on)}
 
     def release_node(self, name: str) -> dict[str, Any]:
         """An operator's explicit release of a quarantined node: usable by new runs again. Runs that
