@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -187,6 +188,7 @@ def create_app(service: Service, *, token: str | None = None, oidc: BearerVerifi
                 raise ServiceError("forbidden", f"this needs the {role.label} role or above; {p.name} (team {p.team}) "
                                                 f"is a {p.role.label}: ask an admin for a token with that role")
             return p
+        allowed.role = role  # type: ignore[attr-defined]  # (the schema names it: _document_roles)
         return Depends(allowed)
 
     def seen(p: Principal, run_id: str) -> str:
@@ -367,7 +369,32 @@ def create_app(service: Service, *, token: str | None = None, oidc: BearerVerifi
         """The token is refused from now on; the runs it submitted go on."""
         return accounts.revoke(token_id)
 
+    _document_roles(app, principal)
     return app
+
+
+def _document_roles(app: FastAPI, principal: Any) -> None:
+    """Each operation of the OpenAPI schema says the role it needs (`x-goodput-role`, and a line of its
+    description), read from its dependencies: a route's role is documented as it is enforced."""
+    def found(dependant: Any) -> str | None:
+        for dep in dependant.dependencies:
+            role = getattr(dep.call, "role", None)
+            if role is not None:
+                return str(role.label)
+            if dep.call is principal:
+                return "any token"
+            deeper = found(dep)
+            if deeper is not None:
+                return deeper
+        return None
+
+    for route in app.routes:
+        if not isinstance(route, APIRoute):
+            continue
+        role = found(route.dependant) or "none"
+        route.openapi_extra = {**(route.openapi_extra or {}), "x-goodput-role": role}
+        said = {"none": "Role: none (no token).", "any token": "Role: any valid token."}.get(role, f"Role: {role} or above.")
+        route.description = f"{route.description}\n\n{said}" if route.description else said
 
 
 HTTP_STATUS = {
