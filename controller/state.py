@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Mapping
 
@@ -199,9 +199,10 @@ class RunController:
         spot reclaim, a SIGTERM). The running attempt's ranks stop after their next peer snapshot step
         (the store's checkpoint when the run keeps no peer snapshots), then their ranks there are
         reseated elsewhere (a spare, else a smaller mesh) and the run goes on from that step: nothing
-        redone, nothing read from the store when its peers hold it, nothing charged. False when it
-        cannot be asked now: not running, none of its ranks there, failure_domain replica, nothing
-        that could keep the state, a worker group that cannot stop, or a stop already asked."""
+        redone, nothing read from the store when its peers hold it, nothing charged. failure_domain
+        replica: the replicas on them leave instead (`_leave_by_replicas`). False when it cannot be
+        asked now: not running, none of its ranks there, nothing that could keep the state, a worker
+        group that cannot stop, or a stop (or a replica departure) already asked."""
         on = sorted(set(nodes) & self.placement.nodes()) if self.placement is not None else []
         if not on or self.state is not RunState.RUNNING or self._stop is not None or self._stopping is not None:
             return False

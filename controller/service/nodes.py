@@ -113,7 +113,8 @@ class NodeBook:
         return row
 
     def draining(self) -> dict[str, dict[str, Any]]:
-        return {n: r for n, r in self.out_of_use.items() if r["state"] == "draining"}
+        """The nodes being drained (read from any thread: a copy of the book taken at once)."""
+        return {n: r for n, r in list(self.out_of_use.items()) if r["state"] == "draining"}
 
     def drained(self, name: str, when: float) -> None:
         """No run holds a rank on the draining `name` any more."""
