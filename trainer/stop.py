@@ -57,9 +57,8 @@ class StopWatch:
         self.reason = ""
         self.terminated_at: float | None = None
         """When this process got a SIGTERM (time.monotonic), if it did."""
-        self._previous: Any = None
-        if catch_sigterm and threading.current_thread() is threading.main_thread():  # (only there can it)
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._caught = catch_sigterm and threading.current_thread() is threading.main_thread()  # (only there can it)
+        self._previous: Any = signal.signal(signal.SIGTERM, self._on_sigterm) if self._caught else None
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self.terminated_at is None:  # (only a flag: the loop acts on it at its next step boundary)
@@ -67,9 +66,9 @@ class StopWatch:
 
     def close(self) -> None:
         """Hand SIGTERM back to whoever had it (whoever ends the process now ends it)."""
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        if self._caught:  # (None: a handler not set from Python; the default is what it did)
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._caught = False
 
     def poll(self) -> Keep:
         import torch
