@@ -37,7 +37,9 @@ _SYMPTOM = re.compile(
 
 
 def is_collective_symptom(message: str) -> bool:
-    return bool(_SYMPTOM.search(message))
+    """Whether a rank's error says a collective failed under it. Only the exception lines count, not a
+    traceback's frames (indented: file paths such as trainer/peer.py, code such as `timeout=...`)."""
+    return any(_SYMPTOM.search(line) for line in message.splitlines() if line and not line[0].isspace())
 
 
 def attribute(now: float, *, errors: dict[int, str], dead_nodes: set[str], dead_ranks: set[int],

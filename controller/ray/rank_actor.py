@@ -43,6 +43,11 @@ HEARTBEAT_S = 0.25
 one blocked in a collective does not)."""
 
 
+TRACE_FRAMES = 12
+"""Frames of a rank's exception passed on: the innermost (where the user's model, data or provider code
+raised: what `goodput status` shows of a user error), not the outermost (goodput's own loop)."""
+
+
 class RankProcessDied(RuntimeError):
     """The rank's training process ended by a signal or without a word: a cause, not a symptom."""
 
@@ -390,7 +395,7 @@ def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, swit
                                             on_leave=lambda: sink.put("leaving", None)))
                 return
             except Exception as e:  # noqa: BLE001 - the error goes to the controller, whatever it is
-                error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+                error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-TRACE_FRAMES)}"
             gc.collect()  # the failed attempt's trainer and process groups
             stay = attempts < IN_PLACE_ATTEMPTS and can_train_again_in_place()
             sink.put("error", (error, stay))
@@ -401,6 +406,6 @@ def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, swit
             except (EOFError, OSError):
                 return
     except BaseException as e:  # noqa: BLE001 - the error goes to the controller, whatever it is
-        sink.put("error", (f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}", False))
+        sink.put("error", (f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-TRACE_FRAMES)}", False))
     finally:
         send.close()

@@ -146,3 +146,35 @@ def test_a_model_of_your_own_trains_and_heals_on_the_cluster(ray_cluster: LocalR
     assert set(mine) == set(reference) and any(k.endswith("attn.q.bias") for k in mine)
     for key, value in reference.items():
         assert torch.equal(mine[key], value), f"{key} differs from the run without the drill"
+
+
+def test_a_provider_that_raises_at_step_5_ends_the_run_as_a_user_error_after_one_retry(
+        ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
+    """The user's own code raising (tests/support/raising_provider.py: its loss raises at step 5 on every
+    rank) is not the cluster's fault: one retry with the raising nodes' ranks moved elsewhere, then the
+    run fails `user_error` with the provider's traceback, and elastic.max_failures is untouched."""
+    from controller.spec import parse_spec
+
+    raw = {
+        "name": "buggy",
+        "model": {"provider": "tests.support.raising_provider:build", "vocab_size": 64, "seq_len": 32,
+                  "args": {"n_layers": 2, "d_model": 32, "n_heads": 4, "raise_at_step": 5, "micro_batches": 2}},
+        "data": {"kind": "synthetic", "seed": 0},
+        "train": {"steps": 20, "global_batch": 8, "micro_batch": 2, "lr": 1e-2},
+        "parallelism": {"dp": 2, "pp": 1, "tp": 1},
+        "cluster": {"local": {"nodes": 5, "gpus_per_node": 2, "racks": 2, "spares": 1}},
+        "checkpoint": {"uri": f"file://{tmp_path}", "every_steps": 100, "keep": 3, "peer_every_steps": 0},
+        "health": {"collective_timeout_s": 6, "hang_floor_s": 10, "probes": False},
+        "elastic": {"max_failures": 3},
+        "drills": [],
+    }
+    c = drive(parse_spec(raw), ray_cluster)
+    assert c.state is RunState.FAILED and c.error is not None and c.error.code == "user_error", c.error
+    assert "step 5" in c.error.message and "operands could not be broadcast together" in c.error.message
+    assert c.error.traceback and "raising_provider.py" in c.error.traceback, c.error.traceback
+    decisions = [e.detail["code"] for e in c.events.of_kind("decision")]
+    assert decisions == ["retried_elsewhere"], decisions
+    assert len(c.events.of_kind("attempt_started")) == 2, "one retry"
+    view = c.to_dict(0)
+    assert c.failures == [] and view["budgets"]["infrastructure"]["used"] == 0, "max_failures untouched"
+    assert view["error"]["traceback"] == c.error.traceback
