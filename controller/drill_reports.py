@@ -97,14 +97,18 @@ def _ended(events: list[Event]) -> Event | None:
     return next((e for e in events if e.kind in (EventKind.FAILED, EventKind.CANCELLED, EventKind.SUCCEEDED)), None)
 
 
+def _aftermath(later: list[Event]) -> tuple[Event | None, Event | None, Event | None, Event | None, int | None]:
+    """What followed a drill: the first decision, first step after recovery, next attempt and end, and
+    the step that attempt started from."""
+    restored = _first(later, EventKind.ATTEMPT_STARTED)
+    return (_first(later, EventKind.DECISION), _first(later, EventKind.FIRST_STEP_AFTER_RECOVERY), restored,
+            _ended(later), restored.detail.get("start_step", 0) if restored else None)
+
+
 def _failure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
     """kill-node, kill-rank, hang-rank, bitflip: detected as a failure, decided on, recovered."""
     detected = _first(later, EventKind.FAILURE_DETECTED)
-    decision = _first(later, EventKind.DECISION)
-    recovered = _first(later, EventKind.FIRST_STEP_AFTER_RECOVERY)
-    restored = _first(later, EventKind.ATTEMPT_STARTED)
-    ended = _ended(later)
-    resumed_from = restored.detail.get("start_step", 0) if restored else None
+    decision, recovered, restored, ended, resumed_from = _aftermath(later)
     if detected is not None and detected.detail.get("replicas") is not None:
         # Only those replicas stopped: the survivors went on from the last step (the one in flight was
         # discarded), and the lost replicas took their state from a live one when they rejoined.
@@ -180,11 +184,7 @@ def _departure_report(ev: Event, later: list[Event]) -> dict[str, Any]:
     boundary (`drained`), and the next attempt went on from that step without the node."""
     told = _first(later, EventKind.TERMINATING)
     drained = _first(later, EventKind.DRAINED)
-    decision = _first(later, EventKind.DECISION)
-    recovered = _first(later, EventKind.FIRST_STEP_AFTER_RECOVERY)
-    restored = _first(later, EventKind.ATTEMPT_STARTED)
-    ended = _ended(later)
-    resumed_from = restored.detail.get("start_step", 0) if restored else None
+    decision, recovered, restored, ended, resumed_from = _aftermath(later)
     return {
         "detected_at": told.time if told else None, "cause": "drained" if drained else None,
         "attributed_to": {"nodes": drained.detail.get("nodes"), "ranks": None} if drained else None,

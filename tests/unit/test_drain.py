@@ -203,3 +203,31 @@ def test_a_replica_run_leaves_a_drained_node_by_its_replicas_the_others_training
     assert group.lost == [([replica], (node,))] and c.state is RunState.RUNNING, "the others train on"
     assert c.failures == [] and not c.events.of_kind("failure_detected") and replica in c.replicas_out
     assert group.stop_requests == [], "no world stop"
+
+
+def test_a_spot_reclaim_drills_report_says_when_the_run_left_and_that_no_step_was_lost() -> None:
+    """The drill report of spot-reclaim (a pure function of the timeline): detected when a rank said
+    `terminating`, drained at a step, recovered at the next attempt's first step from that step; a
+    failure detected before the drain (the node died first) is reported as a failure instead."""
+    from controller.drill_reports import drill_reports
+    from controller.events import Event, EventKind
+
+    def timeline(*late: tuple[float, int, EventKind, dict]) -> list[Event]:
+        first = [Event(10.0, "r", 0, EventKind.DRILL_INJECTED, {"id": "drill-1", "drill": "spot-reclaim",
+                                                                  "target": "node-1", "step": 6, "seconds": 30})]
+        return first + [Event(t, "r", a, k, d) for t, a, k, d in late]
+
+    left = timeline((10.4, 0, EventKind.TERMINATING, {"step": 6}),
+                    (10.9, 0, EventKind.DRAINED, {"nodes": ["node-1"], "step": 7, "kept": "peers"}),
+                    (10.9, 0, EventKind.DECISION, {"action": "replace"}),
+                    (11.5, 1, EventKind.ATTEMPT_STARTED, {"start_step": 7, "restore_from": "peer"}),
+                    (13.0, 1, EventKind.FIRST_STEP_AFTER_RECOVERY, {"step": 8, "ended_at": 12.8}))
+    (report,) = drill_reports(left)
+    assert (report["outcome"], report["cause"], report["decision"], report["steps_lost"]) == \
+        ("recovered", "drained", "replace", 0)
+    assert (report["detected_at"], report["drained_at"], report["drained_step"], report["recovered_at"]) == \
+        (10.4, 10.9, 7, 12.8)
+    assert report["restored_from"] == "peer" and report["attributed_to"]["nodes"] == ["node-1"]
+    died_first = timeline((40.0, 0, EventKind.FAILURE_DETECTED, {"cause": "node_lost", "nodes": ["node-1"], "step": 9}),
+                          (40.1, 0, EventKind.DECISION, {"action": "replace"}))
+    assert drill_reports(died_first)[0]["cause"] == "node_lost", "not left in time: a node loss"
