@@ -41,6 +41,8 @@ DRAIN_WAIT_S = 0.1
 later (about a second): a poll that waited 0.5 s for it held up the next one, which reads the
 survivors' first signals."""
 
+RESERVATION_RETRY_S = 20.0
+"""A launch whose reservation on a node Ray has not granted after this long asks for it again (`_ask_again`)."""
 SETTLE_WAIT_S = 0.5
 """How long the poll that ends an attempt waits for the drains still out (its last steps' reports)."""
 
@@ -88,6 +90,10 @@ class RayWorkerGroup:
         self._reservations = 0
         self._growth: list[tuple[str, Any]] = []
         """(node, actor) of the last growth of the pool (undone together when it does not start)."""
+        self._growth_group_of: dict[str, Any] = {}
+        """node -> the placement group the launch's growth reserved there."""
+        self.reservations_asked_again = 0
+        """How many times a launch asked Ray again for a node's reservation it had not granted."""
         self._warming: dict[str, list[Any]] = {}
         """node -> warm() refs of the actors `prewarm` started there, not yet waited for by a launch."""
         self._peer_key: str | None = None
@@ -129,11 +135,17 @@ class RayWorkerGroup:
             deadline = time.monotonic() + self.launch_timeout_s
             ready: list[Any] = []
             gone: set[str] = set()
+            asked = time.monotonic()
             while len(ready) < len(new) and not self._abort.is_set() and time.monotonic() < deadline and not gone:
                 ready, _ = ray.wait(refs, num_returns=len(new), timeout=min(0.5, max(0.0, deadline - time.monotonic())))
                 gone = {node for node, _ in new} - _alive_names()  # a node that died meanwhile never starts them
+                if len(ready) < len(new) and time.monotonic() - asked > RESERVATION_RETRY_S:
+                    asked = time.monotonic()
+                    new = self._ask_again(new, ready)
+                    refs = [warm for _, warm in new]
             if len(ready) < len(new):
                 late = sorted({node for node, warm in new if warm not in ready})
+                states = self._reservation_states(late)
                 for node in late:  # actors that never started must not be handed out later
                     for actor in self._pool.pop(node, []):
                         ray.kill(actor, no_restart=True)
@@ -148,7 +160,8 @@ class RayWorkerGroup:
                 if gone:
                     raise RuntimeError(f"node(s) {sorted(gone)} died while their workers were starting")
                 raise TimeoutError(f"workers on nodes {late} did not start in {self.launch_timeout_s:.0f} s: "
-                                   "those nodes lack free GPU slots or are gone")
+                                   f"those nodes lack free GPU slots or are gone (their reservations: {states}; "
+                                   f"asked again {self.reservations_asked_again} time(s))")
             ray.get(ready)  # an actor that died while importing raises here
         self._peer_key = attempt.peer_key
         self._attempt = attempt
@@ -225,44 +238,98 @@ class RayWorkerGroup:
         a launch holds all the slots it needs or none. Per node, not one group for all: Ray re-reserves
         a lost node's bundles when it returns, so a lost node's group is removed (`_forget_node`)
         without touching the warm actors elsewhere."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         if self.name is not None and not self._made:  # names an earlier controller used stay taken
             for name, _ in self._named():
                 node, k = name.split("/")[-2], int(name.rsplit("/", 1)[1])
                 self._made[node] = max(self._made.get(node, 0), k + 1)
         self._growth = []
         self._growth_groups = []
-        actor_cls = ray.remote(RankActor)
+        self._growth_group_of = {}
         new = []
         for node, count in wanted.items():
             missing = count - len(self._pool.get(node, []))
-            if missing <= 0:
-                continue
-            self._reservations += 1
-            group = placement_group(
-                [{"GPU": 1.0} for _ in range(missing)], strategy="PACK",
-                bundle_label_selector=[{"node": node} for _ in range(missing)],
-                **({"name": f"{self.name}/reservation-{node}-{self._reservations}-{time.time_ns()}",
-                    "lifetime": "detached"} if self.name is not None else {}))
-            self._groups.setdefault(node, []).append(group)
-            self._growth_groups.append(group)
-            for index in range(missing):
-                options: dict[str, Any] = {}
-                if self.name is not None:
-                    k = self._made.get(node, 0)
-                    self._made[node] = k + 1
-                    options = {"name": f"{self.name}/{node}/{k}", "namespace": NAMESPACE, "lifetime": "detached"}
-                actor: Any = actor_cls.options(
-                    num_cpus=0, num_gpus=1, max_concurrency=5,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-                    **options).remote()
-                self._pool.setdefault(node, []).append(actor)
-                new.append((node, actor.warm.remote()))
-                self._growth.append((node, actor))
+            if missing > 0:
+                new += self._reserve(node, missing)
         return new
+
+    def _reserve(self, node: str, missing: int) -> list[tuple[str, Any]]:
+        """Reserve `missing` GPU slots on `node` (one placement group) and start an actor in each;
+        (node, warm() ref) of each. Part of the launch's growth (released with it if it fails)."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_cls = ray.remote(RankActor)
+        new = []
+        self._reservations += 1
+        group = placement_group(
+            [{"GPU": 1.0} for _ in range(missing)], strategy="PACK",
+            bundle_label_selector=[{"node": node} for _ in range(missing)],
+            **({"name": f"{self.name}/reservation-{node}-{self._reservations}-{time.time_ns()}",
+                "lifetime": "detached"} if self.name is not None else {}))
+        self._groups.setdefault(node, []).append(group)
+        self._growth_groups.append(group)
+        self._growth_group_of[node] = group
+        for index in range(missing):
+            options: dict[str, Any] = {}
+            if self.name is not None:
+                k = self._made.get(node, 0)
+                self._made[node] = k + 1
+                options = {"name": f"{self.name}/{node}/{k}", "namespace": NAMESPACE, "lifetime": "detached"}
+            actor: Any = actor_cls.options(
+                num_cpus=0, num_gpus=1, max_concurrency=5,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+                **options).remote()
+            self._pool.setdefault(node, []).append(actor)
+            new.append((node, actor.warm.remote()))
+            self._growth.append((node, actor))
+        return new
+
+    def _ask_again(self, new: list[tuple[str, Any]], ready: list[Any]) -> list[tuple[str, Any]]:
+        """A launch's reservations that Ray has not granted yet, asked for anew: each node's placement
+        group still pending is removed with its actors and reserved again (a pending group can be left
+        unscheduled until some node joins: ray#62483, and the launch before waited for it to time
+        out). `new` with the new actors' warm() refs in place of the dropped ones."""
+        import ray
+        from ray.util import placement_group_table
+
+        waiting = {node for node, warm in new if warm not in ready and node in self._growth_group_of}
+        for node in sorted(waiting):
+            group = self._growth_group_of[node]
+            try:
+                if placement_group_table(group).get("state") == "CREATED":
+                    continue  # granted: its actors are starting (importing torch may take a while)
+            except Exception:  # noqa: BLE001 - not known to Ray any more: ask again
+                pass
+            ours = [actor for n, actor in self._growth if n == node]
+            dropped = {id(actor) for actor in ours}
+            for actor in ours:
+                self._forget(actor)
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - never started
+                    pass
+            self._growth = [(n, a) for n, a in self._growth if id(a) not in dropped]
+            if group in self._growth_groups:
+                self._growth_groups.remove(group)
+            self._drop_reservation(group)
+            keep = [(n, warm) for n, warm in new if n != node or warm in ready]
+            new = keep + self._reserve(node, len(ours))
+            self.reservations_asked_again += 1
+        return new
+
+    def _reservation_states(self, nodes: list[str]) -> dict[str, str]:
+        """node -> Ray's state of this launch's reservation there (what a launch that timed out says)."""
+        from ray.util import placement_group_table
+
+        states = {}
+        for node in nodes:
+            group = self._growth_group_of.get(node)
+            try:
+                states[node] = placement_group_table(group).get("state", "?") if group is not None else "none"
+            except Exception as e:  # noqa: BLE001 - the answer is the error
+                states[node] = f"unknown ({type(e).__name__})"
+        return states
 
     def prewarm(self, nodes: list[str]) -> None:
         """Warm actors on these nodes now, ahead of the recovery that may need them (spares the

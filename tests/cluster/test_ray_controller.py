@@ -79,3 +79,40 @@ def test_second_run_resumes_interrupted_first(ray_cluster: LocalRayCluster, tmp_
     assert second.progress.history[0]["step"] == 9
     assert second.progress.history[0]["loss"] == pytest.approx(first_losses[9], rel=1e-6), \
         f"{first.progress.history}\n{second.progress.history}"
+
+
+def test_a_launch_asks_again_for_a_reservation_ray_has_not_granted_and_starts_when_it_is(
+        ray_cluster: LocalRayCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """node-1's two GPU slots are held by someone else's placement group when the run launches, and
+    given back 6 s later. The launch asks Ray again for its reservation there every second meanwhile
+    (each time dropping the ungranted one: a pending group can stay unscheduled until a node joins,
+    ray#62483), then starts and trains; none of the groups it dropped is left behind."""
+    import contextlib
+    import threading
+
+    import ray
+    from ray.util import placement_group_table, remove_placement_group
+    from ray.util.placement_group import placement_group
+
+    from controller.ray import worker_group
+
+    monkeypatch.setattr(worker_group, "RESERVATION_RETRY_S", 1.0)
+    before = set(placement_group_table())
+    blocker = placement_group([{"GPU": 1.0}, {"GPU": 1.0}], strategy="PACK",
+                              bundle_label_selector=[{"node": "node-1"}, {"node": "node-1"}])
+    assert blocker.wait(30), "the test's own reservation of node-1 was not granted"
+    timer = threading.Timer(6.0, remove_placement_group, args=(blocker,))
+    timer.start()
+    try:
+        c = drive(tiny_spec("asked-again", tmp_path, steps=3, every=100), ray_cluster)
+    finally:
+        timer.cancel()
+        with contextlib.suppress(Exception):  # (the timer may have removed it already)
+            remove_placement_group(blocker)
+    assert c.state is RunState.SUCCEEDED, c.error
+    asked = c.worker_group.reservations_asked_again  # type: ignore[attr-defined]
+    assert asked >= 3, f"the launch asked again {asked} time(s) in 6 s"
+    ours = {pg: info for pg, info in placement_group_table().items() if pg not in before and pg != blocker.id.hex()}
+    assert ours and all(info["state"] == "REMOVED" for info in ours.values()), \
+        {pg: info["state"] for pg, info in ours.items()}
+    assert ray.is_initialized()
