@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from trainer.probes import local_tensor
+from trainer.tensors import local_tensor
 
 
 def _copies(p: torch.Tensor, stage_ranks: int) -> int:

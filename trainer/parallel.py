@@ -17,10 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from trainer.config import MeshShape, TrainerConfig, recomputes
-from trainer.model import Transformer
 from trainer.provider import ModelProvider, Parallelism, is_sharded_root, load_provider
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -120,24 +118,6 @@ def stage_layer_ranges(n_layers: int, num_stages: int) -> list[range]:
 def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     """Loop-style assignment: rank r holds stages r, r + pp, ... (what interleaved schedules expect)."""
     return [pp_rank + v * pp for v in range(stages_per_rank)]
-
-
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style TP inside each block; embeddings, norms and the head stay replicated."""
-    for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(),
-            },
-        )
 
 
 def dp_mesh_of(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:

@@ -17,42 +17,24 @@ from __future__ import annotations
 import math
 import platform
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from health.sdc import RankEvidence, Triage, sdc_verdict, step_anomaly, triage
 from trainer.config import MeshAxis
+from trainer.optim import local_grad_sq
 from trainer.report import ReportSink
 from trainer.switches import DrillSwitches
+from trainer.tensors import INT_VIEW, bits_checksum, local_tensor
 
-_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
-             torch.float16: torch.int16}
 _HIGH_EXPONENT_BIT = {torch.float32: 30, torch.float64: 62, torch.bfloat16: 14, torch.float16: 14}
 SELFTEST_SEED = 20261122
 
 
 class SilentDataCorruption(RuntimeError):
     """The probes found a device that corrupts data; every rank of the attempt stops with this."""
-
-
-def local_tensor(p: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(p, "to_local", None)
-    return to_local() if to_local is not None else p
-
-
-def bits_checksum(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> int:
-    """Exact checksum of the raw bits: any single flipped bit changes it. Summed on the tensors'
-    device and read once (one sync on a GPU, not one per parameter)."""
-    total: torch.Tensor | None = None
-    for t in tensors:
-        if t.numel() == 0:
-            continue
-        flat = t.detach().contiguous().view(-1)
-        part = flat.view(_INT_VIEW[flat.dtype]).sum(dtype=torch.int64)
-        total = part if total is None else total + part
-    return 0 if total is None else int(total.item()) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _params(parts: list[torch.nn.Module]) -> list[torch.Tensor]:
@@ -194,7 +176,6 @@ class Probes:
     def _reduce(self, loss: torch.Tensor | None, *, intact: bool) -> tuple[float | None, str | None]:
         """One all-reduce over every rank: gradient norm^2, the dp ranks' losses, corrupt ranks."""
         t = self.trainer
-        from trainer.optim import local_grad_sq
 
         # each element of the gradient once, over every rank (what clipping needs too: trainer/optim.py)
         grad_sq = local_grad_sq(t.parts, t.config.mesh.dp * t.config.mesh.tp, t.choice.device).reshape(())
@@ -283,7 +264,7 @@ class Probes:
         bit = _HIGH_EXPONENT_BIT[flat.dtype]
         with torch.no_grad():
             before = float(flat[index].item())
-            ints = flat.view(_INT_VIEW[flat.dtype])
+            ints = flat.view(INT_VIEW[flat.dtype])
             ints[index] = ints[index] ^ (1 << bit)
             after = float(flat[index].item())
         return {"param": name, "index": index, "bit": bit, "before": before, "after": after}

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from trainer.config import ModelConfig, ModelNumbers
 from trainer.model import Block, Transformer, cross_entropy
@@ -103,8 +104,6 @@ class Decoder:
         part.init_weights(seed)
 
     def parallelize(self, part: nn.Module, plan: Parallelism) -> None:
-        from trainer.parallel import apply_tp  # (trainer.parallel builds through this module)
-
         assert isinstance(part, Transformer)
         for index, block in part.layers.items():
             assert isinstance(block, Block)
@@ -118,6 +117,24 @@ class Decoder:
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy(output, targets)
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP inside each block; embeddings, norms and the head stay replicated."""
+    for block in model.layers.values():
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
+            },
+        )
 
 
 def load_provider(model: ModelConfig) -> ModelProvider:

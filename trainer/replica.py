@@ -47,7 +47,8 @@ from torch import nn
 from health.sdc import minority
 from trainer import abandon
 from trainer.membership import Membership, MembershipBoard  # noqa: F401 - (imported from here too)
-from trainer.probes import SilentDataCorruption, local_tensor
+from trainer.probes import SilentDataCorruption
+from trainer.tensors import local_tensor
 from trainer.protocol import ProtocolFault, SyncPlan, SyncRow, gives_up, sync_plan
 
 FINGERPRINT_MASK = (1 << 52) - 1
@@ -307,7 +308,7 @@ class CrossReplica:
         (on every member: the suspects leave before the transfer, the others' transfer waits for the
         epoch without them) or none can be vouched for (nothing is copied). (step, cursor, source
         replica or None when nothing moved, the plan)."""
-        from trainer.probes import bits_checksum
+        from trainer.tensors import bits_checksum
 
         assert self.membership is not None
         m = self.membership

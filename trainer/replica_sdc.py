@@ -19,7 +19,7 @@ def state_fingerprint(trainer: Any) -> int | None:
     probes record after each update anyway; every `probes.sdc_every_steps` steps the whole state
     (parameters and optimizer state). None when nothing is compared at this step (no probes, not a
     whole-state step): every replica decides alike, from the step."""
-    from trainer.probes import bits_checksum
+    from trainer.tensors import bits_checksum
 
     every = trainer.config.probes.sdc_every_steps
     if every > 0 and trainer.step % every == 0:

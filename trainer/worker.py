@@ -334,7 +334,7 @@ def _join_replicas(trainer: Any, cross: Any, args: WorkerArgs, sink: ReportSink,
 def _compare_replicas(trainer: Any, cross: Any, sink: ReportSink) -> None:
     """Every live replica's state checksum at this rank's position; the first replica says whether
     they agree (they hold the same bytes after any failure and rejoin)."""
-    from trainer.probes import bits_checksum
+    from trainer.tensors import bits_checksum
     from trainer.replica import state_tensors
 
     sums = cross.compare(bits_checksum(state_tensors(trainer.parts, trainer.optimizers)))

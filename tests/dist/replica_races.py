@@ -43,7 +43,8 @@ def race_rank(*, rank: int, world_size: int, store_port: int, replica: int, inca
     this rank; `corrupt_at`: after that step, flip a mantissa bit of its AdamW state. What it ended
     with: its log, events, step, checksum, parameters, and the SilentDataCorruption or removal."""
     from trainer.parallel import build_mesh, choose_device, init_process_group
-    from trainer.probes import SilentDataCorruption, local_tensor
+    from trainer.probes import SilentDataCorruption
+    from trainer.tensors import local_tensor
     from trainer.protocol import ProtocolFault
     from trainer.replica import CrossReplica, ReplicaBroken, checksum, replica_step, state_tensors, switch_to
     from trainer.train import Trainer

@@ -22,7 +22,8 @@ def replica_rank(*, rank: int, world_size: int, store_port: int, replica: int, i
     bit of one element of its AdamW state (what no at-rest check of the parameters sees: only the
     replicas' comparison can)."""
     from trainer.parallel import build_mesh, choose_device, init_process_group
-    from trainer.probes import SilentDataCorruption, local_tensor
+    from trainer.probes import SilentDataCorruption
+    from trainer.tensors import local_tensor
     from trainer.replica import CrossReplica, ReplicaBroken, checksum, state_tensors, train_replica
     from trainer.report import ListSink
     from trainer.train import Trainer

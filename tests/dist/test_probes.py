@@ -119,7 +119,8 @@ def triage_rank(*, rank: int, world_size: int, store_port: int, config: dict, pe
 
     from trainer.config import config_from_dict
     from trainer.parallel import build_mesh, choose_device, init_process_group
-    from trainer.probes import SilentDataCorruption, local_tensor
+    from trainer.probes import SilentDataCorruption
+    from trainer.tensors import local_tensor
     from trainer.report import ListSink
     from trainer.train import Trainer
 

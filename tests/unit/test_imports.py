@@ -100,3 +100,39 @@ def test_the_core_imports_no_edge_and_edges_import_each_other_only_through_the_w
             if edge is not None and edge != mine and not any(_within(name, a) for a in allowed):
                 bad.append(f"{module} ({mine or 'core'}) imports {name}")
     assert not bad, bad
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (module -> modules it imports), or None: a depth-first walk that
+    meets a module still on its path."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def walk(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for name in sorted(graph.get(module, ())):
+            if (found := walk(name)) is not None:
+                return found
+        path.pop()
+        done.add(module)
+        return None
+
+    return next((c for m in sorted(graph) if (c := walk(m)) is not None), None)
+
+
+def test_cycle_finder_finds_a_cycle_through_three_modules_and_none_in_a_chain() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+@pytest.mark.parametrize("package", ["trainer", "checkpointing", "health"])
+def test_no_two_modules_of_the_package_import_each_other(package: str) -> None:
+    """Each concept has one home and the lower module never imports the upper one, not even inside a
+    function (a lazy import only hides the circle): the package's modules import one another acyclically."""
+    modules = {_module_of(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+    graph = {m: {n for n in imported_modules(p) if n in modules and n != m} for m, p in modules.items()}
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
