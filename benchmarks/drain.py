@@ -17,13 +17,12 @@ trains; after a few steps one of its nodes is drained. Figures, per round:
 Then the node is released (it refills the spare pool) and the run cancelled, so every round starts
 from the same cluster.
 
-    python benchmarks/drain.py [--rounds 5] [--json PATH]
+    python benchmarks/drain.py [--rounds 5]     (its record: benchmarks/records/drain.json)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,7 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import psutil  # noqa: E402
 import yaml  # noqa: E402
 
-from benchmarks.preemption import ENDED, REPO, Api, environment, record, stop_service, summary  # noqa: E402
+from benchmarks import records  # noqa: E402
+from benchmarks.preemption import ENDED, REPO, Api, stop_service, summary  # noqa: E402
 from tests.support.serve import Serve, write_spec  # noqa: E402
 
 NODES, GPUS_PER_NODE, SPARES = 3, 2, 1
@@ -83,10 +83,14 @@ def one(api: Api, root: Path, name: str) -> dict[str, float]:
             "from_peers": float(all(r.get("source") == "peer" for r in restored) and bool(restored))}
 
 
+CODE = ["controller/state.py", "controller/service/service.py", "controller/ray/worker_group.py", "trainer/stop.py",
+        "trainer/peer.py", "trainer/peer_load.py"]
+"""What a drain's figures measure."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", metavar="PATH", help="write the figures and the machine to this file")
     opts = parser.parse_args()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     os.environ.pop("GOODPUT_TOKEN", None)
@@ -128,19 +132,18 @@ def main() -> None:
         print(f"  reseat -> first step s             {summary([r['reseat_s'] for r in rounds])}")
         print(f"  steps redone                       {summary([r['redone'] for r in rounds])} (goal 0)")
         print(f"  bytes read from the store          {summary([r['bytes_read'] for r in rounds])} (goal 0)")
-        figures = [record("drain: request -> the run off the node", [r["drain_s"] for r in rounds], "s"),
-                   record("drain: (request -> off the node) / (2 steps + snapshot)", ratio, "ratio"),
-                   record("drain: reseat -> first step end", [r["reseat_s"] for r in rounds], "s"),
-                   record("drain: steps redone", [r["redone"] for r in rounds], "steps"),
-                   record("drain: bytes read from the store", [r["bytes_read"] for r in rounds], "bytes")]
+        figures = [records.figure("drain: request -> the run off the node", [r["drain_s"] for r in rounds], "s"),
+                   records.figure("drain: (request -> off the node) / (2 steps + snapshot)", ratio, "ratio",
+                                  goal="<= 1"),
+                   records.figure("drain: reseat -> first step end", [r["reseat_s"] for r in rounds], "s"),
+                   records.figure("drain: steps redone", [r["redone"] for r in rounds], "steps", goal="0"),
+                   records.figure("drain: bytes read from the store", [r["bytes_read"] for r in rounds], "bytes",
+                                  goal="0")]
     print(f"not counted: {len(wrong)} of {opts.rounds}")
     for line in wrong:
         print("  " + line)
-    if opts.json:
-        out = {"benchmark": "drain", "rounds": opts.rounds, "figures": figures, "not_counted": wrong,
-               "per_round": rounds, **environment()}
-        Path(opts.json).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {opts.json}")
+    if figures:
+        records.write("drain", figures, code=CODE, extra={"not_counted": wrong, "per_round": rounds})
 
 
 if __name__ == "__main__":

@@ -20,18 +20,14 @@ is not counted. The issue sets no absolute goal: the ratio printed is preemption
 the difference is what preemption adds (the stop at a step boundary + the commit + the admission; the
 launch and the first step are in both paths).
 
-    python benchmarks/preemption.py [--rounds 5] [--json PATH]
+    python benchmarks/preemption.py [--rounds 5]     (its record: benchmarks/records/preemption.json)
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +40,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 import yaml  # noqa: E402
 
+from benchmarks import records  # noqa: E402
 from tests.support.serve import Serve, _running, write_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +53,9 @@ TIMEOUT_S = 600.0
 SETTLE_S = 2.0
 """After the last run's GPUs are free, before the next submission: its ranks' teardown off the CPUs."""
 ENDED = ("succeeded", "failed", "cancelled")
+CODE = ["controller/service/scheduler.py", "controller/service/service.py", "controller/state.py",
+        "controller/ray/worker_group.py", "trainer/stop.py"]
+"""What a preemption's figures measure."""
 
 
 class Api:
@@ -190,26 +190,6 @@ def summary(values: list[float]) -> str:
     return f"median {statistics.median(values):6.2f} (min {min(values):.2f}, max {max(values):.2f}, n={len(values)})"
 
 
-def record(name: str, values: list[float], unit: str) -> dict[str, Any]:
-    return {"figure": name, "unit": unit, "n": len(values), "median": statistics.median(values),
-            "min": min(values), "max": max(values), "values": values}
-
-
-def environment() -> dict[str, Any]:
-    import ray
-    import torch
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "cpu_count": os.cpu_count()},
-            "torch": torch.__version__, "ray": ray.__version__, "git_commit": commit,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
 def stop_service(serve: Serve, started: list[psutil.Process]) -> None:
     """SIGTERM the service (it shuts its embedded cluster down), then end by PID whatever it started
     and left running."""
@@ -233,7 +213,6 @@ def stop_service(serve: Serve, started: list[psutil.Process]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", metavar="PATH", help="write the figures and the machine to this file")
     opts = parser.parse_args()
     # The ranks import this checkout's trainer (the cluster tests' PYTHONPATH).
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
@@ -294,18 +273,18 @@ def main() -> None:
         redone = [r["redone"] for r in pre]
         print(f"  {'low run steps redone':<34}{summary(redone)}; goal 0, at most 1: "
               f"{sum(x == 0 for x in redone)} of {len(redone)} at 0, {sum(x <= 1 for x in redone)} at most 1")
-        figures += [record("preemption: high run submission -> its first step end", [r["figure"] for r in pre], "s"),
-                    record("preemption: low run stop_requested -> high run first step end",
+        figures += [records.figure("preemption: high run submission -> its first step end", [r["figure"] for r in pre], "s"),
+                    records.figure("preemption: low run stop_requested -> high run first step end",
                            [r["from_stop"] for r in pre], "s"),
-                    record("preemption: stop_requested -> preempted (stop at a step boundary + commit)",
+                    records.figure("preemption: stop_requested -> preempted (stop at a step boundary + commit)",
                            [r["stop_commit"] for r in pre], "s"),
-                    record("preemption: low run steps redone", redone, "steps")]
+                    records.figure("preemption: low run steps redone", redone, "steps", goal="<= 1")]
     if ref:
         print("idle path (the reference)")
         for key, label in [("figure", "submission -> first step end s"), ("admitted", "  submission -> launch s"),
                            ("launch_first_step", "  launch + first step s")]:
             print(f"  {label:<34}{summary([r[key] for r in ref])}")
-        figures.append(record("idle: high run submission -> its first step end", [r["figure"] for r in ref], "s"))
+        figures.append(records.figure("idle: high run submission -> its first step end", [r["figure"] for r in ref], "s"))
     if pre and ref:
         p, q = statistics.median(r["figure"] for r in pre), statistics.median(r["figure"] for r in ref)
         stop = statistics.median(r["stop_commit"] for r in pre)
@@ -319,21 +298,17 @@ def main() -> None:
               f"scheduler noticing and admitting; launch + first step: median "
               f"{statistics.median(r['launch_first_step'] for r in pre):.2f} s against "
               f"{statistics.median(r['launch_first_step'] for r in ref):.2f} s idle (no absolute goal in issue 45)")
-        figures.append(record("preemption: high run submission -> its launch (stop + commit + admission)",
+        figures.append(records.figure("preemption: high run submission -> its launch (stop + commit + admission)",
                               [r["asked"] + r["stop_commit"] + r["admitted"] for r in pre], "s"))
-        figures.append(record("idle: high run submission -> its launch", [r["admitted"] for r in ref], "s"))
+        figures.append(records.figure("idle: high run submission -> its launch", [r["admitted"] for r in ref], "s"))
     print(f"not counted: {len(wrong)} of {2 * opts.rounds}; load average (1 min) {load[0]:.2f} at the start, "
           f"{os.getloadavg()[0]:.2f} at the end (other work on the machine shows in the launch times)")
     for line in wrong:
         print("  " + line)
-    if opts.json:
-        out = {"benchmark": "preemption", "rounds": opts.rounds, "figures": figures, "not_counted": wrong,
-               "per_round": {"preemption": pre, "idle": ref}, **environment(),
-               "load_average_1m": {"start": load[0], "end": os.getloadavg()[0]},
-               "ratio_preemption_over_idle": (statistics.median(r["figure"] for r in pre)
-                                              / statistics.median(r["figure"] for r in ref)) if pre and ref else None}
-        Path(opts.json).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {opts.json}")
+    if figures:
+        records.write("preemption", figures, code=CODE, extra={
+            "not_counted": wrong, "per_round": {"preemption": pre, "idle": ref},
+            "load_average_1m": {"start": load[0], "end": os.getloadavg()[0]}})
 
 
 if __name__ == "__main__":

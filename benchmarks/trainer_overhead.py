@@ -7,6 +7,8 @@ of an int; every run of a service makes it, for preemptions, drains and SIGTERMs
 goodput step: its median, and (step + look) / step.
 
     python benchmarks/trainer_overhead.py [--steps 20] [--meshes 2,1,1 2,2,2]
+
+Its record: benchmarks/records/trainer_overhead.json.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks import records  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
 from trainer.config import DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig  # noqa: E402
 
@@ -122,7 +125,7 @@ def measure(*, rank: int, world_size: int, store_port: int, mesh: tuple[int, int
                 bare_times.append(t3 - t2)
                 poll_times.append(t1p - t1)
         return {"goodput": statistics.median(goodput_times), "bare": statistics.median(bare_times),
-                "poll": statistics.median(poll_times)}
+                "poll": statistics.median(poll_times), "goodput_steps": goodput_times, "bare_steps": bare_times}
     finally:
         dist.destroy_process_group()
 
@@ -132,6 +135,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--meshes", nargs="+", default=["2,1,1", "2,2,2"])
     opts = parser.parse_args()
+    figures = []
     for text in opts.meshes:
         mesh = tuple(int(x) for x in text.split(","))
         results = run_ranks(measure, mesh[0] * mesh[1] * mesh[2], timeout_s=1800, mesh=mesh, steps=opts.steps)
@@ -142,6 +146,16 @@ def main() -> None:
         print(f"mesh dp{mesh[0]} pp{mesh[1]} tp{mesh[2]}: goodput step {goodput * 1e3:.1f} ms, "
               f"bare torch loop {bare * 1e3:.1f} ms, ratio {goodput / bare:.3f} (target <= 1.05); "
               f"stop look {poll * 1e3:.2f} ms a step, (step + look) / step {(goodput + poll) / goodput:.4f}", flush=True)
+        name = f"dp{mesh[0]} pp{mesh[1]} tp{mesh[2]}"
+        # per interleaved step: the slowest rank's goodput step over the slowest rank's bare step
+        ratios = [max(r["goodput_steps"][i] for r in results) / max(r["bare_steps"][i] for r in results)
+                  for i in range(opts.steps)]
+        figures += [records.figure(f"{name}: goodput step / bare torch step", ratios, "ratio", goal="<= 1.05"),
+                    records.figure(f"{name}: goodput step", [max(r["goodput_steps"][i] for r in results) * 1e3
+                                                             for i in range(opts.steps)], "ms"),
+                    records.figure(f"{name}: look for a stop, per step (slowest rank's median)", [poll * 1e3], "ms")]
+    records.write("trainer_overhead", figures, code=["trainer/train.py", "trainer/probes.py", "trainer/parallel.py",
+                                                     "trainer/provider.py", "trainer/optim.py", "trainer/stop.py"])
 
 
 if __name__ == "__main__":
