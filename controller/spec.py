@@ -28,7 +28,8 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    """Unknown fields are refused; a field's docstring is its description (the JSON schema, the reference)."""
 
 
 class RopeScalingSpec(_Strict):
@@ -210,13 +211,13 @@ class ClusterSpec(_Strict):
     local: LocalClusterSpec | None = None
     address: str | None = None
     simulated: SimulatedClusterSpec | None = None
-    # node -> rack, over what the cluster says (Ray's `rack` label, Kubernetes node labels)
     racks: dict[str, str] = Field(default_factory=dict)
-    # The network interface(s) the ranks' collectives use (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME:
-    # "eth1", or NCCL's forms "ib0,eth1", "^docker"), where the node does not set them itself (a
-    # node knows its own NICs; a multi-NIC host should). Unset: gloo binds to the address the host's
-    # name resolves to, NCCL takes the first interface that is not loopback or docker.
+    """node -> rack, over what the cluster says (Ray's `rack` label, Kubernetes node labels)"""
     interface: str | None = Field(default=None, pattern=r"^[=^]?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$")
+    """The network interface(s) the ranks' collectives use (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME: "eth1",
+    or NCCL's forms "ib0,eth1", "^docker"), where the node does not set them itself (a node knows its own
+    NICs; a multi-NIC host should). Unset: gloo binds to the address the host's name resolves to, NCCL takes
+    the first interface that is not loopback or docker."""
 
     @field_validator("address")
     @classmethod
@@ -231,25 +232,25 @@ class CheckpointSpec(_Strict):
     every_steps: int | Literal["auto"] = 20
     keep: int = Field(default=3, gt=0)
     mtbf_hours: float | None = Field(default=None, gt=0)
-    # how long a write the store refuses for now (an outage) is retried before the save fails
     retry_budget_s: float = Field(default=30.0, ge=0)
-    # peer snapshots: every this many steps each rank's state goes to host memory on its node and on a
-    # buddy's node; a recovery loads from them instead of the store when every rank's copy survives
-    # (0 = off). Every step by default: it costs the steps ~1 % (benchmarks/peer_snapshot_cost.py)
+    """how long a write the store refuses for now (an outage) is retried before the save fails"""
     peer_every_steps: int = Field(default=1, ge=0)
+    """peer snapshots: every this many steps each rank's state goes to host memory on its node and on a
+    buddy's node; a recovery loads from them instead of the store when every rank's copy survives (0 = off).
+    Every step by default (what it costs a step: benchmarks/peer_snapshot_cost.py)."""
 
 
 class HealthSpec(_Strict):
     straggler_ratio: float = Field(default=1.5, gt=1)
-    # report: straggler events only; replace: also move the slow rank's node to a spare at the next
-    # checkpoint, when a spare exists
     straggler_action: Literal["report", "replace"] = "report"
+    """report: straggler events only; replace: also move the slow rank's node to a spare at the next
+    checkpoint, when a spare exists"""
     sdc_every_steps: int = Field(default=10, ge=0)
     grad_spike_factor: float = Field(default=10.0, gt=1)
     probes: bool = True
     hang_factor: float = Field(default=3.0, gt=1)
-    # The timeout hierarchy: collective timeout < hang verdict floor < give-up (elastic.wait_for_capacity_s).
     collective_timeout_s: float = Field(default=30.0, gt=0)
+    """The timeout hierarchy: collective timeout < hang verdict floor < give-up (elastic.wait_for_capacity_s)."""
     hang_floor_s: float = Field(default=45.0, gt=0)
 
     @model_validator(mode="after")
@@ -328,15 +329,16 @@ class CostModelSpec(_Strict):
     restart_s: float | None = Field(default=None, ge=0)
     node_loss_detection_s: float | None = Field(default=None, ge=0)
     gpu_tflops: float | None = Field(default=None, gt=0)
-    # peer snapshots (checkpoint.peer_every_steps): the loop's stall per snapshot, the copy to the buddy
-    # (in the background; a failure before it completes finds the previous step's copies torn), and a
-    # restore from the peers' memory
     peer_snapshot_stall_s: float | None = Field(default=None, ge=0)
+    """Peer snapshots (checkpoint.peer_every_steps): the loop's stall per snapshot."""
     peer_transfer_s: float | None = Field(default=None, ge=0)
+    """Peer snapshots: the copy to the buddy (in the background; a failure before it completes finds the
+    previous step's copies torn)."""
     peer_restore_s: float | None = Field(default=None, ge=0)
-    # elastic.failure_domain replica: the survivors' whole stall per failure, in place of detection +
-    # a cross-replica init (180: FT-HSDP's ~3 minutes at ~100K GPUs, a pessimistic preset)
+    """Peer snapshots: a restore from the peers' memory."""
     replica_stall_s: float | None = Field(default=None, ge=0)
+    """elastic.failure_domain replica: the survivors' whole stall per failure, in place of detection + a
+    cross-replica init (180: FT-HSDP's ~3 minutes at ~100K GPUs, a pessimistic preset)"""
 
 
 PRIORITY_CLASSES = {"low": 0, "normal": 100, "high": 200, "critical": 300}
