@@ -14,6 +14,8 @@ Prints:
   disk and, with `--s3`, from an S3-protocol server (moto) on the same host, and the first step after.
 
     python benchmarks/gpu_path.py [--layers 16 --d-model 2048 --seq 2048 --batch 8 --steps 20] [--s3]
+
+(benchmarks/gpu_suite.py runs its pieces too: bare_step_fn, alternate, save_pairs, model_flops_per_step.)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -47,17 +50,32 @@ def model_flops_per_step(cfg: ModelConfig, tokens: int) -> float:
     return tokens * (6 * params + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len)
 
 
-def bare_step_fn(cfg: TrainerConfig, device: torch.device):
-    """What a user writes by hand with torch alone: the same model class, bf16 autocast, fused AdamW."""
+def bare_step_fn(cfg: TrainerConfig, choice: Any, like: Any = None) -> Callable[[], float]:
+    """What a user writes by hand with torch alone: the same model class, autocast to the compute
+    dtype where it differs from the parameters' (bf16 on a GPU), AdamW (fused on a GPU). Its weights
+    are `like`'s (a Trainer on one rank: the same values, no second initialisation) or, without it,
+    initialised from the same seed as goodput's. Returns a step function that returns its seconds."""
     from trainer.data import build_source
     from trainer.model import Transformer
+    from trainer.tensors import local_tensor
 
-    model = Transformer(cfg.model).to(device)
-    model.init_weights(cfg.train.seed)
+    device, compute = choice.device, choice.compute_dtype
+    autocast = compute != choice.param_dtype
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device=device)
+    model.to(choice.param_dtype)
+    if like is None:
+        model.init_weights(cfg.train.seed)
+    else:
+        theirs = dict(like.parts[0].named_parameters())
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(local_tensor(theirs[name]))
     if cfg.train.compile:
         for block in model.layers.values():
             block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True if device.type == "cuda" else None)
     source = build_source(cfg.data, cfg.model)
     cursor = [0]
     n_micro = cfg.train.global_batch // cfg.train.micro_batch
@@ -67,7 +85,7 @@ def bare_step_fn(cfg: TrainerConfig, device: torch.device):
         ids = list(range(cursor[0], cursor[0] + cfg.train.global_batch))
         rows = torch.from_numpy(source.batch(ids)).to(device)
         for inp, tgt in zip(rows[:, :-1].chunk(n_micro), rows[:, 1:].chunk(n_micro)):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=compute, enabled=autocast):
                 logits = model(inp)
             loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten()) / n_micro
             loss.backward()
@@ -79,6 +97,26 @@ def bare_step_fn(cfg: TrainerConfig, device: torch.device):
         return time.perf_counter() - t0
 
     return step
+
+
+def alternate(a: Callable[[], object], b: Callable[[], object], blocks: int, block: int,
+              sync: Callable[[], None]) -> tuple[list[float], list[float]]:
+    """Step times of two loops run in alternating blocks of `block` steps, `blocks` of each (ABBA
+    ...): each step from its start to the next one's start (work it left running in the background
+    is in it), a block's first step left out (it still pays for the other loop's)."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    starts: list[tuple[bool, bool, float]] = []
+    for k in range(2 * blocks):
+        first_loop = (k % 2 == 0) == (k // 2 % 2 == 0)
+        for i in range(block):
+            starts.append((first_loop, i == 0, time.perf_counter()))
+            (a if first_loop else b)()
+    sync()
+    starts.append((False, True, time.perf_counter()))
+    for (which, first, start), (_, _, nxt) in zip(starts, starts[1:]):
+        if not first:
+            times[which].append(nxt - start)
+    return times[True], times[False]
 
 
 def snapshot_cost(trainer: "object", folder: Path, blocks: int, block: int) -> tuple[list[float], list[float]]:
@@ -93,22 +131,15 @@ def snapshot_cost(trainer: "object", folder: Path, blocks: int, block: int) -> t
                           mesh=t.config.mesh.axes())  # type: ignore[attr-defined]
     peers.take(t)  # lay out and page-lock both slots before timing
     peers.take(t)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    starts: list[tuple[bool, bool, float]] = []
-    for b in range(2 * blocks):
-        on = (b % 2 == 0) == (b // 2 % 2 == 0)
-        for i in range(block):
-            starts.append((on, i == 0, time.perf_counter()))
-            t.train_step()  # type: ignore[attr-defined]
-            if on:
-                peers.take(t)
-    torch.cuda.synchronize()
-    starts.append((False, True, time.perf_counter()))
-    for (on, first, start), (_, _, nxt) in zip(starts, starts[1:]):
-        if not first:
-            times[on].append(nxt - start)
+
+    def with_snapshot() -> None:
+        t.train_step()  # type: ignore[attr-defined]
+        peers.take(t)
+
+    steps = t.train_step  # type: ignore[attr-defined]
+    on, off = alternate(with_snapshot, steps, blocks, block, torch.cuda.synchronize)
     peers.close()
-    return times[True], times[False]
+    return on, off
 
 
 def fresh_process_costs(repeat: int) -> dict[str, list[float]]:
@@ -140,6 +171,21 @@ print(f"{t1 - t0} {t2 - t1} {t3 - t2}")
         out["nccl_init"].append(nccl)
         out["interpreter"].append(max(0.0, wall - imp - cuda - nccl))
     return out
+
+
+def save_pairs(trainer: Any, sync: Any, asyn: Any, saves: int,
+               settle: Callable[[], None]) -> tuple[list[float], list[float]]:
+    """`saves` pairs of a synchronous save (the whole save) and an async one (the time `save()` holds
+    the loop), each of a new step; the async one written out before the next pair."""
+    sync_s: list[float] = []
+    async_s: list[float] = []
+    for _ in range(saves):
+        for checkpointer, into in ((sync, sync_s), (asyn, async_s)):
+            trainer.train_step()
+            settle()
+            into.append(checkpointer.save(trainer).blocked_s)
+        asyn.wait()
+    return sync_s, async_s
 
 
 def med(xs: list[float]) -> str:
@@ -195,7 +241,7 @@ def main() -> None:
           f"{'; torch.compile per block' if opts.compile else ''}", flush=True)
     sink = ListSink()
     goodput = Trainer(on, build_mesh(on.mesh, "cuda"), choice, sink=sink)
-    bare = bare_step_fn(on, choice.device)
+    bare = bare_step_fn(on, choice)
     flops = model_flops_per_step(model, opts.batch * opts.seq)
 
     with tmpdir:
@@ -228,16 +274,7 @@ def main() -> None:
 
         sync = Checkpointer(local, run_id="gpu-sync", attempt=0, keep=1, sink=sink, staging_dir=tmp / "s2",
                             use_async=False)
-        sync_s: list[float] = []
-        async_s: list[float] = []
-        for _ in range(opts.saves):
-            goodput.train_step()
-            torch.cuda.synchronize()
-            sync_s.append(sync.save(goodput).blocked_s)
-            goodput.train_step()
-            torch.cuda.synchronize()
-            async_s.append(ckpt.save(goodput).blocked_s)
-            ckpt.wait()
+        sync_s, async_s = save_pairs(goodput, sync, ckpt, opts.saves, torch.cuda.synchronize)
         print(f"synchronous save: {med(sync_s)}; async stall: {med(async_s)}; ratio "
               f"{statistics.median(async_s) / statistics.median(sync_s):.4f} (goal <= 0.02)", flush=True)
         failed = [d for k, d in sink.events if k == "checkpoint_failed"]

@@ -8,6 +8,8 @@ error asked (`abandon.errored`, what a survivor asks before its vote), then `aba
 
     python benchmarks/nccl_abort.py [--rounds 100] [--round-timeout-s 60]
 
+(`run_rounds` is the whole check as a function: benchmarks/gpu_suite.py runs it too.)
+
 On a machine without CUDA it runs the same rounds on gloo (the CPU path), saying so. Prints one line
 per 10 rounds and a summary: the slowest round, and threads, open files and device memory before
 and after. Exits 1 on a leak (more than 4 threads, 16 files or 64 MiB of device memory kept after
@@ -22,6 +24,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,6 +67,50 @@ def one_round(k: int, device: torch.device, graveyard: Graveyard, timeout_s: flo
     return time.monotonic() - start
 
 
+def run_rounds(rounds: int, device: torch.device, round_timeout_s: float, *,
+               on_hang: Callable[[int, float], None] | None = None,
+               say: Callable[[str], None] = print) -> dict[str, Any]:
+    """`rounds` rounds after one of warm-up, watched: a round slower than `round_timeout_s` calls
+    `on_hang(round, round_timeout_s)` from the watchdog thread (`end_on_hang` unless given). The
+    rounds' times, and what was kept after the warm-up (threads, open files, device bytes) with the
+    leaks past the bounds."""
+    graveyard = Graveyard()
+    times = [one_round(0, device, graveyard, round_timeout_s)]  # (warm-up: the library's own first allocations)
+    before = threads(), files(), device_bytes(device)
+    current = {"round": 0, "since": time.monotonic()}
+    finished = threading.Event()
+
+    def watchdog() -> None:
+        while not finished.wait(1):
+            if time.monotonic() - current["since"] > round_timeout_s:
+                (on_hang or end_on_hang)(int(current["round"]), round_timeout_s)
+                return
+
+    threading.Thread(target=watchdog, daemon=True, name="nccl-abort-watchdog").start()
+    for k in range(1, rounds + 1):
+        current.update(round=k, since=time.monotonic())
+        times.append(one_round(k, device, graveyard, round_timeout_s))
+        if k % 10 == 0:
+            say(f"round {k}: threads {threads()}, files {files()}, device {device_bytes(device) / 2**20:.0f} MiB, "
+                f"slowest {max(times):.3f} s")
+    current["since"] = float("inf")
+    graveyard.prune()
+    after = threads(), files(), device_bytes(device)
+    finished.set()
+    kept = after[0] - before[0], after[1] - before[1], after[2] - before[2]
+    leaks = [what for what, grew, bound in (("threads", kept[0], LEAK_THREADS), ("open files", kept[1], LEAK_FILES),
+                                            ("device memory", kept[2], LEAK_BYTES)) if grew > bound]
+    return {"rounds": rounds, "round_s": times[1:], "warm_up_s": times[0], "slowest_s": max(times),
+            "before": before, "after": after, "kept": kept, "held": len(graveyard), "leaks": leaks}
+
+
+def end_on_hang(round_: int, timeout_s: float) -> None:
+    """Every thread's stack, then the process ends with 1 (a hung NCCL call cannot be taken back)."""
+    print(f"HANG: round {round_} took over {timeout_s:g} s; every thread:", flush=True)
+    faulthandler.dump_traceback(all_threads=True)
+    os._exit(1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=100)
@@ -77,38 +124,13 @@ def main() -> int:
               f"torch {torch.__version__}")
     else:
         print(f"no CUDA here: the same rounds on gloo (the CPU path), torch {torch.__version__}")
-    graveyard = Graveyard()
-    slowest = one_round(0, device, graveyard, opts.round_timeout_s)  # (warm-up: the library's own first allocations)
-    before = threads(), files(), device_bytes(device)
-    current = {"round": 0, "since": time.monotonic()}
-
-    def watchdog() -> None:
-        while True:
-            time.sleep(1)
-            if time.monotonic() - current["since"] > opts.round_timeout_s:
-                print(f"HANG: round {current['round']} took over {opts.round_timeout_s:g} s; every thread:",
-                      flush=True)
-                faulthandler.dump_traceback(all_threads=True)
-                os._exit(1)
-
-    threading.Thread(target=watchdog, daemon=True).start()
-    for k in range(1, opts.rounds + 1):
-        current.update(round=k, since=time.monotonic())
-        slowest = max(slowest, one_round(k, device, graveyard, opts.round_timeout_s))
-        if k % 10 == 0:
-            print(f"round {k}: threads {threads()}, files {files()}, device {device_bytes(device) / 2**20:.0f} MiB, "
-                  f"slowest {slowest:.3f} s", flush=True)
-    current["since"] = float("inf")
-    graveyard.prune()
-    after = threads(), files(), device_bytes(device)
-    kept = after[0] - before[0], after[1] - before[1], after[2] - before[2]
-    print(f"{opts.rounds} rounds on {'NCCL' if cuda else 'gloo'}: slowest round {slowest:.3f} s; kept after the "
-          f"warm-up: {kept[0]} threads ({before[0]} -> {after[0]}), {kept[1]} open files ({before[1]} -> {after[1]}), "
-          f"{kept[2] / 2**20:.1f} MiB of device memory; groups still held: {len(graveyard)}")
-    leaks = [what for what, grew, bound in (("threads", kept[0], LEAK_THREADS), ("open files", kept[1], LEAK_FILES),
-                                            ("device memory", kept[2], LEAK_BYTES)) if grew > bound]
-    if leaks:
-        print(f"LEAK: {', '.join(leaks)} grew past the bound")
+    result = run_rounds(opts.rounds, device, opts.round_timeout_s, say=lambda line: print(line, flush=True))
+    before, after, kept = result["before"], result["after"], result["kept"]
+    print(f"{opts.rounds} rounds on {'NCCL' if cuda else 'gloo'}: slowest round {result['slowest_s']:.3f} s; "
+          f"kept after the warm-up: {kept[0]} threads ({before[0]} -> {after[0]}), {kept[1]} open files ({before[1]} -> "
+          f"{after[1]}), {kept[2] / 2**20:.1f} MiB of device memory; groups still held: {result['held']}")
+    if result["leaks"]:
+        print(f"LEAK: {', '.join(result['leaks'])} grew past the bound")
         return 1
     return 0
 
