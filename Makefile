@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-unit test-deps test-postgres setup typecheck bench clean
+.PHONY: run test test-unit test-deps test-postgres setup typecheck bench docs clean
 
 setup: $(STAMP)
 
@@ -14,8 +14,10 @@ $(PY):
 
 # Reinstall when the package metadata or the pins change.
 $(STAMP): $(PY) pyproject.toml constraints.txt
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	touch $(STAMP)
+	@echo "make: installing goodput and its dependencies into $(VENV) (pip's output: $(VENV)/install.log)"
+	@$(PY) -m pip install -q -c constraints.txt -e '.[dev]' > $(VENV)/install.log 2>&1 \
+	  || { tail -40 $(VENV)/install.log; echo "make: pip install failed; its whole output is in $(VENV)/install.log"; exit 1; }
+	@touch $(STAMP)
 
 # The demo starts over each time: a finished run's checkpoints would make the next one resume at
 # its last step with nothing left to train (goodput run resumes a run's latest checkpoint).
@@ -56,8 +58,12 @@ test: $(STAMP) test-deps test-postgres
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not dist and not cluster" tests
 
+# The documentation site (mkdocs.yml) into site/, strict: a broken link or a page left out fails it.
+docs: $(STAMP)
+	DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict --quiet
+
 bench: $(STAMP)
 	$(PY) benchmarks/trainer_overhead.py
 
 clean:
-	rm -rf $(VENV) goodput-runs
+	rm -rf $(VENV) goodput-runs site

@@ -34,8 +34,16 @@ HEADLINES = [
     ("preemption", "preemption: low run steps redone", "Steps a preempted run redoes"),
     ("preemption", "preemption: high run submission -> its first step end",
      "Preemption -> the high-priority run's first step"),
+    ("trainer_overhead", "dp2 pp2 tp2: goodput step / bare torch step", "goodput step / bare torch step, dp2 pp2 tp2 (CPU)"),
+    # one GPU (benchmarks/gpu_suite.py): its names carry the model's width, so they are matched by prefix
+    ("gpu_suite", "mfu: goodput step, eager*", None),
+    ("gpu_suite", "mfu: goodput step, compiled*", None),
+    ("gpu_suite", "overhead: goodput step (*", None),
+    ("gpu_suite", "d2h: peer snapshot / plain copy", None),
+    ("gpu_suite", "stall: async save stall / synchronous save", None),
 ]
-"""(benchmark, figure, label) of the few figures the README shows; the rest are on the page."""
+"""(benchmark, figure, label) of the few figures the README shows; the rest are on the page. A figure
+ending in `*` matches every figure that starts so; a label None shows the figure's own name."""
 
 INTRO = """# Benchmarks
 
@@ -46,6 +54,11 @@ marked **older than its code**: run its command again to refresh it.
 
 These machines are noisy: where a benchmark compares two paths, it runs both side by side in one
 process and reports their ratio.
+
+On a machine with one CUDA GPU, `python benchmarks/gpu_suite.py --out DIR` runs every single-device
+measurement (MFU eager and compiled, the step's overhead with probes, checkpoints and peer snapshots,
+the snapshot's device-to-host bandwidth, the async checkpoint's stall, NCCL groups aborted) in under
+8 minutes and writes its record (`gpu_suite`).
 """
 
 
@@ -91,6 +104,8 @@ def page(records: dict[str, dict[str, Any]]) -> str:
     lines = [INTRO]
     if not records:
         lines.append("No benchmark has written a record yet.\n")
+    if "gpu_suite" not in records:
+        lines.append("## gpu_suite\n\nNo record yet: the GPU suite has not run on this code.\n")
     for name, record in sorted(records.items()):
         commit = (record.get("git_commit") or "unknown")[:7] + (" (with uncommitted changes)" if record.get("git_dirty") else "")
         machine = record.get("machine", {})
@@ -106,6 +121,8 @@ def page(records: dict[str, dict[str, Any]]) -> str:
                          f"{number(f['min'], f['unit'])} – {number(f['max'], f['unit'])}{u} | {f['n']} | "
                          f"{f.get('goal', '')} |")
         lines.append("")
+        if record.get("not_measurable"):  # (the GPU suite: what one device cannot show)
+            lines += ["Not measurable on one GPU:", ""] + [f"- {why}" for why in record["not_measurable"]] + [""]
     return "\n".join(lines)
 
 
@@ -113,13 +130,15 @@ def headlines(records: dict[str, dict[str, Any]]) -> str:
     rows = ["| Figure | Median (n) | Measured |", "|---|---|---|"]
     for benchmark, name, label in HEADLINES:
         record = records.get(benchmark)
-        f = next((f for f in (record or {}).get("figures", []) if f["figure"] == name), None)
-        if record is None or f is None:
+        if record is None:
             continue
+        found = [f for f in record.get("figures", [])
+                 if (f["figure"].startswith(name[:-1]) if name.endswith("*") else f["figure"] == name)]
         stale = "" if changed_since(record) is None else ", older than its code"
         fresh = f"<!-- freshness -->{stale}<!-- /freshness -->"
-        rows.append(f"| {label} | {number(f['median'], f['unit'])}{_unit(f['unit'])} (n = {f['n']}) | "
-                    f"`benchmarks/{benchmark}.py`, {record.get('date', '')[:10]}{fresh} |")
+        for f in found:
+            rows.append(f"| {label or f['figure']} | {number(f['median'], f['unit'])}{_unit(f['unit'])} "
+                        f"(n = {f['n']}) | `benchmarks/{benchmark}.py`, {record.get('date', '')[:10]}{fresh} |")
     if len(rows) == 2:
         return "No headline figure has a record yet."
     return "\n".join(rows + ["", "Every figure, with its spread and machine: [Benchmarks](docs/benchmarks.md)."])
