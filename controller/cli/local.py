@@ -5,18 +5,47 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from controller.cli.client import DEFAULT_HOST, DEFAULT_PORT
-from controller.cli.render import (QUIET_KINDS, CliError, describe, emit_json, print_simulation, run_summary,
+from controller.cli.render import (QUIET_KINDS, CliError, clock, describe, emit_json, print_simulation, run_summary,
                                    sweep_cells, table)
 from controller.spec import load_spec
 
 
 DEFAULT_API = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+
+
+class _RayLoggerTo:
+    """Ray's driver-side messages (its "ray" logger: an errored task result dropped unread, a
+    reconnect) go to `stream` instead of the terminal, from `take()` (once the cluster is up: ray is
+    imported only then, after the run has set the environment it must be imported under) to `give_back()`."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.saved: list[Any] | None = None
+
+    def take(self) -> None:
+        import logging
+
+        if self.saved is not None or "ray" not in sys.modules:
+            return
+        logger = logging.getLogger("ray")
+        self.saved = logger.handlers[:]
+        handler = logging.StreamHandler(self.stream)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.handlers = [handler]
+
+    def give_back(self) -> None:
+        import logging
+
+        if self.saved is not None:
+            logging.getLogger("ray").handlers = self.saved
+            self.saved = None
 
 
 def cmd_run(opts: argparse.Namespace) -> int:
@@ -30,15 +59,23 @@ def cmd_run(opts: argparse.Namespace) -> int:
 
     out_dir = Path(opts.out_dir or f"goodput-out/{spec.name}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    with ProgressView(spec.name, spec.train.steps, quiet=opts.json) as view:
+    with ProgressView(spec.name, spec.train.steps, quiet=opts.json) as view, \
+            open(out_dir / "events.log", "w") as events_log:
         seen = [0]
+        ray_logger = _RayLoggerTo(None)
 
         def on_tick(c: RunController) -> None:
             if not seen[0]:  # the cluster is up: say once where its own output goes
-                view.note(f"Ray's own logs go to {out_dir}/ (ray-driver.log, ray-processes.log)")
+                ray_logger.take()
+                view.note(f"every event in {out_dir}/events.log; Ray's own logs there too (ray-driver.log, "
+                          "ray-processes.log)")
             for event in list(c.events)[seen[0]:]:
+                line = describe(event.to_dict())
+                events_log.write(f"{clock(event.time)} attempt {event.attempt} [{event.kind}] {line} | "
+                                 f"{json.dumps(event.detail, default=str)}\n")
                 if event.kind not in QUIET_KINDS:
-                    view.note(describe(event.to_dict()))
+                    view.note(line)
+            events_log.flush()
             seen[0] = len(c.events)
             if c.progress.history:
                 view.update(c.progress, attempt=max(c.attempt, 0))
@@ -55,12 +92,15 @@ def cmd_run(opts: argparse.Namespace) -> int:
         # directory. The terminal shows goodput's account of what happened; stdout keeps the result.
         ray_log = out_dir / "ray-driver.log"
         with open(ray_log, "a") as ray_out, contextlib.redirect_stdout(ray_out):
+            ray_logger.stream = ray_out
             try:
                 run = run_foreground(spec, on_tick=on_tick, api=api, api_any_port=opts.api is None, on_api=on_api,
                                      token=token, log_dir=str(out_dir))
             except ApiBindError as e:
                 raise CliError(f"{e.strerror}; give --api HOST:PORT with a free port (0 picks one) "
                                "or --api off") from None
+            finally:
+                ray_logger.give_back()
     if opts.json:
         emit_json(run)
     else:

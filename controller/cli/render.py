@@ -21,8 +21,10 @@ def emit_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
-QUIET_KINDS = frozenset({EventKind.CHECKPOINT_STAGED, EventKind.RESTORED})
-"""Events the live views leave out (`goodput events` shows every one)."""
+QUIET_KINDS = frozenset({EventKind.CHECKPOINT_STAGED, EventKind.RESTORED, EventKind.PEER_SNAPSHOTS,
+                         EventKind.REPLICA_READY})
+"""Diagnostics the live views leave out: per-rank detail of a save, a restore, the first peer snapshot
+(`goodput events` shows every one; `goodput run` writes them to its out dir's events.log)."""
 
 
 def describe(event: dict) -> str:
@@ -90,6 +92,8 @@ def describe(event: dict) -> str:
     if kind == EventKind.RESUME_REQUESTED:
         src = f"step {d['step']}" if d.get("step") is not None else "its latest checkpoint"
         return f"resume requested from {src} (to step {d.get('steps')})"
+    if kind == EventKind.REPLICA_STEP_DISCARDED:  # (the collective's own error is in `goodput events`)
+        return f"step {d.get('step')} discarded by replica of rank {d.get('rank')}: a replica failed in it, nothing applied"
     if kind == EventKind.CHECKPOINT_DISCARDED:
         return f"checkpoint of step {d['step']} discarded: {d['reason']}"
     if kind == EventKind.CHECKPOINT_UNUSABLE:
