@@ -92,6 +92,8 @@ class RayWorkerGroup:
         """(node, actor) of the last growth of the pool (undone together when it does not start)."""
         self._growth_group_of: dict[str, Any] = {}
         """node -> the placement group the launch's growth reserved there."""
+        self._growth_refs: dict[str, list[Any]] = {}
+        """node -> the warm() refs of the actors the launch's growth started there."""
         self.reservations_asked_again = 0
         """How many times a launch asked Ray again for a node's reservation it had not granted."""
         self._warming: dict[str, list[Any]] = {}
@@ -244,7 +246,7 @@ class RayWorkerGroup:
                 self._made[node] = max(self._made.get(node, 0), k + 1)
         self._growth = []
         self._growth_groups = []
-        self._growth_group_of = {}
+        self._growth_group_of, self._growth_refs = {}, {}
         new = []
         for node, count in wanted.items():
             missing = count - len(self._pool.get(node, []))
@@ -283,6 +285,7 @@ class RayWorkerGroup:
             self._pool.setdefault(node, []).append(actor)
             new.append((node, actor.warm.remote()))
             self._growth.append((node, actor))
+        self._growth_refs[node] = [warm for _, warm in new]
         return new
 
     def _ask_again(self, new: list[tuple[str, Any]], ready: list[Any]) -> list[tuple[str, Any]]:
@@ -313,8 +316,8 @@ class RayWorkerGroup:
             if group in self._growth_groups:
                 self._growth_groups.remove(group)
             self._drop_reservation(group)
-            keep = [(n, warm) for n, warm in new if n != node or warm in ready]
-            new = keep + self._reserve(node, len(ours))
+            theirs = {warm.hex() for warm in self._growth_refs.pop(node, [])}  # (not a prewarmed actor's)
+            new = [(n, warm) for n, warm in new if warm.hex() not in theirs] + self._reserve(node, len(ours))
             self.reservations_asked_again += 1
         return new
 
