@@ -10,6 +10,8 @@ lost (committed, not retired by retention, and missing or failing verification: 
 failed (must be 0), each run's ETTR, and the slowest API answer.
 
     python benchmarks/chaos_soak.py [--failures 30] [--seed 0] [--restart-every 8]
+
+Its record: benchmarks/records/chaos_soak.json.
 """
 
 from __future__ import annotations
@@ -28,10 +30,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import yaml  # noqa: E402
 
+from benchmarks import records  # noqa: E402
 from tests.support.serve import Poller, Serve, write_spec  # noqa: E402
 
 KINDS = ("kill-rank", "kill-node", "hang-rank", "storage-outage")
 NODES, SPARES = 6, 2
+CODE = ["controller/state.py", "controller/failure_policy.py", "controller/service/service.py",
+        "controller/service/restore.py", "controller/ray/worker_group.py", "trainer/checkpoint.py",
+        "checkpointing/manifest.py"]
+"""What a soak's figures measure: recovery from every kind of failure, a service restarted under its runs, and
+the checkpoints kept through both."""
 
 
 def spec_file(root: Path, name: str) -> Path:
@@ -140,6 +148,16 @@ def main() -> None:
     slowest = max(poller.slowest.items(), key=lambda kv: kv[1], default=("-", 0.0))
     print(f"slowest API answer {slowest[1] * 1e3:.0f} ms ({slowest[0]}), of {poller.answered} answered; "
           f"wall {time.time() - started:.0f} s, seed {opts.seed}")
+    figures = [records.figure("chaos: failures injected", [injected], "count"),
+               records.figure("chaos: failures survived (drill outcome recovered)", [survived], "count"),
+               records.figure("chaos: service restarts", [restarts], "count"),
+               records.figure("chaos: runs failed", [len(failed)], "count", goal="0"),
+               records.figure("chaos: checkpoints lost", [lost], "count", goal="0"),
+               records.figure("chaos: ETTR per run", ettrs, "ratio"),
+               records.figure("chaos: slowest API answer", [slowest[1] * 1e3], "ms")]
+    records.write("chaos_soak", figures, code=CODE, extra={
+        "seed": opts.seed, "outcomes": outcomes, "failed_runs": failed, "slowest_path": slowest[0],
+        "answered": poller.answered, "wall_s": time.time() - started})
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ save the same trainer alternately; the async figure is the time `save()` blocks 
 the sync figure the whole save including checksums and the commit. Target: <= 0.1.
 
     python benchmarks/checkpoint_stall.py [--repeat 3]
+
+Its record: benchmarks/records/checkpoint_stall.json.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks import records  # noqa: E402
 from checkpointing.store import LocalStore  # noqa: E402
 from trainer.config import DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig  # noqa: E402
 
@@ -69,6 +72,13 @@ def main() -> None:
           f"background completion median {statistics.median(async_total_s):.2f} s")
     print(f"ratio stall / sync = {a / s:.3f} (target <= 0.1)")
     dist.destroy_process_group()
+    figures = [records.figure("stall: async save stall", stall_s, "s"),
+               records.figure("stall: synchronous save", sync_s, "s"),
+               records.figure("stall: async save stall / synchronous save (medians)", [a / s], "ratio", goal="<= 0.1"),
+               records.figure("stall: async save, background completion", async_total_s, "s")]
+    records.write("checkpoint_stall", figures, code=["trainer/checkpoint.py", "checkpointing/manifest.py",
+                                                     "checkpointing/store/local.py"],
+                  extra={"params": MODEL.num_params()})
 
 
 if __name__ == "__main__":

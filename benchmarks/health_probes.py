@@ -11,6 +11,8 @@
    steps from the slowdown to the verdict, at straggler_ratio 1.5 (the default), 1.3 and 1.1.
 
     python benchmarks/health_probes.py [--steps 300] [--lead-in 15] [--after 30]
+
+Its record: benchmarks/records/health_probes.json.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import argparse
 import os
 import statistics
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from health.straggler import StragglerConfig, StragglerTracker  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
 from trainer.config import (  # noqa: E402
@@ -32,6 +36,8 @@ MESH = MeshShape(dp=2, pp=2, tp=2)
 FACTORS = (1.2, 1.5, 2.0)
 RATIOS = (1.5, 1.3, 1.1)
 SLOW_RANK = 6
+CODE = ["trainer/probes.py", "health/sdc.py", "trainer/train.py", "health/straggler.py"]
+"""What the probes' figures measure: their cost in the step, and the controller's straggler verdicts."""
 
 
 def config(probes: bool, mesh: MeshShape = MESH) -> TrainerConfig:
@@ -95,6 +101,36 @@ def verdict_steps(series: dict[int, list[float]], ratio: float, mesh: MeshShape 
     return found
 
 
+def detection(results: list[dict], lead_in: int, after: int) -> list[dict[str, Any]]:
+    """Print the steps from each slowdown to its verdict; its figures: each verdict on the slowed rank, the
+    slowdowns it missed, and the wrong ranks flagged per (slowdown, ratio)."""
+    print(f"\nsteps from slowdown to verdict (rank {SLOW_RANK} slowed after {lead_in} clean steps; "
+          f"'-' = not flagged in {after} steps; wrong ranks flagged in brackets)")
+    print("factor  " + "  ".join(f"ratio {ratio:<4}" for ratio in RATIOS))
+    figures: list[dict[str, Any]] = []
+    wrong_ranks: list[int] = []
+    missed = 0
+    for factor in FACTORS:
+        series = {rank: r["slowed"][str(factor)] for rank, r in enumerate(results)}
+        cells = []
+        for ratio in RATIOS:
+            found = verdict_steps(series, ratio)
+            right = [step - lead_in for rank, step in found if rank == SLOW_RANK]
+            wrong = sorted({rank for rank, _ in found if rank != SLOW_RANK})
+            cell = (str(right[0]) if right else "-") + (f" {wrong}" if wrong else "")
+            cells.append(f"{cell:<10}")
+            if right:
+                figures.append(records.figure(f"probes: rank slowed {factor}x -> verdict at ratio {ratio}",
+                                              [right[0]], "steps"))
+            else:
+                missed += 1
+            wrong_ranks.append(len(wrong))
+        print(f"{factor:<6}  " + "  ".join(cells))
+    return figures + [records.figure(f"probes: slowdowns not flagged in {after} steps", [missed], "count"),
+                      records.figure("probes: wrong ranks flagged, per slowdown and ratio", wrong_ranks, "count",
+                                     goal="0")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300, help="interleaved clean steps per trainer")
@@ -114,8 +150,8 @@ def main() -> None:
           f"{opts.steps} steps each way, interleaved")
     print(f"step time with probes: mean {statistics.mean(on) * 1e3:.1f} ms, median {statistics.median(on) * 1e3:.1f} ms")
     print(f"step time without:     mean {statistics.mean(off) * 1e3:.1f} ms, median {statistics.median(off) * 1e3:.1f} ms")
-    print(f"overhead ratio (with / without): mean {statistics.mean(on) / statistics.mean(off):.3f}, "
-          f"median {statistics.median(on) / statistics.median(off):.3f}   (target <= 1.02)")
+    means, medians = statistics.mean(on) / statistics.mean(off), statistics.median(on) / statistics.median(off)
+    print(f"overhead ratio (with / without): mean {means:.3f}, median {medians:.3f}   (target <= 1.02)")
 
     probe_ms = [statistics.mean(r["probe"]) * 1e3 for r in results]
     print(f"time inside the probes per step (mean over steps, per rank): "
@@ -133,22 +169,18 @@ def main() -> None:
                 for k in ("clean_on", "clean_off"))
     print(f"false straggler flags at ratio 1.1: {tight} in {clean_steps} clean steps "
           f"= {1000 * tight / clean_steps:.2f} per 1,000 steps")
-
-    if skip:
-        return
-    print(f"\nsteps from slowdown to verdict (rank {SLOW_RANK} slowed after {opts.lead_in} clean steps; "
-          f"'-' = not flagged in {opts.after} steps; wrong ranks flagged in brackets)")
-    print("factor  " + "  ".join(f"ratio {ratio:<4}" for ratio in RATIOS))
-    for factor in FACTORS:
-        series = {rank: r["slowed"][str(factor)] for rank, r in enumerate(results)}
-        cells = []
-        for ratio in RATIOS:
-            found = verdict_steps(series, ratio)
-            right = [step - opts.lead_in for rank, step in found if rank == SLOW_RANK]
-            wrong = sorted({rank for rank, _ in found if rank != SLOW_RANK})
-            cell = (str(right[0]) if right else "-") + (f" {wrong}" if wrong else "")
-            cells.append(f"{cell:<10}")
-        print(f"{factor:<6}  " + "  ".join(cells))
+    figures = [records.figure("probes: step time with probes", [t * 1e3 for t in on], "ms"),
+               records.figure("probes: step time without", [t * 1e3 for t in off], "ms"),
+               records.figure("probes: with / without (means)", [means], "ratio", goal="<= 1.02"),
+               records.figure("probes: with / without (medians)", [medians], "ratio", goal="<= 1.02"),
+               records.figure("probes: time inside the probes per step (mean, per rank)", probe_ms, "ms"),
+               records.figure("probes: false straggler flags at ratio 1.5", [1000 * flags / clean_steps],
+                              "per 1k steps"),
+               records.figure("probes: false straggler flags at ratio 1.1", [1000 * tight / clean_steps],
+                              "per 1k steps")]
+    if not skip:
+        figures += detection(results, opts.lead_in, opts.after)
+    records.write("health_probes", figures, code=CODE, extra={"mesh": [dp, pp, tp], "steps": opts.steps})
 
 
 if __name__ == "__main__":

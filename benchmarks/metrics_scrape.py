@@ -14,6 +14,8 @@
    being scraped adds.
 
     python benchmarks/metrics_scrape.py [--steps 200]
+
+Its record: benchmarks/records/metrics_scrape.json.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
+from benchmarks import records  # noqa: E402
 from controller.service.metrics import ServiceCollector  # noqa: E402
 from controller.service.registry import Registry  # noqa: E402
 from controller.service.service import Service  # noqa: E402
@@ -38,6 +41,9 @@ from tests.unit.fakes import FakeCluster, FakeWorkerGroup, ManualClock  # noqa: 
 from trainer.report import StepReport  # noqa: E402
 
 RANKS, RUNS, NODES_PER_RUN = 64, 4, 8
+CODE = ["controller/service/metrics.py", "controller/accounting.py", "controller/service/service.py",
+        "controller/state.py", "controller/service/registry.py"]
+"""What a scrape's figures measure: the collector, the accounting it reads, and the controller it runs beside."""
 
 
 class Clock(ManualClock):
@@ -110,8 +116,8 @@ def drive(service: Service, clock: Clock, polls: int) -> None:
 
 
 def scrape_s(registry: CollectorRegistry, repeat: int, between: Callable[[], None] = lambda: None
-             ) -> tuple[float, float, int]:
-    """(first, median of the rest) seconds, and the bytes of one exposition; `between` runs untimed
+             ) -> tuple[float, list[float], int]:
+    """(first, each of the rest) seconds, and the bytes of one exposition; `between` runs untimed
     before each repeat (what happens in the run between two scrapes)."""
     t = time.perf_counter()
     body = generate_latest(registry)
@@ -122,7 +128,7 @@ def scrape_s(registry: CollectorRegistry, repeat: int, between: Callable[[], Non
         t = time.perf_counter()
         generate_latest(registry)
         times.append(time.perf_counter() - t)
-    return first, statistics.median(times), len(body)
+    return first, times, len(body)
 
 
 def main() -> None:
@@ -139,12 +145,13 @@ def main() -> None:
     # Between two scrapes the runs go on for a 15 s scrape interval (75 polls): the clock moves and
     # new steps arrive, so each scrape recomputes what changed (a frozen clock lets the accounting's
     # cache answer every repeat: the old figure, printed beside it).
-    _, frozen, _ = scrape_s(registry, 30)
-    first, steady, size = scrape_s(registry, 10, between=lambda: drive(service, clock, int(15 / POLL_S)))
+    _, frozen_times, _ = scrape_s(registry, 30)
+    first, steady_times, size = scrape_s(registry, 10, between=lambda: drive(service, clock, int(15 / POLL_S)))
     idle_service, *_ = make_service(0)
     idle = CollectorRegistry(auto_describe=False)
     idle.register(ServiceCollector(idle_service))
-    _, idle_s, idle_size = scrape_s(idle, 30)
+    _, idle_times, idle_size = scrape_s(idle, 30)
+    frozen, steady, idle_s = (statistics.median(t) for t in (frozen_times, steady_times, idle_times))
     series = sum(1 for line in generate_latest(registry).decode().splitlines() if line and not line.startswith("#"))
     print(f"scrape, {RUNS} runs x {RANKS} ranks at ~step {opts.steps}: first {first * 1e3:.1f} ms, then "
           f"{steady * 1e3:.2f} ms median ({size / 1024:.0f} KiB, {series} samples); idle service "
@@ -169,6 +176,23 @@ def main() -> None:
     a, b = statistics.median(without), statistics.median(with_scrape)
     print(f"controller CPU per 1,000 step reports (controller step + registry save): {a * 1e3:.1f} ms; with a "
           f"scrape every 15 s: {b * 1e3:.1f} ms; ratio {b / a:.3f}")
+    figures = [records.figure("scrape: first exposition (folds the whole history)", [first * 1e3], "ms"),
+               records.figure("scrape: exposition, the runs going on 15 s between",
+                              [t * 1e3 for t in steady_times], "ms"),
+               records.figure("scrape: exposition, an idle service", [t * 1e3 for t in idle_times], "ms"),
+               records.figure("scrape: exposition at a frozen clock (the accounting cached)",
+                              [t * 1e3 for t in frozen_times], "ms"),
+               records.figure("scrape: live / idle service (medians)", [steady / idle_s], "ratio"),
+               records.figure("scrape: share of a 15 s scrape interval", [steady / 15], "ratio"),
+               records.figure("scrape: live / frozen clock (medians)", [steady / frozen], "ratio"),
+               records.figure("scrape: exposition size", [size], "bytes"),
+               records.figure("scrape: exposition size, an idle service", [idle_size], "bytes"),
+               records.figure("scrape: samples in an exposition", [series], "count"),
+               records.figure("controller: CPU per 1,000 step reports", [x * 1e3 for x in without], "ms"),
+               records.figure("controller: CPU per 1,000 step reports, scraped every 15 s",
+                              [x * 1e3 for x in with_scrape], "ms"),
+               records.figure("controller: CPU scraped / not (medians)", [b / a], "ratio")]
+    records.write("metrics_scrape", figures, code=CODE, extra={"runs": RUNS, "ranks": RANKS, "steps": opts.steps})
 
 
 if __name__ == "__main__":

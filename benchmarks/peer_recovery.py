@@ -18,6 +18,8 @@ Goals (issue 21): failure -> first step <= 2 s, steps redone <= 1, step time rat
 in a peer recovery 0, host memory per state <= 2.1.
 
     python benchmarks/peer_recovery.py [--rounds 5] [--peer-every 2 3]
+
+Its record: benchmarks/records/peer_recovery.json.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ import os
 import statistics
 import sys
 import tempfile
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from controller.ray.cluster import LocalRayCluster  # noqa: E402
 from controller.ray.runner import drive  # noqa: E402
 from controller.spec import LocalClusterSpec, parse_spec  # noqa: E402
@@ -38,6 +42,9 @@ from controller.spec import LocalClusterSpec, parse_spec  # noqa: E402
 CONFIGS = {"peers": 1, "store": 0}
 """name -> checkpoint.peer_every_steps (--peer-every adds intervals: "peers/2" ...)."""
 EVERY = 5
+CODE = ["trainer/peer.py", "trainer/peer_load.py", "checkpointing/peer.py", "trainer/restore.py",
+        "controller/ray/worker_group.py", "controller/state.py"]
+"""What a heal from peers measures: the snapshots, the agreed step, the load from buddies and the relaunch."""
 
 
 def one_run(cluster: LocalRayCluster, name: str, index: int, root: str, configs: dict[str, int]) -> dict:
@@ -118,29 +125,47 @@ def main() -> None:
     finally:
         with contextlib.redirect_stdout(sys.stderr):
             cluster.shutdown()
+    figures: list[dict[str, Any]] = []
     for name, runs in results.items():
         if not runs:
             continue
+        peers = bool(configs[name])  # (the goals are the peer path's)
+        recovery, redone = [r["recovery_s"] for r in runs], [float(r["steps_lost"]) for r in runs]
+        store_bytes, step = [float(r["store_bytes"] or 0) for r in runs], [r["step_s"] for r in runs]
         print(name)
-        print("  failure -> first step: " + summary([r["recovery_s"] for r in runs]))
-        print("  steps redone:          " + summary([float(r["steps_lost"]) for r in runs], "steps"))
-        print("  store bytes read:      " + summary([float(r["store_bytes"] or 0) for r in runs], "B"))
-        print("  step time:             " + summary([r["step_s"] for r in runs]))
+        print("  failure -> first step: " + summary(recovery))
+        print("  steps redone:          " + summary(redone, "steps"))
+        print("  store bytes read:      " + summary(store_bytes, "B"))
+        print("  step time:             " + summary(step))
+        figures += [records.figure(f"{name}: failure -> first step", recovery, "s", goal="<= 2" if peers else None),
+                    records.figure(f"{name}: steps redone", redone, "steps", goal="<= 1" if peers else None),
+                    records.figure(f"{name}: store bytes read", store_bytes, "bytes", goal="0" if peers else None),
+                    records.figure(f"{name}: step time", step, "s")]
         for phase in runs[0]["phases"]:
-            print(f"    {phase:<14} " + summary([r["phases"][phase] for r in runs], "ranks" if phase == "in place" else "s"))
-        if configs[name]:
-            print("  host memory / state:   " + summary([r["host_per_state"] for r in runs], "x"))
+            values = [r["phases"][phase] for r in runs]
+            print(f"    {phase:<14} " + summary(values, "ranks" if phase == "in place" else "s"))
+            figures.append(records.figure(f"{name}: phase {phase}", values, "count" if phase == "in place" else "s"))
+        if peers:
+            host = [r["host_per_state"] for r in runs]
+            print("  host memory / state:   " + summary(host, "x"))
             print(f"  recovered from: {sorted({r['source'] for r in runs})}")
+            figures.append(records.figure(f"{name}: host memory / state", host, "ratio", goal="<= 2.1"))
     med = {n: {k: statistics.median([r[k] for r in runs]) for k in ("recovery_s", "step_s")}
            for n, runs in results.items() if runs}
     for name in [n for n in med if configs[n] and "store" in med]:
         print(f"ratio {name}/store: failure -> first step {med[name]['recovery_s'] / med['store']['recovery_s']:.3f}, "
               f"step time {med[name]['step_s'] / med['store']['step_s']:.3f}")
+        figures += [records.figure(f"{name} / store: failure -> first step (medians)",
+                                   [med[name]["recovery_s"] / med["store"]["recovery_s"]], "ratio"),
+                    records.figure(f"{name} / store: step time (medians)",
+                                   [med[name]["step_s"] / med["store"]["step_s"]], "ratio", goal="<= 1.02")]
     print(f"drills with the wrong cause, decision or outcome: {len(wrong)} of {opts.rounds * len(configs)}")
     for line in wrong:
         print(f"  {line}")
     print("goals: failure -> first step <= 2 s, steps redone <= 1, step time ratio <= 1.02, store bytes 0 "
           "(peers), host memory / state <= 2.1")
+    if figures:
+        records.write("peer_recovery", figures, code=CODE, extra={"not_counted": wrong})
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ both in it); the first step of each block is left out (it still overlaps the oth
 Prints the median and mean step time of each regime, and their ratios.
 
     python benchmarks/peer_snapshot_cost.py [--blocks 10] [--block 4]
+
+Its record: benchmarks/records/peer_snapshot_cost.json.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from checkpointing.peer import buddies  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
 from trainer.config import (  # noqa: E402
@@ -95,8 +98,14 @@ def main() -> None:
     for name, values in (("snapshot every step", on), ("no snapshot", off)):
         print(f"  {name:<20} median {statistics.median(values):.4f} s, mean {statistics.fmean(values):.4f} s "
               f"(min {min(values):.4f}, max {max(values):.4f})")
-    print(f"ratio with / without: medians {statistics.median(on) / statistics.median(off):.3f}, "
-          f"means {statistics.fmean(on) / statistics.fmean(off):.3f} (goal <= 1.02)")
+    medians, means = statistics.median(on) / statistics.median(off), statistics.fmean(on) / statistics.fmean(off)
+    print(f"ratio with / without: medians {medians:.3f}, means {means:.3f} (goal <= 1.02)")
+    figures = [records.figure("snapshot cost: step time, a peer snapshot every step", on, "s"),
+               records.figure("snapshot cost: step time, no snapshot", off, "s"),
+               records.figure("snapshot cost: with / without (medians)", [medians], "ratio", goal="<= 1.02"),
+               records.figure("snapshot cost: with / without (means)", [means], "ratio", goal="<= 1.02")]
+    records.write("peer_snapshot_cost", figures, code=["trainer/peer.py", "checkpointing/peer.py"],
+                  extra={"blocks": blocks, "block": block})
 
 
 if __name__ == "__main__":

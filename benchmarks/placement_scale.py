@@ -5,6 +5,8 @@ current one down) and the placement of the mesh it chose, as the controller does
 min and max of several runs and the ratio to the target.
 
     python benchmarks/placement_scale.py [--nodes 12500] [--repeat 5]
+
+Its record: benchmarks/records/placement_scale.json.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from controller.failure_policy import ElasticLimits, FailureCause, FailureEvent, decide  # noqa: E402
 from controller.placement import place  # noqa: E402
 from controller.planner import memory_per_gpu, plan_mesh  # noqa: E402
@@ -67,6 +70,17 @@ def main() -> None:
     print(f"decide ({decision.code}: dp {plan.mesh.dp} -> {decision.mesh.dp}) + place after losing {lost}: "
           f"median {a * 1e3:.0f} ms (min {min(again) * 1e3:.0f}, "
           f"max {max(again) * 1e3:.0f}); ratio to the 100 ms target {a / 0.1:.3f}")
+    figures = [records.figure("placement: plan + place", [t * 1e3 for t in full], "ms", goal="<= 1000"),
+               records.figure("placement: plan + place / the 1 s target (median)", [f / 1.0], "ratio", goal="<= 1"),
+               records.figure("placement: decide + place after a node lost", [t * 1e3 for t in again], "ms",
+                              goal="<= 100"),
+               records.figure("placement: decide + place / the 100 ms target (median)", [a / 0.1], "ratio",
+                              goal="<= 1")]
+    records.write("placement_scale", figures, code=["controller/planner.py", "controller/placement.py",
+                                                    "controller/failure_policy.py", "controller/topology.py"],
+                  extra={"nodes": opts.nodes, "gpus_per_node": 8,
+                         "mesh": f"dp{plan.mesh.dp} pp{plan.mesh.pp} tp{plan.mesh.tp}",
+                         "decision": decision.code, "dp_after": decision.mesh.dp})
 
 
 if __name__ == "__main__":

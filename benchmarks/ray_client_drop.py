@@ -13,6 +13,8 @@ A case that ended the service (exit 3: it lost its cluster and touched no run) s
 the same command and reports whether the run was re-attached.
 
     python benchmarks/ray_client_drop.py [--seconds 40]
+
+Its record: benchmarks/records/ray_client_drop.json.
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from tests.support.ray_start import RayStartCluster, free_port  # noqa: E402
 from tests.support.serve import Serve, write_spec  # noqa: E402
 
 HEAD, WORKERS, SERVICE = "127.0.0.2", ["127.0.0.3", "127.0.0.4", "127.0.0.5"], "127.0.0.9"
 TOKEN = "drop-bench-token"
+CODE = ["controller/service/main.py", "controller/service/restore.py", "controller/ray/detached.py",
+        "controller/ray/cluster.py"]
+"""What a dropped connection's figures measure: the service losing its cluster, and taking its runs back."""
 
 
 class CuttableProxy:
@@ -119,8 +125,9 @@ def case(name: str, address: str, disturb: str, seconds: float, tmp: Path, proxy
             time.sleep(seconds)
             proxy.heal()
         time.sleep(20)
-        out["service"] = "alive" if serve.proc.poll() is None else f"exited {serve.proc.returncode}"
-        if serve.proc.poll() is None:
+        out["alive"] = serve.proc.poll() is None
+        out["service"] = "alive" if out["alive"] else f"exited {serve.proc.returncode}"
+        if out["alive"]:
             s1 = serve.json("status", name)
             time.sleep(5)
             s2 = serve.json("status", name)
@@ -134,6 +141,7 @@ def case(name: str, address: str, disturb: str, seconds: float, tmp: Path, proxy
             restarted = [e["detail"].get("action", "") for e in events if e["kind"] == "service_restarted"]  # type: ignore[union-attr]
             out["run"] = (f"after a restart: {s2['state']}, attempt {s2['attempt']}, step {s2['step']}; "  # type: ignore[index]
                           f"{restarted[-1] if restarted else 'no service_restarted event'}")
+        out["trained"] = s2["step"] - before  # type: ignore[index]
         serve.cli("cancel", name, ok=False)
     finally:
         serve.stop()
@@ -161,6 +169,11 @@ def main() -> None:
     print(f"service disturbed for {opts.seconds:.0f} s while a run trained (Ray Client's reconnect grace: 30 s)")
     for r in results:
         print(f"{r['case']:>15}: service {r.get('service')}; run {r.get('run')}")
+    figures: list[dict[str, Any]] = []
+    for r in results:  # (whether the service outlived it; the steps from just before it to the last look)
+        figures += [records.figure(f"{r['case']}: service alive after the disturbance", [int(r["alive"])], "count"),
+                    records.figure(f"{r['case']}: steps trained across it", [r["trained"]], "steps")]
+    records.write("ray_client_drop", figures, code=CODE, extra={"seconds": opts.seconds, "cases": results})
 
 
 if __name__ == "__main__":

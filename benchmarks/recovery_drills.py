@@ -11,6 +11,8 @@ left out of the figures. Prints n, median, min and max of each. Targets: median 
 median recovery <= 20 s.
 
     python benchmarks/recovery_drills.py [--drills 5]
+
+Its record: benchmarks/records/recovery_drills.json.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import os
 import statistics
 import sys
 import tempfile
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from controller.ray.cluster import LocalRayCluster  # noqa: E402
 from controller.ray.runner import drive  # noqa: E402
 from controller.spec import LocalClusterSpec, parse_spec  # noqa: E402
@@ -31,6 +35,10 @@ from controller.spec import LocalClusterSpec, parse_spec  # noqa: E402
 
 CONFIGS = {"goodput": (True, True), "fresh actors": (True, False), "Ray defaults": (False, True)}
 """name -> (tuned failure detection, warm actors)."""
+CODE = ["controller/ray/cluster.py", "controller/ray/liveness.py", "controller/ray/heartbeats.py",
+        "controller/ray/worker_group.py", "controller/ray/rank_actor.py", "controller/failure_policy.py",
+        "controller/state.py"]
+"""What a kill-node drill's figures measure: detection, the decision, and the relaunch on warm actors."""
 
 
 def drill_on(cluster: LocalRayCluster, name: str, warm: bool, index: int, root: str) -> dict:
@@ -94,6 +102,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         results, wrong = rounds(opts.drills, root)
     medians = {}
+    figures: list[dict[str, Any]] = []
     for name, reports in results.items():
         det = [r["detection_s"] for r in reports]
         rec = [r["recovery_s"] for r in reports]
@@ -101,13 +110,20 @@ def main() -> None:
         print("  " + summary("detection", det))
         print("  " + summary("recovery ", rec))
         medians[name] = (statistics.median(det), statistics.median(rec))
+        targets = name == "goodput"  # (the targets are goodput's)
+        figures += [records.figure(f"{name}: detection", det, "s", goal="<= 5" if targets else None),
+                    records.figure(f"{name}: recovery", rec, "s", goal="<= 20" if targets else None)]
     (gd, gr), (_, fr), (dd, dr) = medians["goodput"], medians["fresh actors"], medians["Ray defaults"]
     print(f"ratio goodput/Ray defaults: detection {gd / dd:.3f}, recovery {gr / dr:.3f}")
     print(f"ratio warm/fresh actors: recovery {gr / fr:.3f}")
+    figures += [records.figure("goodput / Ray defaults: detection (medians)", [gd / dd], "ratio"),
+                records.figure("goodput / Ray defaults: recovery (medians)", [gr / dr], "ratio"),
+                records.figure("warm / fresh actors: recovery (medians)", [gr / fr], "ratio")]
     print(f"drills with the wrong cause or decision: {len(wrong)} of {opts.drills * len(CONFIGS)}")
     for line in wrong:
         print("  " + line)
     print("targets: median detection <= 5 s, median recovery <= 20 s")
+    records.write("recovery_drills", figures, code=CODE, extra={"not_counted": wrong})
 
 
 if __name__ == "__main__":

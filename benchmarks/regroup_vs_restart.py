@@ -14,6 +14,8 @@ posix_fadvise(DONTNEED), as on a replacement node that never ran this job. Print
 max of each, and the ratio of the medians.
 
     python benchmarks/regroup_vs_restart.py [--repeat 5]
+
+Its record: benchmarks/records/regroup_vs_restart.json.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
 from trainer.config import (  # noqa: E402
     DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig, config_from_dict, config_to_dict,
@@ -152,7 +155,12 @@ def main() -> None:
     print("cold page cache (checkpoint and torch's files dropped before each trial), interleaved")
     print(f"rebuild in surviving processes (destroy + re-init PG + rebuild model + load): {line(regroup)}")
     print(f"fresh processes (spawn + import torch + init PG + build model + load):        {line(fresh)}")
-    print(f"ratio rebuild / restart (medians) = {statistics.median(regroup) / statistics.median(fresh):.3f}")
+    ratio = statistics.median(regroup) / statistics.median(fresh)
+    print(f"ratio rebuild / restart (medians) = {ratio:.3f}")
+    figures = [records.figure("cold cache: rebuild in surviving processes", regroup, "s"),
+               records.figure("cold cache: fresh processes", fresh, "s"),
+               records.figure("cold cache: rebuild / fresh processes (medians)", [ratio], "ratio")]
+    records.write("regroup_vs_restart", figures, code=["trainer/parallel.py", "trainer/train.py", "trainer/restore.py"])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ in their two parts (a mesh smaller than planned; training without the replicas t
 the simulation's wall time.
 
     python benchmarks/replica_domain_sim.py [--days 54] [--seed 0] [--scales 8,128,1024]
+
+Its record: benchmarks/records/replica_domain_sim.json.
 """
 
 from __future__ import annotations
@@ -23,16 +25,21 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import yaml  # noqa: E402
 
+from benchmarks import records  # noqa: E402
 from benchmarks.simulate_scale import PRESET, at_scale, variant  # noqa: E402
 from controller.sim.run import simulate  # noqa: E402
 from controller.spec import parse_spec  # noqa: E402
 
 DP_SHARD = 8
+CODE = ["controller/sim/run.py", "controller/sim/replicas.py", "controller/sim/group.py", "controller/sim/model.py",
+        "controller/replicas.py", "controller/failure_policy.py"]
+"""What the simulated paths measure: the controller's replica domain and failure policy, on the simulator's model."""
 
 
 def main() -> None:
@@ -44,6 +51,7 @@ def main() -> None:
     raw = yaml.safe_load(PRESET.read_text())
     print(f"{'GPUs':>8} {'path':<22}{'D':>5}{'ETTR':>8}{'MTTR s':>9}{'survivors s (median)':>22}{'interruptions':>15}{'world restarts':>16}"
           f"{'degraded h (mesh + out)':>24}{'wall s':>8}")
+    figures: list[dict[str, Any]] = []
     for dp in [int(x) for x in opts.scales.split(",")]:
         base = at_scale(raw, dp)
         replicas = dp // DP_SHARD
@@ -62,13 +70,26 @@ def main() -> None:
             recoveries = [f["recovery_seconds"] for f in g["failures"] if f["recovery_seconds"] is not None]
             survivors = [f["recovery_seconds"] for f in g["failures"] if f.get("contained") and f["recovery_seconds"] is not None]
             restarts = sum(v for k, v in r["decisions"].items() if k != "heal_replica")
-            print(f"{r['gpus']:>8} {name:<22}{d:>5}{r['ettr']:>8.4f}{statistics.fmean(recoveries) if recoveries else 0:>9.1f}"
+            mttr = statistics.fmean(recoveries) if recoveries else 0
+            interruptions = sum(r["failures_by_cause"].values())
+            mesh_h, out_h = (g["degraded_seconds"][part] / 3600 for part in ("smaller_mesh", "replicas_out"))
+            print(f"{r['gpus']:>8} {name:<22}{d:>5}{r['ettr']:>8.4f}{mttr:>9.1f}"
                   + (f"{statistics.fmean(survivors):>13.1f} ({statistics.median(survivors):5.2f})" if survivors
                      else f"{'-':>22}")
-                  + f"{sum(r['failures_by_cause'].values()):>15}{restarts:>16}"
-                  f"{g['degraded_seconds']['smaller_mesh'] / 3600:>14.1f} + {g['degraded_seconds']['replicas_out'] / 3600:>7.1f}"
-                  f"{wall:>8.1f}", flush=True)
+                  + f"{interruptions:>15}{restarts:>16}{mesh_h:>14.1f} + {out_h:>7.1f}{wall:>8.1f}", flush=True)
+            row = f"{r['gpus']:,} GPUs, {name}"  # (one simulation: each figure one value)
+            figures += [records.figure(f"{row}: ETTR", [r["ettr"]], "ratio"),
+                        records.figure(f"{row}: MTTR (mean recovery)", [mttr], "s"),
+                        records.figure(f"{row}: interruptions", [interruptions], "count"),
+                        records.figure(f"{row}: world restarts", [restarts], "count"),
+                        records.figure(f"{row}: degraded, a smaller mesh", [mesh_h], "h"),
+                        records.figure(f"{row}: degraded, replicas out", [out_h], "h"),
+                        records.figure(f"{row}: simulation wall", [wall], "s")]
+            if survivors:
+                figures += [records.figure(f"{row}: survivors' mean recovery", [statistics.fmean(survivors)], "s"),
+                            records.figure(f"{row}: survivors' median recovery", [statistics.median(survivors)], "s")]
             del r
+    records.write("replica_domain_sim", figures, code=CODE, extra={"days": opts.days, "seed": opts.seed})
 
 
 if __name__ == "__main__":

@@ -20,12 +20,15 @@ the board (kill-node: the survivors told; collective-fault: the resync epoch hea
 run, then n, median, min and max per kind and each figure against its goal.
 
     python benchmarks/replica_faults.py [--rounds 5]
+
+Its record: benchmarks/records/replica_faults.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -34,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from controller.events import EventKind  # noqa: E402
 from controller.ray.cluster import LocalRayCluster  # noqa: E402
 from controller.ray.runner import drive  # noqa: E402
@@ -41,6 +45,11 @@ from controller.spec import LocalClusterSpec, parse_spec  # noqa: E402
 
 KINDS = ("kill-node", "collective-fault")
 AT, STEPS = 5, 12
+CODE = ["trainer/replica.py", "trainer/membership.py", "controller/replicas.py", "controller/ray/replicas.py",
+        "controller/state.py", "controller/ray/liveness.py"]
+"""What the replica domain's figures measure: detection, the next epoch published, and the survivors' next step."""
+FIGURE = {"kill-node": "SIGKILL -> the survivors' next step end", "collective-fault": "stall"}
+"""Each kind's figure, in its record."""
 
 
 def once(cluster: LocalRayCluster, kind: str, index: int, root: str) -> dict[str, Any]:
@@ -122,21 +131,32 @@ def main() -> None:
     finally:
         with contextlib.redirect_stdout(sys.stderr):
             cluster.shutdown()
+    figures: list[dict[str, Any]] = []
     for kind, rs in results.items():
         if not rs:
             continue
         print(kind)
-        for key, label in [("step", "step s"), ("alone", "step alone s"), ("detection", "detection s"),
-                           ("told", "published s"), ("figure", "figure s"), ("goal", "goal s"),
-                           ("goal_before", "goal (before) s")]:
-            print(f"  {label:<16}{summary([float(r[key]) for r in rs])}")
-        for goal in ("goal", "goal_before"):
+        for key, label, name in [("step", "step s", "a step before the drill"),
+                                 ("alone", "step alone s", "a step with replica 1 out"),
+                                 ("detection", "detection s", "detection"), ("told", "published s", "epoch published"),
+                                 ("figure", "figure s", FIGURE[kind]), ("goal", "goal s", "goal"),
+                                 ("goal_before", "goal (before) s", "goal with a step before the loss")]:
+            values = [float(r[key]) for r in rs]
+            print(f"  {label:<16}{summary(values)}")
+            measured = [v for v in values if not math.isnan(v)]  # (no step alone when nothing was lost)
+            if measured:
+                figures.append(records.figure(f"{kind}: {name}", measured, "s"))
+        for goal, words in (("goal", "the goal"), ("goal_before", "the goal with a step before the loss")):
             met = sum(r["figure"] <= r[goal] for r in rs)
             ratio = statistics.median(r["figure"] for r in rs) / statistics.median(r[goal] for r in rs)
             print(f"  figure / {goal} (medians): {ratio:.3f}; met in {met} of {len(rs)}")
+            figures += [records.figure(f"{kind}: {FIGURE[kind]} / {words} (medians)", [ratio], "ratio", goal="<= 1"),
+                        records.figure(f"{kind}: rounds within {words}", [met], "count", goal=str(len(rs)))]
     print(f"runs not counted: {len(wrong)} of {opts.rounds * len(KINDS)}")
     for line in wrong:
         print("  " + line)
+    if figures:
+        records.write("replica_faults", figures, code=CODE, extra={"not_counted": wrong})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ Rounds alternate which path runs first. Prints each drill, then n, median, min a
 the ratio replica / world of the medians.
 
     python benchmarks/replica_heal.py [--rounds 5]
+
+Its record: benchmarks/records/replica_heal.json.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from controller.events import EventKind  # noqa: E402
 from controller.ray.cluster import LocalRayCluster  # noqa: E402
 from controller.ray.runner import drive  # noqa: E402
@@ -43,6 +46,13 @@ PATHS = {
     "replica": {"failure_domain": "replica"},
 }
 KILL_AT, STEPS, GLOBAL_BATCH, SEQ = 6, 16, 16, 64
+CODE = ["controller/replicas.py", "controller/ray/replicas.py", "trainer/replica.py", "controller/state.py",
+        "controller/ray/worker_group.py", "trainer/peer.py", "trainer/peer_load.py"]
+"""What a heal's figures measure: both failure domains' recovery, and the snapshots each heals from."""
+SUMMARY = [("detection", "detection s", "s"), ("first", "first step after s", "s"), ("whole", "whole again s", "s"),
+           ("tokens_lost", "tokens lost", "tokens"), ("ettr", "ETTR", "ratio"), ("wall", "run wall s", "s")]
+"""(key, label, unit) of each figure per path; its name in the record is its label without the unit."""
+NAME = {key: label.removesuffix(" s") for key, label, _ in SUMMARY}
 
 
 def heal_once(cluster: LocalRayCluster, path: str, index: int, root: str) -> dict[str, Any]:
@@ -116,23 +126,29 @@ def main() -> None:
         with contextlib.redirect_stdout(sys.stderr):
             cluster.shutdown()
     medians: dict[str, dict[str, float]] = {}
+    figures: list[dict[str, Any]] = []
     for path, rs in results.items():
         if not rs:
             continue
         print(path)
         medians[path] = {}
-        for key, label in [("detection", "detection s"), ("first", "first step after s"), ("whole", "whole again s"),
-                           ("tokens_lost", "tokens lost"), ("ettr", "ETTR"), ("wall", "run wall s")]:
+        for key, label, unit in SUMMARY:
             values = [float(r[key]) for r in rs]
             medians[path][key] = statistics.median(values)
             print(f"  {label:<20}{summary(values)}")
+            figures.append(records.figure(f"{path}: {NAME[key]}", values, unit))
+        figures.append(records.figure(f"{path}: steps redone", [r["redone"] for r in rs], "steps"))
     if len(medians) == 2:
         w, r = medians["world"], medians["replica"]
-        print("ratio replica / world (medians): " + ", ".join(
-            f"{key} {r[key] / w[key]:.3f}" for key in ("detection", "first", "whole", "tokens_lost", "ettr") if w[key]))
+        ratios = {key: r[key] / w[key] for key in ("detection", "first", "whole", "tokens_lost", "ettr") if w[key]}
+        print("ratio replica / world (medians): " + ", ".join(f"{key} {ratio:.3f}" for key, ratio in ratios.items()))
+        figures += [records.figure(f"replica / world: {NAME[key]} (medians)", [ratio], "ratio")
+                    for key, ratio in ratios.items()]
     print(f"drills not counted: {len(wrong)} of {opts.rounds * len(PATHS)}")
     for line in wrong:
         print("  " + line)
+    if figures:
+        records.write("replica_heal", figures, code=CODE, extra={"not_counted": wrong})
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ gloo ranks on this machine), measured against today's path in one run:
    again. Goal: <= one step + 0.5 s (plus detection).
 
     python benchmarks/replica_stall.py [--rounds 5] [--steps 12] [--stall-only | --step-only]
+
+Its record: benchmarks/records/replica_stall.json.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks import records  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
 from tests.dist.test_replica import Controller  # noqa: E402
 from trainer.config import (  # noqa: E402
@@ -36,6 +39,8 @@ from trainer.replica import Membership  # noqa: E402
 
 MODEL = ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128)
 WARMUP = 3
+CODE = ["trainer/replica.py", "trainer/membership.py", "trainer/parallel.py", "trainer/train.py"]
+"""What the replicas' figures measure: their step against one world's, and the survivors' stall."""
 
 
 def config(steps: int, *, replicas: bool) -> TrainerConfig:
@@ -98,6 +103,24 @@ def describe(xs: list[float]) -> str:
     return f"n={len(xs)} median {statistics.median(xs):.3f} s (min {min(xs):.3f}, max {max(xs):.3f})"
 
 
+def survivors_stall(rounds: int, steps: int) -> list[dict[str, Any]]:
+    """Print the survivors' stall, `rounds` trials; its figures."""
+    stalls = [stall_trial(steps) for _ in range(rounds)]
+    over = [s["stall"] - s["step"] for s in stalls]
+    print(f"survivors' stall, kill -> first step committed alone: {describe([s['stall'] for s in stalls])}")
+    print(f"  a step before the kill (both replicas): {describe([s['step'] for s in stalls])}")
+    print(f"  stall - one step: {describe(over)} (goal <= 0.5 s + detection)")
+    figures = [records.figure("stall: kill -> the survivors' first step committed alone", [s["stall"] for s in stalls],
+                              "s"),
+               records.figure("stall: a step before the kill (both replicas)", [s["step"] for s in stalls], "s"),
+               records.figure("stall: stall - one step (detection not in it)", over, "s", goal="<= 0.5")]
+    alone = [s["alone_step"] for s in stalls if s["alone_step"] is not None]
+    if alone:
+        print(f"  a step alone (the whole batch on one replica): {describe(alone)}")
+        figures.append(records.figure("stall: a step alone (the whole batch on one replica)", alone, "s"))
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
@@ -113,21 +136,19 @@ def main() -> None:
                 replica_medians.append(statistics.median(replicas_trial(opts.steps)))
             else:
                 hsdp_medians.append(statistics.median(hsdp_trial(opts.steps)))
+    figures: list[dict[str, Any]] = []
     if replica_medians:
+        ratio = statistics.median(replica_medians) / statistics.median(hsdp_medians)
         print(f"step time, replicas (2 worlds of 4): {describe(replica_medians)}")
         print(f"step time, today's HSDP (1 world of 8): {describe(hsdp_medians)}")
-        print(f"ratio of the medians: {statistics.median(replica_medians) / statistics.median(hsdp_medians):.3f} "
-              "(goal <= 1.02)")
-    if opts.step_only:
-        return
-    stalls = [stall_trial(opts.steps + 4) for _ in range(opts.rounds)]
-    over = [s["stall"] - s["step"] for s in stalls]
-    print(f"survivors' stall, kill -> first step committed alone: {describe([s['stall'] for s in stalls])}")
-    print(f"  a step before the kill (both replicas): {describe([s['step'] for s in stalls])}")
-    print(f"  stall - one step: {describe(over)} (goal <= 0.5 s + detection)")
-    alone = [s["alone_step"] for s in stalls if s["alone_step"] is not None]
-    if alone:
-        print(f"  a step alone (the whole batch on one replica): {describe(alone)}")
+        print(f"ratio of the medians: {ratio:.3f} (goal <= 1.02)")
+        figures += [records.figure("step: replicas (2 worlds of 4), a trial's median", replica_medians, "s"),
+                    records.figure("step: today's HSDP (1 world of 8), a trial's median", hsdp_medians, "s"),
+                    records.figure("step: replicas / HSDP (medians)", [ratio], "ratio", goal="<= 1.02")]
+    if not opts.step_only:
+        figures += survivors_stall(opts.rounds, opts.steps + 4)
+    if figures:
+        records.write("replica_stall", figures, code=CODE, extra={"rounds": opts.rounds, "steps": opts.steps})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ reference, independent of what the ranks report about themselves (shown beside i
 
 At commit cb9ebec (before ranged reads) this printed 9.002 on dp2 x pp2 x tp2 and 5.002 on dp1 x pp2 x tp2: the
 controller read the step once to verify it, and each of the 8 ranks downloaded all of it.
+
+Its record: benchmarks/records/restore_traffic.json.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ import yaml
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
 from tests.support.s3 import S3Server, restore_env, set_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 URI = "s3://bench/goodput"
+CODE = ["checkpointing/manifest.py", "trainer/restore.py", "checkpointing/store/s3.py", "trainer/worker.py"]
+"""What a resume's traffic measures: the step chosen, and what each rank reads of it."""
 
 
 def attempt(*, rank: int, world_size: int, store_port: int, config: dict, attempt: int,
@@ -105,6 +110,7 @@ def main() -> None:
             server.stop()
 
     mib = 2**20
+    figures = [records.figure("resume: the step's bytes (by the manifest)", [step_bytes], "bytes")]
     print(f"step {train_steps} of make run's model: {step_bytes / mib:.2f} MiB in {len(manifest.files)} files "
           f"(saved on dp2 x pp2 x tp2); moto S3 on loopback behind a counting proxy; n = {opts.rounds} per mesh")
     for mesh in meshes:
@@ -118,6 +124,15 @@ def main() -> None:
               f"{'' if reported is None else f'; the ranks say {reported / mib:.2f} MiB'}); "
               f"attempt wall median {statistics.median(walls):.1f} s (min {min(walls):.1f}, max {max(walls):.1f})")
         print(f"  ratio store bytes / step bytes = {total / step_bytes:.3f}")
+        onto = f"resume onto dp{mesh.dp} x pp{mesh.pp} x tp{mesh.tp}"
+        figures += [records.figure(f"{onto}: store bytes / step bytes", [row[2] / step_bytes for row in mine], "ratio"),
+                    records.figure(f"{onto}: store sent", [row[2] for row in mine], "bytes"),
+                    records.figure(f"{onto}: store sent to the controller", [row[1] for row in mine], "bytes"),
+                    records.figure(f"{onto}: store sent to the ranks", [row[2] - row[1] for row in mine], "bytes"),
+                    records.figure(f"{onto}: attempt wall", walls, "s")]
+        if reported is not None:
+            figures.append(records.figure(f"{onto}: bytes the ranks say they read", [row[3] for row in mine], "bytes"))
+    records.write("restore_traffic", figures, code=CODE, extra={"files": len(manifest.files), "rounds": opts.rounds})
 
 
 if __name__ == "__main__":

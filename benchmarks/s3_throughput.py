@@ -13,6 +13,8 @@ costs over moving its bytes. The old benchmark compared `S3Store.put_file` with 
 calls (a ratio of ~1 by construction).
 
     python benchmarks/s3_throughput.py [--rounds 5] [--mparams 10]
+
+Its record: benchmarks/records/s3_throughput.json.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from tests.support.s3 import S3Server, free_port, restore_env, set_env  # noqa: E402
 
 PART = 16 * 2**20
@@ -112,6 +115,14 @@ def main() -> None:
     print(f"raw parallel upload of the same bytes:            median {t / mib:.1f} MiB/s "
           f"(min {min(theirs) / mib:.1f}, max {max(theirs) / mib:.1f})")
     print(f"ratio goodput / raw = {o / t:.3f}")
+    figures = [records.figure("s3: goodput save (stage, write, hash, upload, commit)", [x / mib for x in ours],
+                              "MiB/s"),
+               records.figure("s3: raw parallel upload of the same bytes", [x / mib for x in theirs], "MiB/s"),
+               records.figure("s3: goodput / raw (medians)", [o / t], "ratio")]
+    records.write("s3_throughput", figures, code=["trainer/checkpoint.py", "checkpointing/store/s3.py",
+                                                  "checkpointing/manifest.py"],
+                  extra={"checkpoint_bytes": total, "files": len(files), "layers": layers, "part_bytes": PART,
+                         "concurrency": CONCURRENCY})
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
    per save (as a driver saves after each poll): milliseconds per 1,000 events.
 
     python benchmarks/service_api.py [--requests 400]
+
+Its record: benchmarks/records/service_api.json.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
+from benchmarks import records  # noqa: E402
 from controller.service.app import ApiServer, create_app  # noqa: E402
 from controller.service.registry import Registry, Saved, sqlite_url  # noqa: E402
 from controller.service.service import Service  # noqa: E402
@@ -33,6 +37,9 @@ from controller.topology import Topology  # noqa: E402
 from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup  # noqa: E402
 
 TOKEN = "bench"
+CODE = ["controller/service/app.py", "controller/service/auth.py", "controller/service/service.py",
+        "controller/service/registry.py"]
+"""What the API's figures measure: the routes, their auth, the service behind them and its registry."""
 
 
 class SteadyGroup(FakeWorkerGroup):
@@ -53,7 +60,8 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def latency(requests: int) -> None:
+def latency(requests: int) -> list[dict[str, Any]]:
+    """Print each route's p50 and p99; its figures."""
     root = os.path.join(os.path.dirname(__file__), "..")
     raw = yaml.safe_load(open(os.path.join(root, "examples", "tiny-gpt.yaml")).read())
     raw.update(drills=[], parallelism={"dp": 1, "tp": 2, "pp": 1})
@@ -90,12 +98,18 @@ def latency(requests: int) -> None:
         service.stop()
         registry.close()
     print(f"4 live runs (steps so far {steps}), {requests} requests each kind, one client, 127.0.0.1")
+    figures: list[dict[str, Any]] = []
     for name, xs in (("GET /healthz", health), ("GET /v1/runs/{id}", get), ("POST /v1/runs/{id}/drills", post)):
         print(f"  {name:<28} p50 {pct(xs, 0.5) * 1e3:6.2f} ms   p99 {pct(xs, 0.99) * 1e3:6.2f} ms   (n={len(xs)})")
-    print(f"  GET run / GET healthz, p50: {statistics.median(get) / statistics.median(health):.2f}x")
+        figures += [records.figure(f"api: {name}", [x * 1e3 for x in xs], "ms"),
+                    records.figure(f"api: {name}, p99", [pct(xs, 0.99) * 1e3], "ms")]
+    ratio = statistics.median(get) / statistics.median(health)
+    print(f"  GET run / GET healthz, p50: {ratio:.2f}x")
+    return figures + [records.figure("api: GET run / GET healthz (medians)", [ratio], "ratio")]
 
 
-def registry_cost(events: int = 5000, per_save: int = 10) -> None:
+def registry_cost(events: int = 5000, per_save: int = 10) -> list[dict[str, Any]]:
+    """Print what the registry's writes cost; its figures."""
     with tempfile.TemporaryDirectory() as state:
         r = Registry(sqlite_url(state))
         r.add_run(run_id="r", name="r", spec={}, state="running", created_at=0.0)
@@ -109,17 +123,19 @@ def registry_cost(events: int = 5000, per_save: int = 10) -> None:
             r.save("r", {**view, "step": i + 1}, rows, hist, [], saved, float(i))
         elapsed = time.perf_counter() - t0
         r.close()
+    per_thousand_ms, per_save_ms = elapsed / events * 1000 * 1e3, elapsed / (events // per_save) * 1e3
     print(f"registry (SQLite, WAL): {events} events in {events // per_save} saves of {per_save} (+1 history row "
-          f"each): {elapsed / events * 1000 * 1e3:.1f} ms per 1,000 events, {elapsed / (events // per_save) * 1e3:.2f} "
-          "ms per save")
+          f"each): {per_thousand_ms:.1f} ms per 1,000 events, {per_save_ms:.2f} ms per save")
+    return [records.figure("registry: per 1,000 events", [per_thousand_ms], "ms"),
+            records.figure(f"registry: per save of {per_save} events", [per_save_ms], "ms")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=400)
     opts = parser.parse_args()
-    latency(opts.requests)
-    registry_cost()
+    figures = latency(opts.requests) + registry_cost()
+    records.write("service_api", figures, code=CODE, extra={"requests": opts.requests})
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ path, the median and spread of: detection (fault -> node declared lost), the fir
 (world: the new attempt's; replica: the survivors' next committed step), and steps lost.
 
     sudo python benchmarks/silent_faults.py --rounds 5
+
+Its record: benchmarks/records/silent_faults.json.
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import records  # noqa: E402
 from tests.support.lab import Lab, LabRayCluster, available  # noqa: E402
 from tests.support.serve import Serve, wait_for, write_spec  # noqa: E402
 
 WORKERS = ["gpu-a", "gpu-b", "gpu-c", "gpu-d", "gpu-e"]
+CODE = ["controller/ray/liveness.py", "controller/ray/heartbeats.py", "health/heartbeat.py",
+        "controller/failure_policy.py", "controller/replicas.py", "controller/state.py"]
+"""What a node loss's figures measure: how it is noticed, loud or silent, and the recovery each domain makes."""
 
 
 def spec(tmp: Path, name: str, *, replicas: int, steps: int) -> Path:
@@ -65,7 +72,9 @@ def one_run(serve: Serve, cluster: LabRayCluster, tmp: Path, name: str, replicas
     return out
 
 
-def summary(rows: list[dict]) -> None:
+def summary(rows: list[dict]) -> list[dict[str, Any]]:
+    """Print the table per path and kind of the drills that recovered; its figures."""
+    figures: list[dict[str, Any]] = []
     print("\n| path | fault | n | decisions | detection s, median (min-max) | first step after s, median (min-max) "
           "| steps lost |")
     print("|---|---|---|---|---|---|---|")
@@ -81,9 +90,13 @@ def summary(rows: list[dict]) -> None:
             print(f"| {path} | {kind} | {len(sel)} | {decisions} | {statistics.median(det):.2f} "
                   f"({min(det):.2f}-{max(det):.2f}) | "
                   f"{statistics.median(first):.2f} ({min(first):.2f}-{max(first):.2f}) | {max(lost)} at most |")
+            figures += [records.figure(f"{path}, {kind}: detection", det, "s"),
+                        records.figure(f"{path}, {kind}: first step after", first, "s"),
+                        records.figure(f"{path}, {kind}: steps lost", lost, "steps")]
     failed = [r for r in rows if r["outcome"] != "recovered"]
     if failed:
         print(f"\nnot recovered: {failed}")
+    return figures
 
 
 def main() -> int:
@@ -111,7 +124,9 @@ def main() -> int:
         if cluster is not None:
             cluster.stop()
         lab.close()
-    summary(rows)
+    figures = summary(rows)
+    if figures:
+        records.write("silent_faults", figures, code=CODE, extra={"drills": rows})
     return 0
 
 

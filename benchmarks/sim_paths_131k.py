@@ -6,6 +6,8 @@ one after the other in this process: its wall time against the goal of 60 s, and
 (steps, attempts, ETTR), so a faster run that simulated less shows as such.
 
     python benchmarks/sim_paths_131k.py [--days 54] [--seed 3] [--only world/gqa-peers,...]
+
+Its record: benchmarks/records/sim_paths_131k.json.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from controller.events import EventKind  # noqa: E402
 from controller.sim.run import simulate  # noqa: E402
 from controller.spec import parse_spec  # noqa: E402
 
 GOAL_S = 60.0
+CODE = ["controller/sim/run.py", "controller/sim/group.py", "controller/sim/replicas.py", "controller/sim/cluster.py",
+        "controller/sim/model.py", "controller/state.py"]
+"""What a simulation's wall time measures: the simulator, and the controller it drives."""
 BASE: dict[str, Any] = {
     "name": "scale",
     "model": {"n_layers": 126, "d_model": 16384, "n_heads": 128, "n_kv_heads": 8, "vocab_size": 65536,
@@ -66,6 +72,8 @@ def main() -> None:
     if opts.only:
         rows = [tuple(x.split("/")) for x in opts.only.split(",")]  # type: ignore[misc]
     print(f"{'path':<9}{'model':<11}{'wall s':>8}{'/ goal':>8}{'steps':>9}{'attempts':>10}{'ETTR':>8}  state")
+    figures: list[dict[str, Any]] = []
+    states: dict[str, str] = {}
     for path, model in rows:
         t = time.perf_counter()
         r = simulate(parse_spec(raw_spec(path, model)), days=opts.days, seed=opts.seed)
@@ -73,8 +81,16 @@ def main() -> None:
         attempts = sum(1 for e in r["_controller"].events if e.kind == EventKind.ATTEMPT_STARTED)
         print(f"{path:<9}{model:<11}{wall:>8.1f}{wall / GOAL_S:>8.2f}{r['steps']:>9}{attempts:>10}{r['ettr']:>8.3f}  "
               f"{r['state']}", flush=True)
+        row = f"{path}/{model}"  # (one simulation: each figure one value)
+        figures += [records.figure(f"{row}: simulation wall", [wall], "s", goal=f"<= {GOAL_S:g}"),
+                    records.figure(f"{row}: wall / goal", [wall / GOAL_S], "ratio", goal="<= 1"),
+                    records.figure(f"{row}: steps simulated", [r["steps"]], "steps"),
+                    records.figure(f"{row}: attempts", [attempts], "count"),
+                    records.figure(f"{row}: ETTR", [r["ettr"]], "ratio")]
+        states[row] = r["state"]
         del r
         gc.collect()  # (the simulation runs without the cyclic collector: what it left goes before the next)
+    records.write("sim_paths_131k", figures, code=CODE, extra={"days": opts.days, "seed": opts.seed, "states": states})
 
 
 if __name__ == "__main__":

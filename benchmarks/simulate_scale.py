@@ -17,6 +17,8 @@ preset's own ETTR beside the report's "higher than 90 %", and one simulated day 
 and without stragglers judged.
 
     python benchmarks/simulate_scale.py [--days 54] [--seed 0] [--skip-levers] [--peers-131k-days D]
+
+Its record: benchmarks/records/simulate_scale.json.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import yaml  # noqa: E402
 
+from benchmarks import records  # noqa: E402
 from controller.sim.model import RAY_HEALTH_CHECK_FAILURES, RAY_HEALTH_CHECK_TIMEOUT_S  # noqa: E402
 from controller.sim.run import fill, simulate  # noqa: E402
 from controller.spec import parse_spec  # noqa: E402
@@ -39,6 +43,9 @@ from controller.spec import parse_spec  # noqa: E402
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llama3-405b-sim.yaml"
 PRESET = EXAMPLE.with_name("llama3-405b-restart.yaml")
 RAY_DETECTION_S = RAY_HEALTH_CHECK_FAILURES * RAY_HEALTH_CHECK_TIMEOUT_S
+CODE = ["controller/sim/run.py", "controller/sim/model.py", "controller/sim/group.py", "controller/sim/cluster.py",
+        "controller/state.py", "controller/failure_policy.py", "checkpointing/schedule.py", "health/straggler.py"]
+"""What the simulations measure: the simulator's model, and the controller's decisions it drives."""
 
 
 def variant(raw: dict, **changes: object) -> dict:
@@ -61,12 +68,14 @@ def main() -> None:
                         help="simulated days of 131,072 GPUs healing from peers (default: --days; ~7 min for 54)")
     opts = parser.parse_args()
     raw = yaml.safe_load(EXAMPLE.read_text())
-    if not opts.skip_levers:
-        levers(raw, opts)
-    preset_and_paths(opts)
+    figures: list[dict[str, Any]] = [] if opts.skip_levers else levers(raw, opts)
+    paths, cost_models = preset_and_paths(opts)
+    records.write("simulate_scale", figures + paths, code=CODE,
+                  extra={"days": opts.days, "seed": opts.seed, "cost_models": cost_models})
 
 
-def levers(raw: dict, opts: argparse.Namespace) -> None:
+def levers(raw: dict, opts: argparse.Namespace) -> list[dict[str, Any]]:
+    """Print what each lever is worth on the example; its figures (one simulation each: one value)."""
     t = time.perf_counter()
     base = simulate(parse_spec(raw), days=opts.days, seed=opts.seed)
     wall = time.perf_counter() - t
@@ -76,6 +85,14 @@ def levers(raw: dict, opts: argparse.Namespace) -> None:
     print(f"ETTR with goodput's defaults: {base['ettr']:.4f} (MTTR {base['mttr_s']:.1f} s; decisions "
           f"{base['decisions']})")
     print("  badput: " + ", ".join(f"{k} {v / g['wall_seconds']:.3%}" for k, v in g["badput_seconds"].items() if v))
+    figures = [records.figure("defaults: simulation wall", [wall], "s"),
+               records.figure("defaults: incidents", [base["incidents"]], "count"),
+               records.figure("defaults: interruptions", [sum(base["failures_by_cause"].values())], "count"),
+               records.figure("defaults: ETTR", [base["ettr"]], "ratio"),
+               records.figure("defaults: MTTR", [base["mttr_s"]], "s"),
+               records.figure("defaults: steps done", [base["steps"]], "steps")]
+    figures += [records.figure(f"defaults: badput, {k}", [v / g["wall_seconds"]], "ratio")
+                for k, v in g["badput_seconds"].items() if v]
 
     rows = [
         ("spares 0", variant(raw, cluster__simulated__spares=0, cluster__simulated__nodes=2048)),
@@ -94,6 +111,14 @@ def levers(raw: dict, opts: argparse.Namespace) -> None:
         result = simulate(parse_spec(r), days=opts.days, seed=opts.seed)
         print(f"{name:<44}{result['ettr']:>8.4f}{result['ettr'] - base['ettr']:>+13.4f}"
               f"{result['mttr_s'] or 0:>9.1f}{result['steps']:>12}{result['steps'] / base['steps'] - 1:>+13.2%}")
+        figures += [records.figure(f"{name}: ETTR", [result["ettr"]], "ratio"),
+                    records.figure(f"{name}: ETTR vs the defaults (difference)", [result["ettr"] - base["ettr"]],
+                                   "ratio"),
+                    records.figure(f"{name}: MTTR", [result["mttr_s"] or 0], "s"),
+                    records.figure(f"{name}: steps done", [result["steps"]], "steps"),
+                    records.figure(f"{name}: steps done vs the defaults (relative)",
+                                   [result["steps"] / base["steps"] - 1], "ratio")]
+    return figures
 
 
 def at_scale(raw: dict, dp: int) -> dict:
@@ -109,12 +134,19 @@ def at_scale(raw: dict, dp: int) -> dict:
     return out
 
 
-def preset_and_paths(opts: argparse.Namespace) -> None:
+def preset_and_paths(opts: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
+    """Print the preset's figures, both recovery paths at three scales and a day at 131,072 GPUs; its
+    figures (one simulation each: one value), and each path's days, restart and detection."""
     raw = yaml.safe_load(PRESET.read_text())
     preset = simulate(parse_spec(raw), days=opts.days, seed=opts.seed)
     print(f"\nLlama 3 preset ({PRESET.name}, restart {preset['cost_model']['restart_s']:.0f} s): ETTR "
           f"{preset['ettr']:.4f}, MTTR {preset['mttr_s']:.1f} s, {sum(preset['failures_by_cause'].values())} "
           f"interruptions; the report: 419 unexpected interruptions, ETTR higher than 0.90")
+    figures = [records.figure("Llama 3 preset: ETTR", [preset["ettr"]], "ratio", goal="> 0.90 (the report)"),
+               records.figure("Llama 3 preset: MTTR", [preset["mttr_s"]], "s"),
+               records.figure("Llama 3 preset: interruptions", [sum(preset["failures_by_cause"].values())], "count",
+                              goal="419 (the report)")]
+    cost_models: dict[str, dict[str, float]] = {}
     print(f"\n{'GPUs':>8}{'path':>7}{'days':>6}{'restart s':>11}{'detect s':>10}{'ETTR':>8}{'MTTR s':>9}"
           f"{'interruptions':>15}{'wall s':>8}")
     for dp in (8, 128, 1024):
@@ -130,6 +162,14 @@ def preset_and_paths(opts: argparse.Namespace) -> None:
                   f"{r['cost_model']['node_loss_detection_s']:>10.1f}{r['ettr']:>8.4f}{r['mttr_s'] or 0:>9.1f}"
                   f"{sum(r['failures_by_cause'].values()):>15}{wall:>8.1f}"
                   + ("   <- goal: 54 days at 131,072 GPUs in < 60 s" if dp == 1024 and not peers else ""))
+            row = f"{r['gpus']:,} GPUs, {'peers' if peers else 'store'}"
+            figures += [records.figure(f"{row}: ETTR", [r["ettr"]], "ratio"),
+                        records.figure(f"{row}: MTTR", [r["mttr_s"] or 0], "s"),
+                        records.figure(f"{row}: interruptions", [sum(r["failures_by_cause"].values())], "count"),
+                        records.figure(f"{row}: simulation wall", [wall], "s",
+                                       goal="< 60" if dp == 1024 and not peers else None)]
+            cost_models[row] = {"days": days, "restart_s": r["cost_model"]["restart_s"],
+                                "node_loss_detection_s": r["cost_model"]["node_loss_detection_s"]}
             del r
     t = time.perf_counter()
     big = simulate(parse_spec(at_scale(raw, 1024)), days=1, seed=opts.seed)
@@ -151,6 +191,20 @@ def preset_and_paths(opts: argparse.Namespace) -> None:
           f"{len(flagged)} verdicts on {len({e.detail['rank'] for e in flagged})} ranks of "
           f"{len({e.detail['node'] for e in flagged})} nodes in {len({e.attempt for e in flagged})} attempts "
           f"(under straggler_action: report a slow node stays, and each attempt flags it anew)")
+    day_label = f"{big['gpus']:,} GPUs, one simulated day"
+    judged_label = f"{slow['gpus']:,} GPUs, one simulated day, stragglers judged"
+    figures += [records.figure(f"{day_label}: simulation wall", [day], "s"),
+                records.figure(f"{day_label}: interruptions", [sum(big["failures_by_cause"].values())], "count"),
+                records.figure(f"{day_label}: ETTR", [big["ettr"]], "ratio"),
+                records.figure(f"{judged_label}: simulation wall", [with_judging], "s"),
+                records.figure(f"{judged_label}: wall / the day without", [with_judging / day], "ratio"),
+                records.figure(f"{judged_label}: straggler incidents",
+                               [slow["incidents_by_component"].get("straggler", 0)], "count"),
+                records.figure(f"{judged_label}: verdicts", [len(flagged)], "count"),
+                records.figure(f"{judged_label}: ranks flagged", [len({e.detail["rank"] for e in flagged})], "count"),
+                records.figure(f"{judged_label}: nodes flagged", [len({e.detail["node"] for e in flagged})], "count"),
+                records.figure(f"{judged_label}: attempts flagging", [len({e.attempt for e in flagged})], "count")]
+    return figures, cost_models
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from inside its process before the peers' sockets close or the collective timeou
 worker_group.py's docstring); the re-fork frees them with a SIGKILL.
 
     python benchmarks/survivors_in_place.py [--repeat 5]
+
+Its record: benchmarks/records/survivors_in_place.json.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks import records  # noqa: E402
 from checkpointing.peer import buddies, held_copies, holdings, peer_point  # noqa: E402
 from trainer.config import (  # noqa: E402
     DataConfig, MeshShape, ModelConfig, TrainConfig, TrainerConfig, state_fingerprint,
@@ -59,6 +62,8 @@ NODES = ["node-0", "node-0", "node-1", "node-1", "node-2", "node-2", "node-3", "
 LOST = "node-3"
 SPARE = "node-4"
 RUN = "bench"
+CODE = ["checkpointing/peer.py", "trainer/peer.py", "trainer/peer_load.py", "trainer/parallel.py", "trainer/train.py"]
+"""What a heal from peers measures here: the agreed step, the group joined, the model built, the load from buddies."""
 
 
 def _join(rank: int, port: int, prefix: str) -> Any:
@@ -234,15 +239,20 @@ def main() -> None:
                 f"n={len(values)})")
 
     print("node loss healed from peers, dp2 x pp2 x tp2 (8 ranks, 2 per node), interleaved")
+    figures: list[dict[str, Any]] = []
     for arm in arms:
         print(f"{arm}: failure -> first step {line([r['recovery'] for r in results[arm]])}")
+        figures.append(records.figure(f"{arm}: failure -> first step", [r["recovery"] for r in results[arm]], "s"))
         for kind in ("survivor", "replacement"):
-            phases = {k: statistics.median([row[k] for r in results[arm] for row in r[kind]])
+            phases = {k: [row[k] for r in results[arm] for row in r[kind]]
                       for k in ("join", "build", "load", "first step")}
-            print(f"    {kind:<12} " + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
+            print(f"    {kind:<12} " + ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in phases.items()))
+            figures += [records.figure(f"{arm}: a {kind}'s {k}", v, "s") for k, v in phases.items()]
     ratio = (statistics.median([r["recovery"] for r in results["in place"]])
              / statistics.median([r["recovery"] for r in results["re-fork"]]))
     print(f"ratio in place / re-fork (medians) = {ratio:.3f}")
+    figures.append(records.figure("in place / re-fork: failure -> first step (medians)", [ratio], "ratio"))
+    records.write("survivors_in_place", figures, code=CODE, extra={"repeat": repeat})
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ and a BPE tokenizer trained on it here. Prints MB of text per second for each, p
 ratio (goal >= 0.8: reading, EOS, shards and checksums cost at most a fifth of the encode).
 
     python benchmarks/tokenize_throughput.py [--mb 24] [--rounds 3]
+
+Its record: benchmarks/records/tokenize_throughput.json.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import records  # noqa: E402
 
 
 def corpus(root: Path, megabytes: float, seed: int = 0) -> list[Path]:
@@ -87,6 +91,15 @@ def main() -> None:
     print(f"tokenizers encode_batch alone: {text_mb / mb:.1f} MB/s ({text_mb / mb / cores:.1f} MB/s per core); "
           f"runs {', '.join(f'{x:.2f}' for x in b)} s")
     print(f"throughput ratio goodput / tokenizers (medians): {mb / ma:.3f} (goal >= 0.8)")
+    ours_mb_s, library_mb_s = [text_mb / x for x in a], [text_mb / x for x in b]
+    figures = [records.figure("tokenize: goodput tokenize", ours_mb_s, "MB/s"),
+               records.figure("tokenize: goodput tokenize, per core", [x / cores for x in ours_mb_s], "MB/s"),
+               records.figure("tokenize: tokenizers encode_batch alone", library_mb_s, "MB/s"),
+               records.figure("tokenize: tokenizers encode_batch alone, per core", [x / cores for x in library_mb_s],
+                              "MB/s"),
+               records.figure("tokenize: goodput / tokenizers (medians)", [mb / ma], "ratio", goal=">= 0.8")]
+    records.write("tokenize_throughput", figures, code=["trainer/tokenize.py", "trainer/shards.py"],
+                  extra={"text_mb": text_mb, "documents": len(docs), "cores": cores})
 
 
 if __name__ == "__main__":
