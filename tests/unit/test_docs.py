@@ -159,3 +159,40 @@ def test_a_figure_is_written_from_its_record_and_marked_when_its_code_changed_af
     assert "| y: ratio | 1.01 | 0.9 – 1.20 | 3 |" in old and "**Older than its code** (changed at `" in old
     assert "**Older than its code** (changed at `unknown`)" in lost
     assert "`python benchmarks/x.py --rounds 3`" in fresh
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """(page, command line) of every `goodput ...` line in a code block of the README and the pages
+    (continuation lines joined; synopsis lines, with their [optional] parts, left out)."""
+    import re
+
+    out = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", path.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.split(r"\s#\s|\s{2,}#", line)[0].strip().removesuffix("&").strip()
+                if line.startswith("goodput ") and "[" not in line:
+                    out.append((path.relative_to(ROOT).as_posix(), line))
+    return out
+
+
+def test_every_goodput_command_the_docs_show_parses() -> None:
+    """A newcomer copies these: each must be a command the CLI takes, with arguments it knows."""
+    import contextlib
+    import io
+    import shlex
+
+    from controller.cli.main import build_parser
+
+    parser = build_parser()
+    commands = _documented_commands()
+    assert len(commands) > 30
+    wrong = []
+    for page, line in commands:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                parser.parse_args(shlex.split(line)[1:])
+        except SystemExit:
+            wrong.append(f"{page}: {line}: {err.getvalue().strip().splitlines()[-1]}")
+    assert not wrong, "\n".join(wrong)
