@@ -67,7 +67,9 @@ def test_bitflip_is_caught_quarantined_and_the_run_ends_as_if_it_never_happened(
         ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
     """The reference run has a storage outage: saves during it fail (a 1 s retry budget against a
     6 s outage), the next one commits, every committed step verifies, and the training (which an
-    outage must not touch) ends bit-identical to the bitflip run's."""
+    outage must not touch) ends bit-identical to the bitflip run's. It saves every step, so a save
+    falls inside the outage however long a step takes (every 4 steps, a machine at 2 s a step saved
+    only after the outage had ended)."""
     every = 5
     flipped = drive(spec("flip", tmp_path, steps=24, health={"sdc_every_steps": every},
                          drills=[{"kind": "bitflip", "at_step": 9, "target": 5}]), ray_cluster)
@@ -82,7 +84,7 @@ def test_bitflip_is_caught_quarantined_and_the_run_ends_as_if_it_never_happened(
     assert later and all(node not in recorded_nodes(a.detail["placement"]) for a in later)
     assert later[0].detail["start_step"] <= suspect["clean_through_step"]  # from peers or the store
 
-    outage = drive(spec("outage", tmp_path, steps=24, checkpoint={"retry_budget_s": 1},
+    outage = drive(spec("outage", tmp_path, steps=24, checkpoint={"retry_budget_s": 1, "every_steps": 1},
                         drills=[{"kind": "storage-outage", "at_step": 5, "seconds": 6}]), ray_cluster)
     assert outage.state is RunState.SUCCEEDED, outage.error
     (out_report,) = outage.to_dict(0)["drills"]
