@@ -59,10 +59,13 @@ def cmd_run(opts: argparse.Namespace) -> int:
 
     out_dir = Path(opts.out_dir or f"goodput-out/{spec.name}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Ray's own messages (a raylet's death notice with its state dump, for one) print to sys.stdout
+    # from its threads, and its processes write their own output: both go to the run's log
+    # directory. The terminal shows goodput's account of what happened; stdout keeps the result.
     with ProgressView(spec.name, spec.train.steps, quiet=opts.json) as view, \
-            open(out_dir / "events.log", "w") as events_log:
+            open(out_dir / "events.log", "w") as events_log, open(out_dir / "ray-driver.log", "a") as ray_out:
         seen = [0]
-        ray_logger = _RayLoggerTo(None)
+        ray_logger = _RayLoggerTo(ray_out)
 
         def on_tick(c: RunController) -> None:
             if not seen[0]:  # the cluster is up: say once where its own output goes
@@ -87,12 +90,7 @@ def cmd_run(opts: argparse.Namespace) -> int:
             where = f"; token in {token_file}" if token_file else ""
             view.note(f"API on {url} (goodput status|drill {spec.name}; GOODPUT_URL={url}{where})")
 
-        # Ray's own messages (a raylet's death notice with its state dump, for one) print to sys.stdout
-        # from its threads, and its processes write their own output: both go to the run's log
-        # directory. The terminal shows goodput's account of what happened; stdout keeps the result.
-        ray_log = out_dir / "ray-driver.log"
-        with open(ray_log, "a") as ray_out, contextlib.redirect_stdout(ray_out):
-            ray_logger.stream = ray_out
+        with contextlib.redirect_stdout(ray_out):
             try:
                 run = run_foreground(spec, on_tick=on_tick, api=api, api_any_port=opts.api is None, on_api=on_api,
                                      token=token, log_dir=str(out_dir))

@@ -95,7 +95,8 @@ def _warm_for(group: "RayWorkerGroup", nodes: list[str], busy: set[int]) -> None
              for node, n in need.items() if sum(id(a) not in busy for a in group._pool.get(node, [])) < n}
     warming = [ref for node in need for ref in group._warming.pop(node, [])]
     new = group._grow_pool(short) if short else []
-    group._growth, group._growth_groups = [], []  # (held for the run, not part of any launch's gang)
+    # (held for the run, not part of any launch's gang)
+    group._growth, group._growth_group_of, group._growth_refs = [], {}, {}
     refs = warming + [ref for _, ref in new]
     if refs:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=group.launch_timeout_s)

@@ -86,7 +86,6 @@ class RayWorkerGroup:
         self._abort = threading.Event()
         self._groups: dict[str, list[Any]] = {}
         """node -> the placement groups that reserve its GPU slots for this group's actors."""
-        self._growth_groups: list[Any] = []
         self._reservations = 0
         self._growth: list[tuple[str, Any]] = []
         """(node, actor) of the last growth of the pool (undone together when it does not start)."""
@@ -155,7 +154,7 @@ class RayWorkerGroup:
                     if actor in self._pool.get(node, []):
                         self._pool[node].remove(actor)
                         ray.kill(actor, no_restart=True)
-                for group in self._growth_groups:
+                for group in list(self._growth_group_of.values()):
                     self._drop_reservation(group)
                 if self._abort.is_set():
                     raise LaunchAborted(f"the launch was cancelled while workers on {late} were starting")
@@ -244,9 +243,7 @@ class RayWorkerGroup:
             for name, _ in self._named():
                 node, k = name.split("/")[-2], int(name.rsplit("/", 1)[1])
                 self._made[node] = max(self._made.get(node, 0), k + 1)
-        self._growth = []
-        self._growth_groups = []
-        self._growth_group_of, self._growth_refs = {}, {}
+        self._growth, self._growth_group_of, self._growth_refs = [], {}, {}
         new = []
         for node, count in wanted.items():
             missing = count - len(self._pool.get(node, []))
@@ -270,7 +267,6 @@ class RayWorkerGroup:
             **({"name": f"{self.name}/reservation-{node}-{self._reservations}-{time.time_ns()}",
                 "lifetime": "detached"} if self.name is not None else {}))
         self._groups.setdefault(node, []).append(group)
-        self._growth_groups.append(group)
         self._growth_group_of[node] = group
         for index in range(missing):
             options: dict[str, Any] = {}
@@ -313,8 +309,7 @@ class RayWorkerGroup:
                 except Exception:  # noqa: BLE001 - never started
                     pass
             self._growth = [(n, a) for n, a in self._growth if id(a) not in dropped]
-            if group in self._growth_groups:
-                self._growth_groups.remove(group)
+            del self._growth_group_of[node]
             self._drop_reservation(group)
             theirs = {warm.hex() for warm in self._growth_refs.pop(node, [])}  # (not a prewarmed actor's)
             new = [(n, warm) for n, warm in new if warm.hex() not in theirs] + self._reserve(node, len(ours))
@@ -348,7 +343,8 @@ class RayWorkerGroup:
             return
         for node, ref in self._grow_pool(wanted):
             self._warming.setdefault(node, []).append(ref)
-        self._growth, self._growth_groups = [], []  # (held for the run, not part of any launch's gang)
+        # (held for the run, not part of any launch's gang)
+        self._growth, self._growth_group_of, self._growth_refs = [], {}, {}
 
     def _forget_node(self, node: str) -> None:
         """A node that died: its actors went with it; its reservations go too (else Ray would hold its
