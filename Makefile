@@ -51,9 +51,13 @@ test-postgres:
 	( $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 	  --no-install-recommends postgresql >/dev/null ) || echo "make: installing postgresql failed: its tests will skip"
 
+# Under CI (a 90-minute limit for all of .ci/run), pytest ends its session after 80 minutes and prints its
+# summary: a run cut off by the limit would say nothing of the tests it had not finished.
+SESSION_LIMIT := $(if $(CI),--session-timeout=4800,)
+
 test: $(STAMP) test-deps test-postgres
 	$(PY) -m mypy
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --instafail --durations=25 $(SESSION_LIMIT) tests
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not dist and not cluster" tests
