@@ -8,11 +8,20 @@ accumulation (pp = 1). Everything about launching, rendezvous and reporting live
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 from trainer.config import Schedule, TrainerConfig
 from trainer.data import build_source, check_pure, local_sample_ids
@@ -25,9 +34,6 @@ from trainer.replica import CrossReplica, Membership, StepDiscarded, state_tenso
 from trainer.replica_sdc import disagreement, state_fingerprint
 from trainer.report import ReportSink, StepReport
 from trainer.switches import DrillSwitches
-
-if TYPE_CHECKING:  # torch.distributed.pipelining imports torch._dynamo (~0.75 s a process): only pp > 1 needs it
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 
 class Trainer:
@@ -86,10 +92,6 @@ class Trainer:
         state on a side stream: trainer/peer.py); the forward and backward do not wait."""
 
     def _build_schedule(self, num_stages: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
-        from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-        from torch.distributed.pipelining.stage import _PipelineStageBase
-
         pp_group = self.mesh["pp"].get_group()
         stages: list[_PipelineStageBase] = [
             PipelineStage(part, stage, num_stages, self.choice.device, group=pp_group)

@@ -84,16 +84,12 @@ class RankActor:
         self._outcome: tuple[str, Any] | None = None
         self._heart = NodeHeart()
 
-    def warm(self, pipeline: bool = False) -> dict[str, Any]:
-        """Import what the training process needs, once, before any attempt forks it: torch, the
-        trainer, and torch's pipelining (which imports torch._dynamo, ~0.75 s) only for a mesh with pp > 1."""
+    def warm(self) -> dict[str, Any]:
         import torch  # noqa: F401 - the point: pay the import once, before any attempt
 
         import trainer.checkpoint  # noqa: F401
         import trainer.train  # noqa: F401
 
-        if pipeline:
-            import torch.distributed.pipelining  # noqa: F401
         return self.where()
 
     def where(self) -> dict[str, Any]:

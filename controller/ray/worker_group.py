@@ -100,8 +100,6 @@ class RayWorkerGroup:
         self._peer_key: str | None = None
         """The folder of the run's peer snapshots on the nodes (checkpointing.peer.run_key), once known."""
         self._attempt: AttemptSpec | None = None
-        self._pipeline = False
-        """The last launch's mesh has pp > 1: actors started from then on import torch's pipelining too."""
         self._replicas: ray_replicas.ReplicaTracking | None = None
         """failure_domain replica: the attempt's membership and the replicas being formed again."""
         self._hearts: HeartbeatWatch | None = None
@@ -123,7 +121,6 @@ class RayWorkerGroup:
         self._end_attempt()  # (whether this one starts or not, the last one's membership is gone)
         placement = attempt.placement
         world = placement.mesh.world_size
-        self._pipeline = placement.mesh.pp > 1
         ranks_per_node = collections.Counter(placement.node_of_rank)  # one pass (not one per node)
         wanted = {node: ranks_per_node[node] for node in placement.nodes_used()}
         if self.warm:  # a spare may replace any node: as many warm actors as the fullest one has
@@ -282,7 +279,7 @@ class RayWorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
                 **options).remote()
             self._pool.setdefault(node, []).append(actor)
-            new.append((node, actor.warm.remote(self._pipeline)))
+            new.append((node, actor.warm.remote()))
             self._growth.append((node, actor))
         self._growth_refs[node] = [warm for _, warm in new]
         return new
