@@ -13,10 +13,10 @@ Figures, per round (wall seconds):
   step began), the figure issue 46 asks to bring to <= 10 s.
 
 And, in a fresh interpreter each (n = --rounds, on an idle machine), what one rank actor imports
-before its first fork: `import ray` (a Ray worker's own start), `import torch`, the trainer
-(trainer.checkpoint and trainer.train, with torch.distributed.checkpoint and DTensor) and torch's
-pipelining (torch._dynamo; only a pp > 1 mesh's actors import it). The launch's CPU cost is about
-actors x that sum, on however many cores the machine has.
+before its first fork: `import ray` (a Ray worker's own start), `import torch` and the trainer
+(trainer.checkpoint and trainer.train, with torch.distributed.checkpoint, DTensor and torch's
+pipelining, which imports torch._dynamo). The launch's CPU cost is about actors x that sum, on however
+many cores the machine has.
 
     python benchmarks/startup.py [--rounds 3] [--steps 3]    (its record: benchmarks/records/startup.json)
 """
@@ -44,7 +44,6 @@ IMPORTS = {
     "import ray": "import ray",
     "import torch": "import torch",
     "the trainer": "import trainer.checkpoint, trainer.train",
-    "torch's pipelining": "import torch.distributed.pipelining",
 }
 """What a rank actor imports, in the order it does (each timed after the ones before it)."""
 
@@ -123,9 +122,8 @@ def main() -> None:
                               goal="<= 10" if name == "startup badput" else None)
                for name, values in phases.items()]
     figures += [records.figure(f"a rank actor's {name}", values, "s") for name, values in imports.items()]
-    path = records.write("startup", figures, code=["controller/ray/worker_group.py", "controller/ray/rank_actor.py",
+    records.write("startup", figures, code=["controller/ray/worker_group.py", "controller/ray/rank_actor.py",
                                                    "controller/ray/cluster.py", "trainer/worker.py", "trainer/train.py"])
-    print(f"record: {path}")
 
 
 if __name__ == "__main__":
