@@ -1,6 +1,7 @@
-"""The rank actor: one per GPU slot. It imports torch once ("warm") and forks the rank's training
-process from that warm image, relays its reports and heartbeats, and holds the slot's drill switches
-(trainer/switches.py), which every process forked from it shares.
+"""The rank actor: one per GPU slot. It has its node's warm image (controller/ray/zygote.py) fork the
+rank's training process, relays its reports, has the zygote send its heartbeats, and holds the slot's
+drill switches (trainer/switches.py) in memory every training process of the slot shares. It never
+imports torch: starting one costs Ray's worker and this package's torch-free modules only.
 
 A training process whose attempt failed under it (a peer gone: its collective raised) tears its
 process group down and parks, waiting for its slot's next attempt, which it then trains in place:
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import select
 import signal
 import threading
 import time
@@ -21,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from checkpointing.peer import Held, forget_run, held_copies, holdings, peer_base
+from controller.ray.zygote import SlotMemory, ZygoteClient
 
+from trainer.args import WorkerArgs, WorkerSummary
 from trainer.report import StepReport
-from trainer.worker import WorkerArgs, WorkerSummary
 
 
 UNRESPONSIVE_S = 3.0
@@ -53,20 +56,22 @@ class RankProcessDied(RuntimeError):
 
 
 class RankActor:
-    """Holds one GPU slot on one node. `warm` imports torch; `run` forks this attempt's training process
-    (or hands the attempt to the slot's parked one) and relays its reports; `stop` SIGKILLs it (a
-    parked one stays, if asked). Concurrent calls (max_concurrency=5): `run` waits on
+    """Holds one GPU slot on one node. `warm` finds (or starts) the node's zygote and waits until it has
+    imported torch; `run` has it fork this attempt's training process (or hands the attempt to the
+    slot's parked one) and relays its reports; `stop` SIGKILLs it (a parked one stays, if asked). Concurrent calls (max_concurrency=5): `run` waits on
     the process while `drain` hands reports to the controller, `wait_done` (a re-attached controller)
     waits for its outcome and `stop` ends it."""
 
     def __init__(self) -> None:
-        import multiprocessing
-
-        from trainer.switches import SIZE, DrillSwitches
+        from trainer.switches import DrillSwitches
 
         self._lock = threading.Lock()
-        # Shared with every training process forked from here: drills set on this GPU slot stay with it.
-        self._switches = DrillSwitches(multiprocessing.get_context("fork").Array("d", SIZE, lock=False))
+        # Shared with every training process of this slot: drills set on this GPU slot stay with it.
+        self._memory = SlotMemory()
+        self._switches = DrillSwitches(self._memory.switches)
+        self._zygote: ZygoteClient | None = None
+        self._lifeline: int | None = None
+        """The write end of the training process's lifeline (closed: the process exits)."""
         self._reports: list[StepReport] = []
         self._events: list[tuple[str, dict]] = []
         self._process: Any = None
@@ -85,11 +90,21 @@ class RankActor:
         self._heart = NodeHeart()
 
     def warm(self) -> dict[str, Any]:
-        import torch  # noqa: F401 - the point: pay the import once, before any attempt
+        """Wait for this node's zygote to be warm (started here by the node's first rank actor)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        import trainer.checkpoint  # noqa: F401
-        import trainer.train  # noqa: F401
+        from controller.ray.run_store import NAMESPACE
+        from controller.ray.zygote import ZYGOTE_PREFIX, NodeZygote
 
+        if self._zygote is None:
+            node = ray.get_runtime_context().get_node_id()
+            zygote: Any = ray.remote(NodeZygote).options(
+                name=ZYGOTE_PREFIX + node, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, max_concurrency=4,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            self._zygote = ZygoteClient(ray.get(zygote.warm.remote()))
+            self._heart.zygote = self._zygote
         return self.where()
 
     def where(self) -> dict[str, Any]:
@@ -104,6 +119,8 @@ class RankActor:
         """This attempt's training process, start to end; its outcome is kept for `wait_done` (a
         controller that re-attaches after its predecessor died has no handle on this call)."""
         done = threading.Event()
+        if self._zygote is None:
+            self.warm()
         if args.peer_every or args.peer_restore is not None:  # the snapshots live in this node's host memory
             args = dataclasses.replace(args, peer_dir=str(self._peer_folder()))
         with self._lock:
@@ -186,9 +203,12 @@ class RankActor:
         return summary
 
     def _start(self, args: WorkerArgs) -> None:
-        """Hand the attempt to the parked training process, or fork one."""
+        """Hand the attempt to the parked training process, or have the zygote fork one."""
         import multiprocessing
 
+        if self._zygote is None:
+            self.warm()
+        assert self._zygote is not None
         with self._lock:
             parked = self._parked.is_set() and self._process is not None and self._process.is_alive()
             self._parked.clear()
@@ -200,18 +220,24 @@ class RankActor:
                 except (BrokenPipeError, OSError):  # it died parked: a fresh one
                     pass
             self._end_process()
-            ctx = multiprocessing.get_context("fork")
-            receive, send = ctx.Pipe(duplex=False)
-            commands_in, commands = ctx.Pipe(duplex=False)
-            beat = ctx.Value("d", time.time(), lock=False)
-            process = ctx.Process(target=_train_in_child,
-                                  args=(args, send, beat, os.getpid(), self._switches, commands_in),
-                                  name=f"goodput-rank-{args.rank}", daemon=True)
-            self._beat = beat
-            process.start()
-            send.close()
-            commands_in.close()
-            self._process, self._receive, self._commands = process, receive, commands
+            receive, send = multiprocessing.Pipe(duplex=False)
+            commands_in, commands = multiprocessing.Pipe(duplex=False)
+            lifeline_in, lifeline = os.pipe()
+            self._memory.value = time.time()
+            try:
+                process = self._zygote.fork(args, report=send.fileno(), commands=commands_in.fileno(),
+                                            lifeline=lifeline_in, memory=self._memory)
+            except BaseException:
+                receive.close()
+                commands.close()
+                os.close(lifeline)
+                raise
+            finally:
+                send.close()
+                commands_in.close()
+                os.close(lifeline_in)
+            self._beat = self._memory
+            self._process, self._receive, self._commands, self._lifeline = process, receive, commands, lifeline
 
     def _end_process(self) -> None:
         """SIGKILL the training process (even a stopped one) and wait for it; under the lock."""
@@ -227,6 +253,9 @@ class RankActor:
         if self._commands is not None:
             self._commands.close()
             self._commands = None
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
         self._parked.clear()
 
     def stop(self, keep_parked: bool = False) -> None:
@@ -295,54 +324,34 @@ def heartbeat_key(store_prefix: str, rank: int) -> str:
 
 
 class NodeHeart:
-    """The node's heartbeat, from its rank actor (health/heartbeat.py): a thread of its own adds one
-    to a counter of the run's store every HEARTBEAT_PERIOD_S, whatever the training process does (a
-    slow step, a checkpoint, a stopped rank), so only a node that is gone, cut off or frozen goes
-    silent. The counter is the rank's of the newest attempt this actor trains; a store that does not
-    answer (a partition) is tried again at the next beat."""
+    """The node's heartbeat for this rank actor (health/heartbeat.py): the node's zygote adds one to a
+    counter of the run's store every HEARTBEAT_PERIOD_S, whatever the training process does (a slow
+    step, a checkpoint, a stopped rank), so only a node that is gone, cut off or frozen goes silent
+    (and a rank actor that died: the beat's lifeline closes with it). The counter is the rank's of the
+    newest attempt this actor trains; a store that does not answer (a partition) is tried again at the
+    next beat."""
 
     def __init__(self) -> None:
+        self.zygote: ZygoteClient | None = None
         self._target: tuple[str, int, str] | None = None
+        self._lifeline: int | None = None
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._calling = threading.Lock()
-        """Held while the beat is inside the store client, and by every fork of this process: a training
-        process forked while the beat held a lock of c10d's would inherit it held, and its own store and
-        process groups would hang (`os.register_at_fork`)."""
-        os.register_at_fork(before=self._calling.acquire, after_in_parent=self._calling.release,
-                            after_in_child=self._calling.release)
 
     def beat_for(self, host: str, port: int, key: str) -> None:
         with self._lock:
-            self._target = (host, port, key)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._beat, name="goodput-heartbeat", daemon=True)
-                self._thread.start()
-
-    def _beat(self) -> None:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        from health.heartbeat import HEARTBEAT_PERIOD_S
-
-        client: Any = None
-        at: tuple[str, int] | None = None
-        while True:
-            with self._lock:
-                target = self._target
-            assert target is not None
-            host, port, key = target
+            if self._target == (host, port, key) or self.zygote is None:
+                return
+            ending, beat = self._lifeline, os.pipe()
             try:
-                with self._calling:
-                    if client is None or at != (host, port):
-                        client, at = None, (host, port)
-                        client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                               timeout=timedelta(seconds=HEARTBEAT_PERIOD_S * 5))
-                    client.add(key, 1)
-            except Exception:  # noqa: BLE001 - unreachable now (a partition, a store moving): next beat
-                client = None
-            time.sleep(HEARTBEAT_PERIOD_S)
+                self.zygote.beat(host, port, key, beat[0])
+            except BaseException:
+                os.close(beat[1])
+                raise
+            finally:
+                os.close(beat[0])
+            self._target, self._lifeline = (host, port, key), beat[1]
+            if ending is not None:
+                os.close(ending)  # the last attempt's key goes quiet
 
 
 class _PipeSink:
@@ -363,9 +372,10 @@ class _PipeSink:
         self.put("event", (kind, detail))
 
 
-def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, switches: Any, commands: Any) -> None:
-    """Body of the forked training process. It never touches Ray (the fork has none of Ray's threads)
-    and ends with its actor: the heartbeat thread exits the process once the actor is gone. An attempt
+def _train_in_child(args: WorkerArgs, send: Any, beat: Any, lifeline: int, switches: Any, commands: Any) -> None:
+    """Body of the training process (forked by the node's zygote). It never touches Ray (the fork has
+    none of Ray's threads) and ends with its actor: the heartbeat thread exits the process once the
+    actor is gone (its `lifeline` reads EOF). An attempt
     that fails under it is torn down (its process group destroyed, its trainer freed); the process
     then parks until its actor hands it the next attempt, or ends when the actor closes the command
     pipe (or when it has trained IN_PLACE_ATTEMPTS)."""
@@ -380,10 +390,10 @@ def _train_in_child(args: WorkerArgs, send: Any, beat: Any, actor_pid: int, swit
 
     def heartbeat() -> None:
         while True:
-            if os.getppid() != actor_pid:
-                os._exit(1)
             beat.value = time.time()
-            time.sleep(HEARTBEAT_S)
+            gone, _, _ = select.select([lifeline], [], [], HEARTBEAT_S)
+            if gone:
+                os._exit(1)
 
     threading.Thread(target=heartbeat, daemon=True).start()
     torch.set_num_threads(1)
