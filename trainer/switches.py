@@ -1,7 +1,7 @@
 """Drill switches: what a drill asks of one GPU slot's training process, set from outside it.
 
-The Ray actor that holds a GPU slot owns one shared array (fork-inherited by every training process it
-starts), so a drill set on a slot stays with that slot, as a real slow or faulty GPU would, across
+The Ray actor that holds a GPU slot owns one shared array (shared memory every training process of the
+slot maps: controller/ray/zygote.py), so a drill set on a slot stays with that slot, as a real slow or faulty GPU would, across
 attempts. The trainer reads the switches between steps. Pure: no torch.
 """
 

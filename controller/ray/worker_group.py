@@ -1,13 +1,14 @@
 """The Ray worker group: one actor per GPU slot, in a bundle of its node's placement group (bundle
 label selectors pin it there; a launch's reservations are granted all together or released), and one
-training process per rank forked from its actor for each attempt. Ranks rendezvous through a TCPStore
+training process per rank for each attempt, forked for its actor from the node's warm image
+(controller/ray/zygote.py). Ranks rendezvous through a TCPStore
 hosted here in the controller (never in a rank that can die; a fresh key prefix per attempt).
 
 Why a forked process per attempt (measured, see benchmarks/regroup_vs_restart.py and
 benchmarks/recovery_drills.py): a fresh process spends seconds importing torch, while rebuilding the
 process group inside a surviving process takes under a second. But a gloo rank blocked in a
 collective cannot be freed from inside its process (`abort()` does not interrupt it in torch 2.13),
-only by its peers' sockets closing or its timeout. So each actor imports torch once ("warm") and
+only by its peers' sockets closing or its timeout. So each node imports torch once (its zygote) and
 forks the rank's training process from that warm image per attempt: ending an attempt is a SIGKILL of
 the forked processes (instant, and it frees every peer), starting one is a fork (milliseconds). Spare
 nodes get warm actors up front, so a replacement starts as fast as a survivor. And a training process
@@ -65,7 +66,7 @@ class RayWorkerGroup:
         self.interface = interface
         """The spec's cluster.interface, for the ranks' collectives (where their node sets none)."""
         self.warm = warm
-        """Keep actors (and their imported torch) across attempts; False: fresh actors per attempt."""
+        """Keep actors (and their training processes' parked state) across attempts; False: fresh actors per attempt."""
         self._store: Any = None
         self._store_host = store_host
         """Where the ranks reach the run's store (controller/ray/run_store.py)."""

@@ -25,6 +25,7 @@ ends its zygote and every process it forked (they are all under its raylet)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -36,7 +37,7 @@ import struct
 import tempfile
 import threading
 import time
-from typing import Any, MutableSequence, cast
+from typing import Any, Iterator, MutableSequence, cast
 
 from trainer.switches import SIZE as SWITCHES
 
@@ -180,9 +181,10 @@ class NodeZygote:
         self._conns: set[int] = set()
         """Connections to actors waiting for a process's exit code (closed in every forked child)."""
         self._conns_lock = threading.Lock()
-        self._calling = threading.Lock()
-        """Held while a beat is inside the store client, and across every fork: a training process forked
-        while a beat held a lock of c10d's would inherit it held, and its own store would hang."""
+        self._calls = _Gate()
+        """Beats inside the store client, and forks: a training process forked while a beat held a lock
+        of c10d's would inherit it held, and its own store would hang; beats do not wait for each
+        other (one blocked by a store that does not answer must not hold the node's others back)."""
 
     def warm(self) -> str:
         with self._lock:
@@ -193,7 +195,9 @@ class NodeZygote:
                 import trainer.train  # noqa: F401
                 import trainer.worker  # noqa: F401
 
-                folder = tempfile.mkdtemp(prefix="goodput-zygote-", dir="/tmp")  # (a socket path is <= 107 bytes)
+                # In the cluster's temp folder where it has one (removed with it); a socket path is <= 107 bytes.
+                base = os.environ.get("RAY_TMPDIR", "")
+                folder = tempfile.mkdtemp(prefix="goodput-zygote-", dir=base if 0 < len(base) <= 64 else "/tmp")
                 path = os.path.join(folder, "sock")
                 server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 server.bind(path)
@@ -241,10 +245,9 @@ class NodeZygote:
         assert self._server is not None
         with self._conns_lock:
             inherited = [self._server.fileno(), conn.fileno(), *self._conns]
-        with self._calling:
+        with self._calls.alone():
             pid = os.fork()
             if pid == 0:
-                self._calling.release()
                 _child(message, fds, inherited)  # never returns
         with self._conns_lock:
             self._conns.add(conn.fileno())
@@ -273,7 +276,7 @@ class NodeZygote:
         try:
             while True:
                 try:
-                    with self._calling:
+                    with self._calls.shared():
                         if client is None:
                             client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                                    timeout=timedelta(seconds=HEARTBEAT_PERIOD_S * 5))
@@ -285,6 +288,41 @@ class NodeZygote:
                     return
         finally:
             os.close(lifeline)
+
+
+class _Gate:
+    """Many may be inside together (`shared`), or one alone (`alone`: waits until the others are out,
+    and lets none in meanwhile)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside = 0
+        self._alone = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._alone)
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inside -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._alone)
+            self._alone = True
+            self._cond.wait_for(lambda: self._inside == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._alone = False
+                self._cond.notify_all()
 
 
 def _child(message: dict[str, Any], fds: list[int], inherited: list[int]) -> None:
