@@ -233,7 +233,8 @@ class NodeZygote:
                     conn.close()
             except Exception as e:  # noqa: BLE001 - one bad request (its actor gone mid-way) ends only itself
                 print(f"goodput zygote: a request failed: {type(e).__name__}: {e}", flush=True)
-                conn.close()
+                if conn.fileno() not in self._conns:  # (a forked one's is the reaper's to close)
+                    conn.close()
             finally:
                 for fd in fds:
                     try:
@@ -251,8 +252,10 @@ class NodeZygote:
                 _child(message, fds, inherited)  # never returns
         with self._conns_lock:
             self._conns.add(conn.fileno())
-        conn.sendall(_CODE.pack(pid))
-        threading.Thread(target=self._reap, args=(pid, conn), name=f"goodput-reap-{pid}", daemon=True).start()
+        try:
+            conn.sendall(_CODE.pack(pid))  # (before the reaper can send the exit code on the same connection)
+        finally:  # reaped whatever happens (an actor gone before it reads the pid leaves no zombie behind)
+            threading.Thread(target=self._reap, args=(pid, conn), name=f"goodput-reap-{pid}", daemon=True).start()
 
     def _reap(self, pid: int, conn: socket.socket) -> None:
         _, status = os.waitpid(pid, 0)
