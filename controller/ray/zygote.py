@@ -19,7 +19,7 @@ descriptors with the request (SCM_RIGHTS):
   the lifeline closes (the actor moved on to the next attempt's key, or died). A node that is gone,
   cut off or frozen goes silent, as before; so does a rank actor that died.
 
-The training process runs as before (controller/ray/rank_actor.py `_train_in_child`): it never
+The training process runs as before (controller/ray/training.py `train_in_child`): it never
 touches Ray, parks after a failed attempt and trains the slot's next one in place. A node's death
 ends its zygote and every process it forked (they are all under its raylet)."""
 
@@ -150,7 +150,7 @@ class ZygoteClient:
         self.path = path
 
     def fork(self, args: Any, *, report: int, commands: int, lifeline: int, memory: SlotMemory) -> ForkedProcess:
-        """Fork the training process of `args` (rank_actor._train_in_child) with these fds: the write end
+        """Fork the training process of `args` (training.train_in_child) with these fds: the write end
         of its report pipe, the read end of its command pipe and of its lifeline."""
         message = {"kind": "fork", "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
         conn = _request(self.path, message, [report, commands, lifeline, memory.fd, 1, 2])
@@ -330,7 +330,7 @@ class _Gate:
 
 def _child(message: dict[str, Any], fds: list[int], inherited: list[int]) -> None:
     """The forked training process: the actor's stdout, stderr, environment and working directory, none
-    of the zygote's sockets; then the rank's training (rank_actor._train_in_child); then exit."""
+    of the zygote's sockets; then the rank's training (training.train_in_child); then exit."""
     from multiprocessing.connection import Connection
 
     code = 1
@@ -349,12 +349,12 @@ def _child(message: dict[str, Any], fds: list[int], inherited: list[int]) -> Non
         import torch.cuda
 
         torch.cuda._cached_device_count = None  # (the slot's CUDA_VISIBLE_DEVICES is the actor's, not the zygote's)
-        from controller.ray.rank_actor import _train_in_child
+        from controller.ray.training import train_in_child
 
         memory = SlotMemory(memory_fd)
         from trainer.switches import DrillSwitches
 
-        _train_in_child(message["args"], Connection(report, readable=False), memory, lifeline,
+        train_in_child(message["args"], Connection(report, readable=False), memory, lifeline,
                         DrillSwitches(memory.switches), Connection(commands, writable=False))
         code = 0
     except BaseException:  # noqa: BLE001 - said on stderr; the exit code tells the actor
