@@ -30,6 +30,10 @@ from trainer.config import MeshShape, config_to_dict
 pytestmark = pytest.mark.cluster
 
 GLOBAL_BATCH = 8
+MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 64, "seq_len": 32}
+"""One block per pipeline stage: on 2 cores a step's cost is torch's per-op overhead (DTensor dispatch,
+the schedule, gloo), which each block adds to; what these tests check (decisions, restores, resharding
+onto the same or another mesh, bit-identity) does not depend on depth."""
 
 
 def spec(name: str, root: Path, *, nodes: int, spares: int, drills: list[dict], steps: int = 16,
@@ -37,7 +41,7 @@ def spec(name: str, root: Path, *, nodes: int, spares: int, drills: list[dict], 
     return parse_spec({
         "elastic": elastic or {},
         "name": name,
-        "model": {"n_layers": 4, "d_model": 64, "n_heads": 4, "vocab_size": 64, "seq_len": 32},
+        "model": MODEL,
         "data": {"kind": "synthetic", "seed": 0},
         "train": {"steps": steps, "global_batch": GLOBAL_BATCH, "micro_batch": 2, "lr": 1e-2},
         "parallelism": {"dp": 2, "pp": 2, "tp": tp},
@@ -57,7 +61,7 @@ def final_state(root: Path, run_id: str, step: int) -> dict[str, torch.Tensor]:
     """The committed step reassembled on one process (resharding is bit-identical, tested elsewhere)."""
     from trainer.config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
 
-    cfg = TrainerConfig(model=ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=64, seq_len=32),
+    cfg = TrainerConfig(model=ModelConfig(**MODEL),
                         data=DataConfig(seed=0), train=TrainConfig(steps=16, global_batch=GLOBAL_BATCH,
                                                                     micro_batch=2, lr=1e-2, dtype="float32"),
                         mesh=MeshShape())
