@@ -19,7 +19,7 @@ pytestmark = pytest.mark.cluster
 def tiny_spec(name: str, root: Path, steps: int, every: int) -> RunSpec:
     return parse_spec({
         "name": name,
-        "model": {"n_layers": 4, "d_model": 64, "n_heads": 4, "vocab_size": 64, "seq_len": 32},
+        "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 64, "seq_len": 32},  # a block per stage
         "data": {"kind": "synthetic", "seed": 0},
         "train": {"steps": steps, "global_batch": 8, "micro_batch": 2, "lr": 1e-2},
         "parallelism": {"dp": 2, "pp": 2, "tp": 2},
