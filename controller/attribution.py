@@ -222,17 +222,22 @@ class MeshStages(Mapping[int, int]):
 
     def __init__(self, mesh: MeshShape) -> None:
         self.mesh = mesh
+        self._world = mesh.world_size
+        """(Read for every report a poll folds in: a plain attribute, not the mesh's product.)"""
 
     def __getitem__(self, rank: int) -> int:
-        if not isinstance(rank, int) or not 0 <= rank < self.mesh.world_size:
+        if not isinstance(rank, int) or not 0 <= rank < self._world:
             raise KeyError(rank)
         return self.mesh.stage_of(rank)
 
+    def __contains__(self, rank: object) -> bool:
+        return isinstance(rank, int) and 0 <= rank < self._world  # (Mapping's would compute the stage)
+
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.mesh.world_size))
+        return iter(range(self._world))
 
     def __len__(self) -> int:
-        return self.mesh.world_size
+        return self._world
 
     def ranks(self) -> range:
         """Every rank, in order (the straggler tracker's order)."""

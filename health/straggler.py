@@ -133,6 +133,7 @@ class StragglerTracker:
         if not stage_of_rank:
             raise ValueError("a straggler tracker needs at least one rank")
         self.stage_of_rank = stage_of_rank
+        self._ranks = len(stage_of_rank)
         self.config = config
         self._by_step: dict[int, dict[int, float]] = {}
         self._whole: dict[int, np.ndarray] = {}
@@ -152,14 +153,14 @@ class StragglerTracker:
             return
         samples = self._by_step.setdefault(step, {})
         samples[rank] = compute_s
-        if len(samples) >= len(self.stage_of_rank):
+        if len(samples) >= self._ranks:
             self._ready.add(step)
         self._bound()
 
     def add_step(self, step: int, compute_s: Sequence[float] | np.ndarray) -> None:
         """Every rank's compute time of one step at once, in the order `stage_of_rank` lists them."""
-        if len(compute_s) != len(self.stage_of_rank):
-            raise ValueError(f"add_step: {len(compute_s)} samples for {len(self.stage_of_rank)} ranks")
+        if len(compute_s) != self._ranks:
+            raise ValueError(f"add_step: {len(compute_s)} samples for {self._ranks} ranks")
         if self._fresh(step):
             self._whole[step] = np.asarray(compute_s, dtype=np.float64)
             self._by_step.setdefault(step, {})
