@@ -114,7 +114,7 @@ def test_a_model_of_your_own_trains_and_heals_on_the_cluster(ray_cluster: LocalR
     def spec(name: str, drills: list[dict]) -> dict:
         return {
             "name": name,
-            "model": {"provider": "examples.gpt2_provider:build", "args": {"n_layers": 4, "d_model": 64, "n_heads": 4},
+            "model": {"provider": "examples.gpt2_provider:build", "args": {"n_layers": 2, "d_model": 64, "n_heads": 4},
                       "vocab_size": 64, "seq_len": 32},
             "data": {"kind": "synthetic", "seed": 0},
             "train": {"steps": 10, "global_batch": 8, "micro_batch": 2, "lr": 1e-2},
