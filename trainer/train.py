@@ -25,7 +25,7 @@ from torch.distributed.pipelining.schedules import (
 
 from trainer.config import Schedule, TrainerConfig
 from trainer.data import build_source, check_pure, local_sample_ids
-from trainer.optim import clip_to, global_grad_norm, set_learning_rate
+from trainer.optim import ShardLocalAdamW, clip_to, global_grad_norm, set_learning_rate
 from trainer.parallel import DeviceChoice, build_model_parts
 from trainer.provider import load_provider
 from trainer.probes import ComputeClock, Probes, spin
@@ -65,7 +65,7 @@ class Trainer:
         # kernel (one launch for every tensor's update); on CPU torch's default (foreach).
         fused = True if choice.device.type == "cuda" else None
         self.optimizers = [
-            torch.optim.AdamW(part.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay,
+            ShardLocalAdamW(part.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay,
                               fused=fused)
             for part in self.parts
         ]
