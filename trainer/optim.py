@@ -70,19 +70,23 @@ def clip_to(parts: Sequence[torch.nn.Module], norm: float, max_norm: float) -> f
 
 class ShardLocalAdamW(torch.optim.AdamW):
     """torch's AdamW, its update applied to each parameter's local shard. Every op of the update is
-    elementwise, so on a DTensor it is the same op on the local shard (a gradient's placement is its
-    parameter's after the backward: Shard or Replicate, never Partial); skipping DTensor's dispatch
-    skips its sharding propagation, which a fresh process pays once per op and tensor shape: about
-    half of a rank's first step on a dp2 x pp2 x tp2 mesh (88 propagations, ~2.2 of 4.8 CPU-s under
-    cProfile), and the per-op overhead of every later step. The state stays what torch makes it
-    (DTensors like their parameters), so checkpoints, resharding and replicas see no difference."""
+    elementwise, so where a gradient is placed as its parameter is (Shard or Replicate: what the
+    backward leaves), the op on the local shard is the DTensor op, bit for bit; a group with any
+    other gradient (a Partial one) keeps torch's DTensor path, which redistributes it first.
+    Skipping DTensor's dispatch skips its sharding propagation, which a fresh process pays once per
+    op and tensor shape: about half of a rank's first step on a dp2 x pp2 x tp2 mesh (88
+    propagations, ~2.2 of 4.8 CPU-s under cProfile), and the per-op overhead of every later step.
+    The state stays what torch makes it (DTensors like their parameters), so checkpoints, resharding
+    and replicas see no difference."""
 
     def _init_group(self, group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,  # type: ignore[no-untyped-def]
                     state_steps):
         has_complex = super()._init_group(group, params_with_grad, grads, exp_avgs, exp_avg_sqs,  # type: ignore[misc]
                                           max_exp_avg_sqs, state_steps)
-        for tensors in (params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
-            tensors[:] = [local_tensor(t) for t in tensors]
+        if all(getattr(g, "placements", None) == getattr(p, "placements", None)
+               for p, g in zip(params_with_grad, grads)):
+            for tensors in (params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
+                tensors[:] = [local_tensor(t) for t in tensors]
         return has_complex
 
 

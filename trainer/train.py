@@ -66,7 +66,7 @@ class Trainer:
         fused = True if choice.device.type == "cuda" else None
         self.optimizers = [
             ShardLocalAdamW(part.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay,
-                              fused=fused)
+                            fused=fused)
             for part in self.parts
         ]
         self.num_stages = num_stages

@@ -1,6 +1,7 @@
 """The trainer's AdamW (trainer/optim.py: the update on each parameter's local shard) against torch's own
 AdamW on the same DTensors, on 2 gloo ranks: shards on either dim, a replicated parameter, weight
-decay and a learning rate that changes every step. Same bits in the parameters and in the state
+decay and a learning rate that changes every step; then a step with a Partial gradient (not what a
+backward leaves here, but one the update must not read as a shard: torch's path reduces it first). Same bits in the parameters and in the state
 after every step, and the state is still DTensors placed like their parameters (what DCP reshards)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ def both_optimizers(*, rank: int, world_size: int, store_port: int) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from trainer.optim import ShardLocalAdamW
 
@@ -47,11 +48,19 @@ def both_optimizers(*, rank: int, world_size: int, store_port: int) -> dict:
         state_same = all(torch.equal(mine.state[a][k].to_local(), reference.state[b][k].to_local())
                          for a, b in zip(ours, theirs) for k in ("exp_avg", "exp_avg_sq"))
         same.append(state_same and all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ours, theirs)))
+    for a, b in zip(ours[:2], theirs[:2]):
+        a.grad = b.grad = None
+    local = torch.full(ours[2].to_local().shape, float(rank + 1))  # rank r's addend: the gradient is their sum
+    ours[2].grad = DTensor.from_local(local, mesh, [Partial()], run_check=False)
+    theirs[2].grad = DTensor.from_local(local.clone(), mesh, [Partial()], run_check=False)
+    mine.step()
+    reference.step()
+    partial_same = torch.equal(ours[2].to_local(), theirs[2].to_local())
     kept = all(isinstance(mine.state[p][k], DTensor) and mine.state[p][k].placements == p.placements
                for p in ours for k in ("exp_avg", "exp_avg_sq"))
     moved = not torch.equal(ours[0].to_local(), params(0)[0].to_local())
     dist.destroy_process_group()
-    return {"same": same, "kept": kept, "moved": moved}
+    return {"same": same, "kept": kept, "moved": moved, "partial_same": partial_same}
 
 
 def test_the_update_on_local_shards_equals_torchs_adamw_on_dtensors_bit_for_bit() -> None:
@@ -59,3 +68,4 @@ def test_the_update_on_local_shards_equals_torchs_adamw_on_dtensors_bit_for_bit(
         assert r["moved"], "the parameters were updated"
         assert r["same"] == [True] * 6, r["same"]
         assert r["kept"], "the state stays DTensors placed like their parameters"
+        assert r["partial_same"], "a Partial gradient was read as this rank's shard"
