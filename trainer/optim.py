@@ -79,13 +79,15 @@ class ShardLocalAdamW(torch.optim.AdamW):
     The state stays what torch makes it (DTensors like their parameters), so checkpoints, resharding
     and replicas see no difference."""
 
-    def _init_group(self, group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,  # type: ignore[no-untyped-def]
-                    state_steps):
-        has_complex = super()._init_group(group, params_with_grad, grads, exp_avgs, exp_avg_sqs,  # type: ignore[misc]
-                                          max_exp_avg_sqs, state_steps)
+    def _init_group(self, group, *args):  # type: ignore[no-untyped-def]
+        # The lists torch fills (parameters with a gradient, gradients, then their state), whatever
+        # else the signature of the torch in use passes between them (AdamW's own took `amsgrad`).
+        has_complex = super()._init_group(group, *args)  # type: ignore[misc]
+        lists = [a for a in args if isinstance(a, list)]
+        params_with_grad, grads = lists[0], lists[1]
         if all(getattr(g, "placements", None) == getattr(p, "placements", None)
                for p, g in zip(params_with_grad, grads)):
-            for tensors in (params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
+            for tensors in lists:  # (the step counts are plain tensors: left as they are)
                 tensors[:] = [local_tensor(t) for t in tensors]
         return has_complex
 
