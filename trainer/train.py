@@ -62,7 +62,7 @@ class Trainer:
         self.is_first = 0 in self.stage_ids
         self.is_last = num_stages - 1 in self.stage_ids
         # One optimizer per stage module: DCP's optimizer state dict is per module. On a GPU the fused
-        # kernel (one launch for every tensor's update); on CPU torch's default (foreach).
+        # kernel (one launch for every tensor's update); on CPU torch's default (a loop over the tensors).
         fused = True if choice.device.type == "cuda" else None
         self.optimizers = [
             ShardLocalAdamW(part.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay,

@@ -36,10 +36,6 @@ TEARDOWN_GRACE_S = 2.0
 down to park (it is then kept for the next attempt) before it is SIGKILLed."""
 
 
-
-
-
-
 class RankProcessDied(RuntimeError):
     """The rank's training process ended by a signal or without a word: a cause, not a symptom."""
 
