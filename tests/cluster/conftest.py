@@ -1,11 +1,14 @@
 """One embedded Ray cluster shared by the cluster tier (each start costs ~10-15 s here), and one S3-protocol
-server; both end with the tier (package scope), so the dist and unit tiers after it run on a quiet machine."""
+server. Each ends right after the last test that uses it, and the tests that use the cluster run first
+(`pytest_collection_modifyitems`): an idle 5-node cluster takes ~9 % of 2 cores (raylets, agents, GCS),
+which the modules that start their own cluster (`goodput serve`, the lab) would otherwise pay for all
+along; the dist and unit tiers after this one run on a quiet machine."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import psutil
 import pytest
@@ -15,6 +18,53 @@ from controller.spec import LocalClusterSpec
 
 if TYPE_CHECKING:
     from tests.support.s3 import S3Server
+
+
+SHARED = ("ray_cluster", "s3_server")
+"""The package's shared servers, each ended after its last user."""
+_last_user: dict[str, str] = {}
+"""Shared fixture -> node id of the last test in this session's order that uses it."""
+_end: dict[str, Callable[[], None]] = {}
+"""Shared fixture -> what ends it (called once: again at the package's end, it does nothing)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that use the shared cluster first (a stable sort: each keeps its place otherwise), so
+    that it is up only while they run; then note each shared fixture's last user."""
+    cluster = [i for i, item in enumerate(items) if _here(item)]
+    if cluster:
+        ordered = sorted((items[i] for i in cluster), key=lambda item: "ray_cluster" not in _fixtures(item))
+        for i, item in zip(cluster, ordered):
+            items[i] = item
+    for item in items:
+        for name in SHARED:
+            if name in _fixtures(item):
+                _last_user[name] = item.nodeid
+
+
+def _here(item: pytest.Item) -> bool:
+    return Path(str(item.path)).resolve().parent == Path(__file__).resolve().parent
+
+
+def _fixtures(item: pytest.Item) -> tuple[str, ...]:
+    return tuple(getattr(item, "fixturenames", ()))
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures have ended
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    for name in SHARED:
+        if _last_user.get(name) == item.nodeid and name in _end:
+            _end.pop(name)()
+
+
+def _once(end: Callable[[], None]) -> Callable[[], None]:
+    done: list[bool] = []
+
+    def call() -> None:
+        if not done:
+            done.append(True)
+            end()
+    return call
 
 
 def _ray_children() -> list[psutil.Process]:
@@ -32,22 +82,27 @@ def ray_cluster() -> Iterator[LocalRayCluster]:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + ([saved] if saved else []))
     cluster = LocalRayCluster(LocalClusterSpec(nodes=5, gpus_per_node=2, racks=2, spares=0))
     cluster.start()
-    try:
-        yield cluster
-    finally:
+
+    def end() -> None:
         cluster.shutdown()
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
-    left = [p for p in _ray_children() if p.is_running()]
-    for p in left:
-        try:
-            p.wait(10)
-        except psutil.TimeoutExpired:
-            pass
-    still = [p.pid for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not still, f"processes left behind by the cluster: {still}"
+        left = [p for p in _ray_children() if p.is_running()]
+        for p in left:
+            try:
+                p.wait(10)
+            except psutil.TimeoutExpired:
+                pass
+        still = [p.pid for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not still, f"processes left behind by the cluster: {still}"
+
+    _end["ray_cluster"] = end = _once(end)
+    try:
+        yield cluster
+    finally:
+        end()
 
 
 @pytest.fixture(scope="package")
@@ -58,11 +113,16 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["S3Server"]:
 
     server = S3Server(tmp_path_factory.mktemp("s3"))
     saved = set_env(server.env())
+
+    def end() -> None:
+        restore_env(saved)
+        server.stop()
+
+    _end["s3_server"] = end = _once(end)
     try:
         yield server
     finally:
-        restore_env(saved)
-        server.stop()
+        end()
 
 
 @pytest.fixture
