@@ -132,7 +132,7 @@ def main() -> None:
     figures += [records.figure(f"a node's warm image's {name}", values, "s") for name, values in imports.items()]
     records.write("startup", figures, code=["controller/ray/worker_group.py", "controller/ray/rank_actor.py",
                                             "controller/ray/zygote.py", "controller/ray/cluster.py",
-                                            "trainer/worker.py", "trainer/train.py"])
+                                            "trainer/worker.py", "trainer/train.py", "examples/tiny-gpt.yaml"])
 
 
 if __name__ == "__main__":
