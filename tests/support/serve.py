@@ -75,7 +75,17 @@ class Serve:
                 return self
             assert self.proc.poll() is None, self.text()[-3000:]
             time.sleep(0.3)
-        raise AssertionError(f"goodput serve did not come up in {timeout_s} s:\n{self.text()[-3000:]}")
+        raise AssertionError(f"goodput serve did not come up in {timeout_s} s:\n{self.text()[offset:][-2000:]}"
+                             f"\nwhere it is stuck:\n{self.stacks()}")
+
+    def stacks(self) -> str:
+        """Every thread's stack of the live service (`goodput serve` dumps them on SIGUSR1 into its log)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return "(not running)"
+        said = len(self.text())
+        self.proc.send_signal(signal.SIGUSR1)
+        time.sleep(2.0)
+        return self.text()[said:][-12000:] or "(nothing written)"
 
     def wait_text(self, offset: int, text: str, timeout_s: float = 120) -> None:
         """Wait until the log (from `offset`) says `text`, the process alive meanwhile."""
