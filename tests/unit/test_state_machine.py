@@ -141,7 +141,8 @@ def test_node_loss_without_spare_shrinks_dp_and_keeps_batch() -> None:
     assert (attempt.config.mesh.dp, attempt.config.mesh.pp, attempt.config.mesh.tp) == (1, 2, 2)
     first = g.started[0].config
     assert attempt.config.train.global_batch == first.train.global_batch == BASE["train"]["global_batch"]
-    assert attempt.config.num_microbatches() == 2 * first.num_microbatches(), "half the replicas, twice the micro-batches"
+    assert attempt.config.num_microbatches() == 2 * first.num_microbatches(), \
+        "half the data-parallel ranks, twice the micro-batches each"
     assert "node-2" not in attempt.placement.node_of_rank
     assert c.events.of_kind("quarantined")[0].detail["node"] == "node-2"
 
