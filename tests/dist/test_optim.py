@@ -1,8 +1,9 @@
 """The trainer's AdamW (trainer/optim.py: the update on each parameter's local shard) against torch's own
 AdamW on the same DTensors, on 2 gloo ranks: shards on either dim, a replicated parameter, weight
 decay and a learning rate that changes every step; then a step with a Partial gradient (not what a
-backward leaves here, but one the update must not read as a shard: torch's path reduces it first). Same bits in the parameters and in the state
-after every step, and the state is still DTensors placed like their parameters (what DCP reshards)."""
+backward leaves here, but one the update must not read as a shard: torch's path reduces it first).
+Same bits in the parameters and in the state after every step, and the state is still DTensors
+placed like their parameters (what DCP reshards)."""
 
 from __future__ import annotations
 
