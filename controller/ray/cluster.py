@@ -44,6 +44,15 @@ resources, and lets a repaired host rejoin. The cost: the GCS sends one health R
 host swapping, a GCS overloaded) is declared dead for good: its actors end, and it must rejoin."""
 DEFAULT_GPU_MEMORY_GB = 80.0
 
+QUIET_RAY_ENV = {"RAY_enable_metrics_collection": "0", "REPORTER_UPDATE_INTERVAL_MS": "60000"}
+"""What the embedded cluster turns off of Ray's own monitoring: goodput reads none of it (its metrics
+are its own exporter's) and, on a machine that runs every node, it is CPU the ranks do not get:
+- every Ray process records and exports its metrics (`enable_metrics_collection`);
+- every node's dashboard agent reads every worker's psutil figures every 5 s (60 s here).
+Measured with all nodes on 2 cores: an idle 5-node cluster's agents went from 7.8 % to 3.3 % of a
+core, and a training step of make run's mesh spent 3.4 % of its CPU in them before, 1.1 % after.
+A deployed cluster (deploy/) keeps Ray's defaults: its operators may read Ray's dashboard."""
+
 
 def _ray():  # type: ignore[no-untyped-def]
     import ray
@@ -112,7 +121,7 @@ class LocalRayCluster(_RayClusterBase):
         self._peer_dir = str(peer_base() / os.path.basename(self._tmp))
         os.makedirs(self._peer_dir, exist_ok=True)
         for key, value in {"RAY_TMPDIR": self._tmp, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                           ROOT_ENV: self._peer_dir}.items():
+                           ROOT_ENV: self._peer_dir, **QUIET_RAY_ENV}.items():
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value
         from ray.cluster_utils import Cluster

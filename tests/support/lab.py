@@ -267,9 +267,12 @@ class LabRayCluster:
         import sys
 
         self.ray = str(Path(sys.executable).parent / "ray")
+        from controller.ray.cluster import QUIET_RAY_ENV
+
         self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"},
-                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
-        """Every process of the cluster, and the service that joins it, holds the cluster's token."""
+                    **QUIET_RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
+        """Every process of the cluster, and the service that joins it, holds the cluster's token (and Ray's
+        own monitoring is off, as in the embedded cluster)."""
 
     def start(self) -> "LabRayCluster":
         self._ray_start("head", "--head", "--port", str(self.PORT), "--num-cpus", "1", "--num-gpus", "0",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from controller.ray.cluster import FAST_HEALTH_CHECK
+from controller.ray.cluster import FAST_HEALTH_CHECK, QUIET_RAY_ENV
 
 RAY = str(Path(sys.executable).parent / "ray")
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,8 @@ class RayStartCluster:
         self.worker_ips = worker_ips
         """One address per worker (None: every raylet on the head's 127.0.0.1)."""
         self.one_address = head_ip == "127.0.0.1"
-        self.env = {**os.environ, **LOOPBACK_ENV} if self.one_address else dict(os.environ)
+        # (Ray's own monitoring off, as in the embedded cluster: CPU on a machine that runs every node)
+        self.env = {**os.environ, **QUIET_RAY_ENV, **(LOOPBACK_ENV if self.one_address else {})}
         self.address = ""
 
     def ray_start(self, *args: str, head: bool = False, ip: str = "127.0.0.1") -> None:
