@@ -23,6 +23,14 @@ from tests.support.ray_start import LOOPBACK_ENV, RayStartCluster
 
 pytestmark = pytest.mark.cluster
 
+# Each run must outlast what the test does to it, and no more: the steps after that are time the suite
+# spends and nothing it checks. Measured here (one run of the module, from the registries' events):
+# - ext: re-attached at ~step 140 (kill-node at 20, 20 more, SIGKILL, 3 s, a restart), 400 ended at +60 s;
+# - rep: the second replica rejoined at step 74, 300 ended at +55 s;
+# - mid: the replica rejoined at step 130 (the node back by `ray start`), 600 ended at +117 s.
+# Each keeps over 100 steps past that (more than 25 s here; a slower machine slows both alike).
+STEPS_EXT, STEPS_REP, STEPS_MID = 260, 180, 300
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluster]:
@@ -55,7 +63,7 @@ def test_serve_on_an_existing_cluster_survives_kill_node_and_its_own_death(
     serve = Serve(tmp_path / "state", tmp_path / "serve.log", "--address", cluster.address)
     try:
         serve.start()
-        serve.cli("submit", str(write_spec(tmp_path / "ext.yaml", "ext", steps=400, dp=2)))
+        serve.cli("submit", str(write_spec(tmp_path / "ext.yaml", "ext", steps=STEPS_EXT, dp=2)))
         wait_for(serve, "ext", lambda s: s["step"] >= 12)
         report = serve.json("drill", "ext", "kill-node")
         assert isinstance(report, dict)
@@ -73,14 +81,14 @@ def test_serve_on_an_existing_cluster_survives_kill_node_and_its_own_death(
         assert len(restarted) == 1 and "re-attached" in restarted[0]["detail"]["action"], restarted
         assert run["attempt"] == 1, "the same attempt went on: no new launch"
         assert [e["attempt"] for e in events if e["kind"] == "attempt_started"] == [0, 1]
-        assert run["step"] == 400
+        assert run["step"] == STEPS_EXT
     finally:
         serve.stop()
 
 
 def test_replica_run_heals_and_is_reattached_after_the_service_dies(cluster: RayStartCluster, loopback_env: None,
                                                                    tmp_path: Path) -> None:
-    path = write_spec(tmp_path / "rep.yaml", "rep", steps=300, dp=4)
+    path = write_spec(tmp_path / "rep.yaml", "rep", steps=STEPS_REP, dp=4)
     spec = yaml.safe_load(path.read_text())
     spec["parallelism"]["dp_replicas"] = 2  # two replicas of 2 ranks, each on a node of its own
     spec["elastic"] = {"failure_domain": "replica"}
@@ -114,7 +122,7 @@ def test_replica_run_heals_and_is_reattached_after_the_service_dies(cluster: Ray
             f"one attempt all along: {timeline}"
         assert _rejoined(serve) == 2, timeline
         assert second["at_step"] >= at, second
-        assert run["step"] == 300
+        assert run["step"] == STEPS_REP
         agreed = [e for e in events if e["kind"] == "replica_checksums"]
         assert agreed and all(e["detail"]["agree"] for e in agreed), agreed[-3:]
     finally:
@@ -131,7 +139,7 @@ def test_a_service_killed_in_the_middle_of_a_heal_reattaches_and_forms_the_repli
     again: it re-attaches to the same attempt with the replica out; the node comes back from repair
     (a raylet under its name joins), the replica is formed there again, receives replica 0's state and rejoins;
     the run succeeds in attempt 0 with nothing restored from the store."""
-    path = write_spec(tmp_path / "mid.yaml", "mid", steps=600, dp=4)
+    path = write_spec(tmp_path / "mid.yaml", "mid", steps=STEPS_MID, dp=4)
     spec = yaml.safe_load(path.read_text())
     spec["parallelism"]["dp_replicas"] = 2
     spec["elastic"] = {"failure_domain": "replica"}
