@@ -272,7 +272,7 @@ class LabRayCluster:
         self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"},
                     **QUIET_RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
         """Every process of the cluster, and the service that joins it, holds the cluster's token (and Ray's
-        own monitoring is off, as in the embedded cluster)."""
+        monitoring and idle workers are off, as in the embedded cluster: QUIET_RAY_ENV)."""
 
     def start(self) -> "LabRayCluster":
         self._ray_start("head", "--head", "--port", str(self.PORT), "--num-cpus", "1", "--num-gpus", "0",

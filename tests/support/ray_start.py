@@ -70,7 +70,7 @@ class RayStartCluster:
         self.worker_ips = worker_ips
         """One address per worker (None: every raylet on the head's 127.0.0.1)."""
         self.one_address = head_ip == "127.0.0.1"
-        # (Ray's own monitoring off, as in the embedded cluster: CPU on a machine that runs every node)
+        # (Ray's monitoring and idle workers off, as in the embedded cluster: QUIET_RAY_ENV)
         self.env = {**os.environ, **QUIET_RAY_ENV, **(LOOPBACK_ENV if self.one_address else {})}
         self.address = ""
 
