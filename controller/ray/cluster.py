@@ -54,7 +54,7 @@ do not get, and goodput uses none of it.
 - Every raylet starts a Python worker per CPU when the first driver connects
   (`prestart_worker_first_driver`): rank actors start their own, and those of the head and the spares
   sat idle for the cluster's life (each ~1.7 CPU-s to start, then ~0.5 % of a core).
-Measured with all nodes on 2 cores: an idle 5-node cluster's agents went from 7.8 % to 3.3 % of a
+Measured with all nodes on 2 cores: an idle 5-node cluster's agents went from 7.8 % to 1.6 % of a
 core and its idle workers from 1.5 % to none; a training step of make run's mesh spent 3.4 % of its
 CPU in the agents before, 1.1 % after; a first run on a fresh cluster ended 42.4 s after it was
 asked for (47.5 s before), a warm one in 19.8-25.0 s (25.5-25.7 s).
