@@ -54,16 +54,18 @@ test-postgres:
 # Under CI (a 90-minute limit for all of .ci/run), pytest ends its session before that limit and prints
 # its summary: a run cut off by the limit would say nothing of the tests it had not finished. .ci/run
 # says when it started (GOODPUT_CI_STARTED, unix seconds): the session gets what the installs and mypy
-# left of the 5400 s, less 150 s for its own teardown and summary; else 80 minutes.
+# left of the 5400 s, less 150 s for its own teardown and summary; else 80 minutes. tests/tiers.py runs
+# the unit tier beside the others at the lowest CPU priority (on 2 cores the cluster tier leaves ~13 %
+# idle, and the unit tier is one process).
 CI_BUDGET_S := 5400
 
 test: $(STAMP) test-deps test-postgres
 	$(PY) -m mypy
 	@limit=""; if [ -n "$(CI)" ]; then left=4800; \
 	  if [ -n "$${GOODPUT_CI_STARTED:-}" ]; then left=$$(( $(CI_BUDGET_S) - ($$(date +%s) - $$GOODPUT_CI_STARTED) - 150 )); fi; \
-	  echo "make: under CI, pytest's session ends after $$left s"; limit="--session-timeout=$$left"; fi; \
-	  echo "$(PY) -m pytest -q --instafail --durations=25 $$limit tests"; \
-	  $(PY) -m pytest -q --instafail --durations=25 $$limit tests
+	  echo "make: under CI, pytest's sessions end after $$left s"; limit="--session-timeout=$$left"; fi; \
+	  echo "$(PY) -m tests.tiers $$limit"; \
+	  $(PY) -m tests.tiers $$limit
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not dist and not cluster" tests

@@ -2,7 +2,8 @@
 server. Each ends right after the last test that uses it, and the tests that use the cluster run first
 (`pytest_collection_modifyitems`): an idle 5-node cluster takes ~9 % of 2 cores (raylets, agents, GCS),
 which the modules that start their own cluster (`goodput serve`, the lab) would otherwise pay for all
-along; the dist and unit tiers after this one run on a quiet machine."""
+along; the dist tier after this one runs on a quiet machine (the unit tier runs beside both at the
+lowest CPU priority: tests/tiers.py)."""
 
 from __future__ import annotations
 

@@ -162,7 +162,10 @@ def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayClust
     assert report["steps_lost"] <= 1, report
     assert attempts[1].detail["restore_from"] == "peer" and attempts[1].detail["start_step"] >= 6
     restored = [e.detail for e in h.events.of_kind("restored")]
-    assert len(restored) == 8 and all(d["source"] == "peer" and d["bytes_read"] == 0 for d in restored)
+    # One recovery: 8 ranks restored once. If an attempt after it failed too, say why (seen once, cause unknown).
+    later = [(e.attempt, e.detail) for e in h.events.of_kind("failure_detected") + h.events.of_kind("decision")]
+    assert len(restored) == 8, (len(restored), later)
+    assert all(d["source"] == "peer" and d["bytes_read"] == 0 for d in restored), restored
     assert restored[0]["how"] == "same mesh" and restored[0]["bytes_from_peers"] > 0, restored[0]
     (memory, later) = [e.detail for e in h.events.of_kind("peer_snapshots")]
     assert 3.9 <= memory["max_host_per_state"] <= 4.1 and later["step"] > memory["step"]  # two slots, two copies

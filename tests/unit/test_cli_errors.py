@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.timing  # CLI processes under timeouts; `--help` timed against `import torch`
+
 ROOT = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
 

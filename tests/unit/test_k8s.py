@@ -167,6 +167,7 @@ def test_the_init_container_writes_the_ray_labels_of_its_node(kube: FakeKube, tm
     assert yaml.safe_load(out.read_text()) == {"node": "gpu-2", "rack": "clique-7"}
 
 
+@pytest.mark.timing  # the cordon's thread, waited for 2.5 s of wall time
 def test_the_service_cordons_what_a_run_quarantines_and_releases_on_request(kube: FakeKube) -> None:
     from fastapi.testclient import TestClient
 

@@ -100,9 +100,9 @@ def test_straggler_scoring_grows_with_the_world_not_its_square() -> None:
             step += 1
             for r in range(world):
                 tracker.add(r, step, 1.0 + (r % 7) * 0.01)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # this thread's CPU: what evaluate costs, whatever else runs
             tracker.evaluate()
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, time.thread_time() - t0)
         return best
 
     # 16x the ranks: linear costs 16x, quadratic 256x. The bound is their geometric mean, as far from

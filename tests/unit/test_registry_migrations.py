@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from controller.service.migrations import HEAD, LEGACY_TABLES, revision
 from controller.service.registry import Registry, metadata, sqlite_url
+
+pytestmark = pytest.mark.timing  # a leader's lease taken within 5 s; answers asked for within 0.1-5 s
 
 
 def _diff(url: str) -> list:
@@ -95,7 +98,6 @@ def test_a_killed_leader_s_lock_goes_with_it(tmp_path: Path) -> None:
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "leading"
         from controller.errors import RegistryBusy
-        import pytest
 
         with pytest.raises(RegistryBusy):
             Registry(url).lead(wait_s=0.3)

@@ -30,6 +30,8 @@ from controller.attempt import AttemptSpec
 from controller.topology import Topology
 from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, FlakyStore
 
+pytestmark = pytest.mark.timing  # every API answer within WAIT_S while a store call is held
+
 ROOT = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((ROOT / "examples" / "tiny-gpt.yaml").read_text())
 WAIT_S = 10.0

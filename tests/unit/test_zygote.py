@@ -10,10 +10,13 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from controller.ray.zygote import NodeZygote, SlotMemory, ZygoteClient, _Gate
 from trainer.switches import DrillSwitches
+
+pytestmark = pytest.mark.timing  # beats counted over 0.6-0.8 s of wall time
 
 
 def test_beats_share_the_gate_and_a_fork_waits_until_they_are_out() -> None:
