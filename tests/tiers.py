@@ -1,23 +1,32 @@
-"""`make test`'s pytest: the unit tier beside the others, at the lowest CPU priority.
+"""`make test`'s pytest: two sessions, the second beside the first at the lowest CPU priority.
 
-The cluster tier keeps a 2-core machine ~87 % busy (the rest is its waits: detection windows, process
-starts, sleeps in drills), and the unit tier is one process. Run after the others, it adds its whole
-time to the suite; run beside them at nice 19, it takes only what they leave idle. Linux gives a
-nice-19 process ~1.5 % of a core that a nice-0 process wants (and its session's autogroup is niced
-too: `lowest_priority` says why), so the cluster and dist tiers' timing stays theirs, and the unit
-tier still moves forward when they never pause.
+The cluster tier keeps a 2-core machine ~85 % busy (the rest is its waits: detection windows, process
+starts, sleeps in drills), and the unit tier is one process. Run after the others, the unit tier
+added its whole time to the suite; run beside them at nice 19, it takes only what they leave idle.
+Linux gives a nice-19 process ~1.5 % of a core that a nice-0 process wants (and its session's
+autogroup is niced too: `lowest_priority` says why), so the first session's timing stays its own,
+and the second still moves forward when the first never pauses.
 
-The unit tests that bound a wall-clock time (marked `timing`: an answer within 2 s, a beat within
-0.6 s) would measure the starvation instead of the code, so they run with the cluster and dist
-tiers. Each session gets the same arguments (a `--session-timeout`, say); the unit tier's output is
-printed after the others', then one line for each session. Exit status: the worse of the two.
+- First session: the cluster tier, then the dist tier (pytest collects tests/cluster first), and
+  the unit tests that bound a wall-clock time (marked `timing`: an answer within 10 s, a beat within
+  0.6 s), which would measure the starvation instead of the code.
+- Second session: the rest of the unit tier. Not the dist tests: their 4-8 ranks all need the CPU
+  at once, and each collective waits for the most starved one. Tried with the dist tests that only
+  compare results, beside test_service: the second session passed 58 tests in 12.5 minutes, dist
+  first (the unit tier alone passed ~335 in that time beside test_fault_tolerance), and test_service
+  took 655 s against 562 s alone.
 
-    python -m tests.tiers [pytest args...]
+Each session gets the same arguments (a `--session-timeout`, say, or a -k); the second one's output
+is printed after the first's, then a line for each. Exit status: the worse of the two.
+
+    python -m tests.tiers [pytest options...]
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,38 +58,67 @@ def lowest_priority() -> None:
 
 def main(args: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest", "-q", "--instafail"]
-    with tempfile.NamedTemporaryFile("w+", prefix="goodput-unit-tier-", suffix=".log", delete=False) as log:
+    with tempfile.NamedTemporaryFile("w+", prefix="goodput-tests-beside-", suffix=".log", delete=False) as log:
         t0 = time.monotonic()
-        # no cache plugin: the two sessions would both write .pytest_cache
-        # --timeout: pytest-timeout's per-test limit (600 s) is for hangs; a starved test is not hung.
-        unit = subprocess.Popen([*pytest, "-p", "no:cacheprovider", "--durations=10", "--timeout=1800",
-                                 "-m", BACKGROUND, *args, "tests"],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=lowest_priority)
-        print(f"tests/tiers: the unit tier runs beside the others at nice {NICE} (pid {unit.pid}); "
-              f"its output follows theirs (meanwhile: {log.name})", flush=True)
+        # No cache plugin: the two sessions would both write .pytest_cache. --timeout: pytest-timeout's
+        # per-test limit (600 s) is for hangs, and a starved test is not hung.
+        beside = subprocess.Popen([*pytest, "-p", "no:cacheprovider", "--durations=10", "--timeout=1800",
+                                   "-m", BACKGROUND, *args, "tests"],
+                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=lowest_priority)
+        print(f"tests/tiers: the unit tier run beside the others at nice {NICE} "
+              f"(pid {beside.pid}); their output follows (meanwhile: {log.name})", flush=True)
         try:
-            rest = subprocess.call([*pytest, "--durations=25", "-m", FOREGROUND, *args, "tests"], cwd=ROOT)
-            rest_s = time.monotonic() - t0
-            if unit.poll() is None:
-                print(f"\ntests/tiers: waiting for the unit tier (pid {unit.pid})", flush=True)
-            unit_code = unit.wait()
-            unit_s = time.monotonic() - t0
+            first, first_tail = _echo([*pytest, "--durations=25", "-m", FOREGROUND, *args, "tests"])
+            first_s = time.monotonic() - t0
+            if beside.poll() is None:
+                print(f"\ntests/tiers: waiting for the unit tier (pid {beside.pid})",
+                      flush=True)
+            second = beside.wait()
+            second_s = time.monotonic() - t0
         except BaseException:
-            unit.send_signal(signal.SIGINT)  # our own child (its own session: ^C does not reach it)
+            beside.send_signal(signal.SIGINT)  # our own child (its own session: ^C does not reach it)
             try:
-                unit.wait(30)
+                beside.wait(30)
             except subprocess.TimeoutExpired:
-                unit.kill()
+                os.killpg(beside.pid, signal.SIGKILL)  # its session: pytest and whatever it started
+                beside.wait()
             raise
         log.seek(0)
-        print(f"\n{'=' * 30} the unit tier (nice {NICE}, beside the others) {'=' * 30}")
-        print(log.read(), end="", flush=True)
+        second_out = log.read()
     os.unlink(log.name)
-    print(f"\ntests/tiers: cluster, dist and timing tiers: exit {rest} after {rest_s:.0f} s; "
-          f"unit tier: exit {unit_code}, done {unit_s:.0f} s after the start")
+    print(f"\n{'=' * 20} the unit tier (nice {NICE}, beside the others) {'=' * 20}")
+    print(second_out, end="", flush=True)
+    # The end of the output is what a CI log shows: both sessions' verdicts, failures named.
+    print(f"\n{'=' * 30} tests/tiers: both sessions {'=' * 30}")
+    for name, code, took, tail in (("cluster, dist and timing tests", first, first_s, first_tail),
+                                   ("unit tests", second, second_s, second_out.splitlines())):
+        print(f"{name}: exit {code}, {took:.0f} s after the start")
+        for line in _verdict(tail):
+            print(f"  {line}")
     # 5: a session that a -k or -m of the caller's left with nothing to run
-    codes = [code for code in (rest, unit_code) if code != NO_TESTS_RAN]
+    codes = [code for code in (first, second) if code != NO_TESTS_RAN]
     return max(codes, default=NO_TESTS_RAN)
+
+
+def _echo(command: list[str]) -> tuple[int, list[str]]:
+    """Run `command`, its output passed on as it comes; its exit status and its last 300 lines."""
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    tail: collections.deque[str] = collections.deque(maxlen=300)
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        tail.append(line.rstrip("\n"))
+    return proc.wait(), list(tail)
+
+
+def _verdict(lines: list[str]) -> list[str]:
+    """A session's failures and errors (its short summary) and its last line of counts."""
+    named = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    counts = [line for line in lines if re.search(r"\b(passed|failed|errors?|no tests ran)\b.* in [0-9.]+s", line)
+              or "session-timeout" in line]
+    return named + counts[-2:]
 
 
 if __name__ == "__main__":
