@@ -24,7 +24,6 @@ is printed after the first's, then a line for each. Exit status: the worse of th
 
 from __future__ import annotations
 
-import collections
 import os
 import re
 import signal
@@ -39,6 +38,8 @@ FOREGROUND = "cluster or dist or timing"
 BACKGROUND = f"not ({FOREGROUND})"
 NICE = 19
 NO_TESTS_RAN = 5
+TAIL_BYTES = 1 << 18
+"""How much of the first session's output is kept for the verdict at the end (its short summary)."""
 
 
 def lowest_priority() -> None:
@@ -65,8 +66,8 @@ def main(args: list[str]) -> int:
         beside = subprocess.Popen([*pytest, "-p", "no:cacheprovider", "--durations=10", "--timeout=1800",
                                    "-m", BACKGROUND, *args, "tests"],
                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=lowest_priority)
-        print(f"tests/tiers: the unit tier run beside the others at nice {NICE} "
-              f"(pid {beside.pid}); their output follows (meanwhile: {log.name})", flush=True)
+        print(f"tests/tiers: the unit tier runs beside the others at nice {NICE} "
+              f"(pid {beside.pid}); its output follows (meanwhile: {log.name})", flush=True)
         try:
             first, first_tail = _echo([*pytest, "--durations=25", "-m", FOREGROUND, *args, "tests"])
             first_s = time.monotonic() - t0
@@ -101,16 +102,17 @@ def main(args: list[str]) -> int:
 
 
 def _echo(command: list[str]) -> tuple[int, list[str]]:
-    """Run `command`, its output passed on as it comes; its exit status and its last 300 lines."""
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    """Run `command`, its output passed on as it comes (pytest's progress dots too, before a line
+    ends); its exit status and its last lines."""
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None
-    tail: collections.deque[str] = collections.deque(maxlen=300)
-    for line in proc.stdout:
-        sys.stdout.write(line)
+    kept = b""
+    while chunk := os.read(proc.stdout.fileno(), 65536):
+        sys.stdout.buffer.write(chunk)
         sys.stdout.flush()
-        tail.append(line.rstrip("\n"))
-    return proc.wait(), list(tail)
+        kept = (kept + chunk)[-TAIL_BYTES:]
+    return proc.wait(), kept.decode(errors="replace").splitlines()
 
 
 def _verdict(lines: list[str]) -> list[str]:
