@@ -66,8 +66,9 @@ _shared_cluster: list[LocalRayCluster] = []
 
 def _whole_again(cluster: LocalRayCluster, item: pytest.Item) -> None:
     """After each test on the shared cluster: every node of it is up again, each as Ray sees it, for
-    the next test. A node the test killed and did not start again, or one Ray declared dead that no
-    test killed (a raylet that missed its health checks for ~1.5 s: FAST_HEALTH_CHECK), is started
+    the next test. A node the test killed and did not start again, or one Ray declared dead that was
+    not killed through the cluster (a raylet that missed its health checks for ~1.5 s: FAST_HEALTH_CHECK,
+    or one killed behind the cluster's back), is started
     again, and the terminal says which, after which test: one such node left down made every later
     test on the cluster fail to plan (8 GPUs wanted, 6 offered)."""
     import ray
@@ -84,7 +85,7 @@ def _whole_again(cluster: LocalRayCluster, item: pytest.Item) -> None:
     for name in missing:
         cluster.add_node(int(name.removeprefix("node-")))
     if missing:
-        said = (f"{', '.join(dead)} dead to Ray though no test killed it" if dead else "")
+        said = (f"{', '.join(dead)} dead to Ray, not killed through the cluster" if dead else "")
         left = sorted(set(missing) - set(dead))
         said += ("; " if said and left else "") + (f"{', '.join(left)} killed and not started again" if left else "")
         reporter = item.config.pluginmanager.get_plugin("terminalreporter")
