@@ -72,8 +72,7 @@ def main(args: list[str]) -> int:
             first, first_tail = _echo([*pytest, "--durations=25", "-m", FOREGROUND, *args, "tests"])
             first_s = time.monotonic() - t0
             if beside.poll() is None:
-                print(f"\ntests/tiers: waiting for the unit tier (pid {beside.pid})",
-                      flush=True)
+                print(f"\ntests/tiers: waiting for the unit tier (pid {beside.pid})", flush=True)
             second = beside.wait()
             second_s = time.monotonic() - t0
         except BaseException:
