@@ -163,8 +163,8 @@ def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayClust
     assert attempts[1].detail["restore_from"] == "peer" and attempts[1].detail["start_step"] >= 6
     restored = [e.detail for e in h.events.of_kind("restored")]
     # One recovery: 8 ranks restored once. If an attempt after it failed too, say why (seen once, cause unknown).
-    later = [(e.attempt, e.detail) for e in h.events.of_kind("failure_detected") + h.events.of_kind("decision")]
-    assert len(restored) == 8, (len(restored), later)
+    followed = [(e.attempt, e.detail) for e in h.events.of_kind("failure_detected") + h.events.of_kind("decision")]
+    assert len(restored) == 8, (len(restored), followed)
     assert all(d["source"] == "peer" and d["bytes_read"] == 0 for d in restored), restored
     assert restored[0]["how"] == "same mesh" and restored[0]["bytes_from_peers"] > 0, restored[0]
     (memory, later) = [e.detail for e in h.events.of_kind("peer_snapshots")]
