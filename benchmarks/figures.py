@@ -35,6 +35,7 @@ HEADLINES = [
     ("preemption", "preemption: high run submission -> its first step end",
      "Preemption -> the high-priority run's first step"),
     ("trainer_overhead", "dp2 pp2 tp2: goodput step / bare torch step", "goodput step / bare torch step, dp2 pp2 tp2 (CPU)"),
+    ("startup", "startup badput, make run's mesh", "make run's startup badput: first attempt -> first step, fresh cluster"),
     # one GPU (benchmarks/gpu_suite.py): its names carry the model's width, so they are matched by prefix
     ("gpu_suite", "mfu: goodput step, eager*", None),
     ("gpu_suite", "mfu: goodput step, compiled*", None),

@@ -4,7 +4,8 @@ The embedded cluster is several raylets on this machine (Ray's own multi-node te
 node of `cluster.local`, each declaring its GPU slots and the labels `node` and `rack`; spare nodes
 carry `spare=true`. Everything binds to 127.0.0.1, lives under its own RAY_TMPDIR, and detects a dead
 raylet in ~1.5 s instead of Ray's default ~13 s (measured facts in DESIGN.md). Killing a node is
-SIGKILL of its raylet, the same thing a real node loss does.
+SIGKILL of its raylet, the same thing a real node loss does. Its nodes share one import of torch and
+the trainer (controller/ray/host_image.py, started with the cluster and ended by its PID).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import shutil
 import sys
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -21,6 +23,8 @@ from typing import Any, Iterator
 
 from checkpointing.peer import ROOT_ENV, peer_base
 from controller.errors import ClusterError
+from controller.ray import host_image
+from controller.ray.host_image import HOST_IMAGE_ENV
 from controller.spec import LocalClusterSpec
 from controller.topology import Node, NodeState, Topology, local_roles
 
@@ -114,6 +118,8 @@ class LocalRayCluster(_RayClusterBase):
         self._tmp: str | None = None
         self._peer_dir: str | None = None
         self._saved_env: dict[str, str | None] = {}
+        self._host_image: subprocess.Popen[bytes] | None = None
+        """The nodes' shared warm image (controller/ray/host_image.py)."""
 
     def folders(self) -> list[str]:
         """What the running cluster keeps on this host outside the state dir: Ray's session folder and the
@@ -131,6 +137,14 @@ class LocalRayCluster(_RayClusterBase):
                            ROOT_ENV: self._peer_dir, **QUIET_RAY_ENV}.items():
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value
+        image = os.path.join(self._tmp, "host-image.sock")
+        with open(self.processes_log, "ab") as log:  # (it imports torch while the raylets start)
+            try:
+                self._host_image = host_image.start(image, log)
+                self._saved_env[HOST_IMAGE_ENV] = os.environ.get(HOST_IMAGE_ENV)
+                os.environ[HOST_IMAGE_ENV] = image
+            except (OSError, RuntimeError) as e:  # the nodes import in zygotes of their own, as other nodes do
+                log.write(f"goodput: no host image ({e}); each node imports torch in a zygote of its own\n".encode())
         from ray.cluster_utils import Cluster
 
         system_config = FAST_HEALTH_CHECK if self.fast_failure_detection else {}
@@ -235,6 +249,14 @@ class LocalRayCluster(_RayClusterBase):
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
+        if self._host_image is not None:  # (the nodes' own images ended with their raylets)
+            self._host_image.terminate()
+            try:
+                self._host_image.wait(10)
+            except subprocess.TimeoutExpired:
+                self._host_image.kill()
+                self._host_image.wait()
+            self._host_image = None
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -75,20 +75,26 @@ class RankActor:
         self._heart = NodeHeart()
 
     def warm(self) -> dict[str, Any]:
-        """Wait for this node's zygote to be warm (started here by the node's first rank actor)."""
+        """Wait for this node's warm image: on an embedded cluster's node, a fork of the host's
+        (controller/ray/host_image.py); elsewhere the node's zygote (started here by the node's first
+        rank actor)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from controller.ray.host_image import node_image
         from controller.ray.run_store import NAMESPACE
         from controller.ray.zygote import ZYGOTE_PREFIX, NodeZygote
 
         if self._zygote is None:
             node = ray.get_runtime_context().get_node_id()
-            zygote: Any = ray.remote(NodeZygote).options(
-                name=ZYGOTE_PREFIX + node, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                num_cpus=0, max_concurrency=4,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-            self._zygote = ZygoteClient(ray.get(zygote.warm.remote()))
+            path = node_image(node)
+            if path is None:
+                zygote: Any = ray.remote(NodeZygote).options(
+                    name=ZYGOTE_PREFIX + node, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                    num_cpus=0, max_concurrency=4,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+                path = ray.get(zygote.warm.remote())
+            self._zygote = ZygoteClient(path)
             self._heart.zygote = self._zygote
         return self.where()
 

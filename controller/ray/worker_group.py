@@ -8,7 +8,8 @@ Why a forked process per attempt (measured, see benchmarks/regroup_vs_restart.py
 benchmarks/recovery_drills.py): a fresh process spends seconds importing torch, while rebuilding the
 process group inside a surviving process takes under a second. But a gloo rank blocked in a
 collective cannot be freed from inside its process (`abort()` does not interrupt it in torch 2.13),
-only by its peers' sockets closing or its timeout. So each node imports torch once (its zygote) and
+only by its peers' sockets closing or its timeout. So each node imports torch once (its zygote; an
+embedded cluster's nodes share one import, controller/ray/host_image.py) and
 forks the rank's training process from that warm image per attempt: ending an attempt is a SIGKILL of
 the forked processes (instant, and it frees every peer), starting one is a fork (milliseconds). Spare
 nodes get warm actors once the attempt's first step is done (not on the launch's path: on one machine

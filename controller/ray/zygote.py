@@ -21,7 +21,10 @@ descriptors with the request (SCM_RIGHTS):
 
 The training process runs as before (controller/ray/training.py `train_in_child`): it never
 touches Ray, parks after a failed attempt and trains the slot's next one in place. A node's death
-ends its zygote and every process it forked (they are all under its raylet)."""
+ends its zygote and every process it forked (they are all under its raylet).
+
+An embedded cluster's node has no zygote actor: its image is a fork of the machine's host image
+(controller/ray/host_image.py), which serves the same requests with this class (`listen`)."""
 
 from __future__ import annotations
 
@@ -169,6 +172,15 @@ class ZygoteClient:
             conn.close()
 
 
+def import_trainer() -> None:
+    """What a warm image imports once, so that every training process it forks starts with it."""
+    import torch  # noqa: F401 - the point: pay the imports once per node
+
+    import trainer.checkpoint  # noqa: F401
+    import trainer.train  # noqa: F401
+    import trainer.worker  # noqa: F401
+
+
 class NodeZygote:
     """The Ray actor: `warm` imports torch and the trainer and starts serving; its answer is the socket's
     path. Requests are served one at a time by one thread, so a request's fds are open in the zygote
@@ -189,23 +201,22 @@ class NodeZygote:
     def warm(self) -> str:
         with self._lock:
             if self._path is None:
-                import torch  # noqa: F401 - the point: pay the imports once per node
-
-                import trainer.checkpoint  # noqa: F401
-                import trainer.train  # noqa: F401
-                import trainer.worker  # noqa: F401
-
-                # In the cluster's temp folder where it has one (removed with it); a socket path is <= 107 bytes.
-                base = os.environ.get("RAY_TMPDIR", "")
-                folder = tempfile.mkdtemp(prefix="goodput-zygote-", dir=base if 0 < len(base) <= 64 else "/tmp")
-                path = os.path.join(folder, "sock")
-                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                server.bind(path)
-                server.listen(64)
-                self._server = server
-                threading.Thread(target=self._serve, name="goodput-zygote", daemon=True).start()
-                self._path = path
+                import_trainer()
+                self._path = self.listen()
             return self._path
+
+    def listen(self) -> str:
+        """Serve requests on a new socket, from a thread of its own (the imports done); its path."""
+        # In the cluster's temp folder where it has one (removed with it); a socket path is <= 107 bytes.
+        base = os.environ.get("RAY_TMPDIR", "")
+        folder = tempfile.mkdtemp(prefix="goodput-zygote-", dir=base if 0 < len(base) <= 64 else "/tmp")
+        path = os.path.join(folder, "sock")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(64)
+        self._server = server
+        threading.Thread(target=self._serve, name="goodput-zygote", daemon=True).start()
+        return path
 
     def pid(self) -> int:
         return os.getpid()
