@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -206,7 +207,8 @@ def _image_for(node: str, raylet: int, images: dict[str, tuple[int, str]], owner
 
 def _node_image(raylet: int, ready: int) -> None:
     """A node's image: its own process group, a zygote's server, its socket path written to `ready`;
-    then wait for the raylet to end and SIGKILL the group (this process and every one it forked)."""
+    then wait for the raylet to end, remove the socket's folder and SIGKILL the group (this process
+    and every one it forked)."""
     from controller.ray.zygote import NodeZygote
 
     os.setpgid(0, 0)
@@ -216,6 +218,7 @@ def _node_image(raylet: int, ready: int) -> None:
     os.write(ready, path.encode())
     os.close(ready)
     select.select([raylet_fd], [], [])
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # (its socket's folder: one entry)
     os.killpg(0, signal.SIGKILL)
 
 

@@ -71,7 +71,9 @@ class RayStartCluster:
         """One address per worker (None: every raylet on the head's 127.0.0.1)."""
         self.one_address = head_ip == "127.0.0.1"
         # (Ray's monitoring and idle workers off, as in the embedded cluster: QUIET_RAY_ENV)
-        self.env = {**os.environ, **QUIET_RAY_ENV, **(LOOPBACK_ENV if self.one_address else {})}
+        # (and no token auth unless asked: a token a user's own `ray.init()` left in ~/.ray would turn it on)
+        self.env = {"RAY_AUTH_MODE": "disabled", **os.environ, **QUIET_RAY_ENV,
+                    **(LOOPBACK_ENV if self.one_address else {})}
         self.address = ""
 
     def ray_start(self, *args: str, head: bool = False, ip: str = "127.0.0.1") -> None:

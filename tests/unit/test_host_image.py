@@ -25,7 +25,8 @@ from controller.ray.zygote import ZygoteClient
 def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("host-image")
     path = str(folder / "sock")
-    with open(folder / "log", "ab") as log:
+    with pytest.MonkeyPatch.context() as env, open(folder / "log", "ab") as log:
+        env.setenv("RAY_TMPDIR", str(folder))  # (the node images' sockets go there, as in a cluster's temp dir)
         proc = host_image.start(path, log)
     try:
         yield path
@@ -91,6 +92,7 @@ def test_a_node_image_serves_its_node_and_ends_with_its_raylet(image: str, tmp_p
         while not gone(first["pid"]):
             assert time.monotonic() < deadline, "the node image outlived its raylet"
             time.sleep(0.02)
+        assert not os.path.exists(os.path.dirname(first["path"])), "its socket's folder goes with it"
         again = raylet(tmp_path)  # the node back (a new Ray node id): a new image
         try:
             back = ask(image, "node-a-again", again.pid)
