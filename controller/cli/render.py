@@ -22,9 +22,11 @@ def emit_json(obj: Any) -> None:
 
 
 QUIET_KINDS = frozenset({EventKind.CHECKPOINT_STAGED, EventKind.RESTORED, EventKind.PEER_SNAPSHOTS,
-                         EventKind.REPLICA_READY})
-"""Diagnostics the live views leave out: per-rank detail of a save, a restore, the first peer snapshot
-(`goodput events` shows every one; `goodput run` writes them to its out dir's events.log)."""
+                         EventKind.REPLICA_READY, EventKind.REPLICA_CHECKSUMS})
+"""Diagnostics the live views leave out: per-rank detail of a save, a restore, the first peer snapshot,
+a replica's readiness and its final state's checksums (replicas that differ are said as the
+`sdc_suspect` the controller makes of them; `goodput events` shows every one; `goodput run` writes
+them to its out dir's events.log)."""
 
 
 def describe(event: dict) -> str:
