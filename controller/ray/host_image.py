@@ -29,11 +29,12 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
 from typing import IO, Any
+
+from controller.ray.zygote import _HEADER, _recv_exact, _request
 
 HOST_IMAGE_ENV = "GOODPUT_HOST_IMAGE"
 """The host image's socket, for the embedded cluster's processes (set by LocalRayCluster while it runs)."""
@@ -41,7 +42,6 @@ HOST_IMAGE_ENV = "GOODPUT_HOST_IMAGE"
 ASK_TIMEOUT_S = 300.0
 """How long a rank actor waits for its node's image (the host image may still be importing torch)."""
 
-_HEADER = struct.Struct("!Q")
 
 
 def start(path: str, log: IO[Any]) -> subprocess.Popen[bytes]:
@@ -75,18 +75,18 @@ def node_image(node_id: str) -> str | None:
     raylet = os.getppid()
     if _comm(raylet) != "raylet":
         return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(ASK_TIMEOUT_S)
+    sock: socket.socket | None = None
     try:
-        sock.connect(path)
-        _send(sock, {"node": node_id, "raylet": raylet})
+        sock = _request(path, {"node": node_id, "raylet": raylet}, [])
+        sock.settimeout(ASK_TIMEOUT_S)
         answer = _receive(sock)
     except OSError as e:
         print(f"goodput: the host image at {path} did not answer ({type(e).__name__}: {e}); this node "
               "imports torch in a zygote of its own", file=sys.stderr, flush=True)
         return None
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
     return answer.get("path")
 
 
@@ -107,21 +107,17 @@ def _parent(pid: int) -> int:
 
 
 def _send(sock: socket.socket, message: Any) -> None:
+    """A message in the zygote's framing (its length, then its pickle)."""
     data = pickle.dumps(message)
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
 def _receive(sock: socket.socket) -> Any:
-    def exact(n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            chunk = sock.recv(n - len(out))
-            if not chunk:
-                raise ConnectionError("the connection closed mid-message")
-            out += chunk
-        return out
-
-    return pickle.loads(exact(_HEADER.unpack(exact(_HEADER.size))[0]))
+    head = _recv_exact(sock, _HEADER.size)
+    body = _recv_exact(sock, _HEADER.unpack(head)[0]) if head else b""
+    if not body:
+        raise ConnectionError("the connection closed before a whole message")
+    return pickle.loads(body)
 
 
 def serve(path: str) -> None:

@@ -14,9 +14,8 @@ forks the rank's training process from that warm image per attempt: ending an at
 the forked processes (instant, and it frees every peer), starting one is a fork (milliseconds). Spare
 nodes get warm actors once the attempt's first step is done (not on the launch's path: on one machine
 their start would compete with the ranks' for the CPU), so a replacement starts as fast as a survivor.
-And a training process
-that did leave its failed attempt (a peer died: its collective raised) is not ended but parked, and
-trains its slot's next attempt in place (benchmarks/survivors_in_place.py: failure -> first step 0.69x
+And a training process that did leave its failed attempt (a peer died: its collective raised) is not
+ended but parked, and trains its slot's next attempt in place (benchmarks/survivors_in_place.py: failure -> first step 0.69x
 of a re-fork on this machine); only the failed part is replaced.
 """
 
