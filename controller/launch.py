@@ -96,14 +96,11 @@ WARM_SPARES_EVERY_S = 5.0
 
 
 def warm_spares(c: "RunController", now: float) -> None:
-    """Spares the cluster gives this run that its worker group has no warm workers on (every spare
-    after a launch, a node back from repair that refills the spare pool) get them now, not on the
-    next recovery's path (controller/ray/worker_group.py, `prewarm`). Not before the attempt has
-    completed a step: the launch and its first step do not wait for them (measured by
-    benchmarks/startup.py: where nodes share a machine, a spare's start competes with theirs)."""
+    """Spares the cluster gives this run that its worker group has no warm workers on (a node back
+    from repair refills the spare pool after the launch) get them now, not on the next recovery's
+    path (controller/ray/worker_group.py, `prewarm`)."""
     prewarm = getattr(c.worker_group, "prewarm", None)
-    if (prewarm is None or c.topology_source is None or c.watch is None or c.watch.steps == 0
-            or now - c.warmed_at < WARM_SPARES_EVERY_S):
+    if prewarm is None or c.topology_source is None or now - c.warmed_at < WARM_SPARES_EVERY_S:
         return
     c.warmed_at = now
     with c.outside_lock():
