@@ -96,7 +96,7 @@ def once(cluster: LocalRayCluster, kind: str, index: int, root: str) -> dict[str
     redone = int(resyncs[0].detail["step"])
     ends = {h["step"]: h["end"] for h in history if "end" in h}
     stall = ends[redone] - ends[redone - 1] - step
-    told = resyncs[0].time - report["injected_at"]
+    told = resyncs[0].time - report.get("fault_at", report["injected_at"])  # (the rank held it till its step)
     return {"ok": True, "why": "", "step": step, "alone": float("nan"), "detection": report["detection_s"],
             "told": told, "figure": stall, "goal": 2 * step, "goal_before": 2 * step}
 

@@ -48,8 +48,10 @@ def drill_report(events: list[Event], i: int) -> dict[str, Any]:
     for name in PARAMS:
         if name in ev.detail:
             report[name] = ev.detail[name]
-    origin = float(ev.detail.get("acts_at", ev.time))  # (a silent fault is made on the node a moment later)
-    if "acts_at" in ev.detail:
+    # (a silent fault is made on the node a moment later; a fault armed ahead acts at its step)
+    acts_at = ev.detail.get("acts_at", report.pop("acts_at", None))
+    origin = float(acts_at) if acts_at is not None else ev.time
+    if acts_at is not None:
         report["fault_at"] = origin
     if report.get("detected_at") is not None:
         report["detection_s"] = report["detected_at"] - origin
@@ -150,7 +152,8 @@ def _collective_fault_report(ev: Event, later: list[Event]) -> dict[str, Any]:
     """A collective between replicas failed with nothing lost: detected when a rank says its step
     was discarded, resolved by the epoch the controller published (`resync`), recovered at the
     replicas' first step after it. Nothing is redone but the discarded step. (A fault that became
-    a failure after all is reported as one.)"""
+    a failure after all is reported as one.) A fault armed ahead (`from_step`: the rank held it till
+    its step) acts when the first rank discards that step, by that rank's clock."""
     discarded = _first(later, EventKind.REPLICA_STEP_DISCARDED)
     resync = _first(later, EventKind.REPLICA_RESYNC)
     recovered = _first(later, EventKind.FIRST_STEP_AFTER_RECOVERY) if resync else None
@@ -176,6 +179,7 @@ def _collective_fault_report(ev: Event, later: list[Event]) -> dict[str, Any]:
         "steps_lost": 0 if recovered else None,
         "restored_from": None,
         "outcome": outcome,
+        "acts_at": discarded.detail.get("time") if discarded and "from_step" in ev.detail else None,
     }
 
 

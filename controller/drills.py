@@ -120,8 +120,10 @@ PARAMS = ("factor", "seconds", "delay_ms", "loss", "point")
 
 class DrillInjector(Protocol):
     def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
-               delay_ms: float | None = None, loss: float | None = None, point: str | None = None) -> dict[str, Any]:
-        """Do it (`DrillKind.effect`) and say what was hit."""
+               delay_ms: float | None = None, loss: float | None = None, point: str | None = None,
+               from_step: int | None = None) -> dict[str, Any]:
+        """Do it (`DrillKind.effect`) and say what was hit; `from_step`: for a kind the injector
+        `arms_ahead` (a frozenset of kinds, where it has one), the step from which it acts."""
         ...
 
 
@@ -278,10 +280,12 @@ class DrillSchedule:
         self._add(request)
         return request
 
-    def pop_due(self, step: int) -> DrillRequest | None:
-        """The next drill whose step has come, removed from the schedule."""
-        if self._pending and (self._pending[0].at_step is None or self._pending[0].at_step <= step):
-            return self._pending.pop(0)
+    def pop_due(self, step: int, ahead: frozenset[DrillKind] = frozenset()) -> DrillRequest | None:
+        """The next drill whose step has come, or of a kind in `ahead` (the injector hands it over now,
+        to act at its step), removed from the schedule."""
+        for i, request in enumerate(self._pending):
+            if request.at_step is None or request.at_step <= step or request.kind in ahead:
+                return self._pending.pop(i)
         return None
 
     def find(self, drill_id: str) -> DrillRequest | None:

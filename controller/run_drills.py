@@ -75,16 +75,23 @@ class RunDrills:
         node and its buddy's node lost together): (drill_injected, what was hit) or (drill_failed,
         why) for each, for the timeline."""
         outcomes = []
-        while (drill := self.schedule.pop_due(step)) is not None:
-            outcomes.append(self._inject(drill, step, placement, injector, outside_lock))
+        ahead: frozenset[DrillKind] = getattr(injector, "arms_ahead", frozenset())
+        while (drill := self.schedule.pop_due(step, ahead)) is not None:
+            outcomes.append(self._inject(drill, step, placement, injector, outside_lock, ahead))
         return outcomes
 
     def _inject(self, drill: DrillRequest, step: int, placement: Placement, injector: DrillInjector,
-                outside_lock: Callable[[], ContextManager[Any]]) -> tuple[EventKind, dict[str, Any]]:
+                outside_lock: Callable[[], ContextManager[Any]],
+                ahead: frozenset[DrillKind]) -> tuple[EventKind, dict[str, Any]]:
+        """Inject one drill; a kind the injector arms ahead, with a step still to come, is handed over
+        now to act from the step after it (`from_step`; its event says so: a rank holds it till then)."""
         asked = drill.target or default_target(drill.kind, placement)
         problem = target_problem(drill.kind, asked, placement)
         target = concrete_target(drill.kind, asked, placement)
-        facts = {"id": drill.id, "drill": drill.kind, "target": target, "step": step,
+        from_step = drill.at_step + 1 if drill.kind in ahead and drill.at_step is not None and drill.at_step >= step else None
+        timing = ({"step": drill.at_step, "from_step": from_step, "armed_at_step": step} if from_step is not None
+                  else {"step": step})
+        facts = {"id": drill.id, "drill": drill.kind, "target": target, **timing,
                  **({"asked": asked} if asked != target else {}),
                  **{k: v for k, v in drill.to_dict().items() if k in PARAMS}}
         try:
@@ -92,7 +99,8 @@ class RunDrills:
                 raise DrillError(problem)
             self._injecting = drill  # a request for its report while it is injected finds it
             with outside_lock():
-                detail = injector.inject(drill.kind, target, **drill.params())
+                ahead_of: dict[str, Any] = {"from_step": from_step} if from_step is not None else {}
+                detail = injector.inject(drill.kind, target, **drill.params(), **ahead_of)
         except Exception as e:  # noqa: BLE001 - a drill that cannot be injected is reported, not fatal
             return EventKind.DRILL_FAILED, {**facts, "error": str(e)}
         finally:

@@ -83,8 +83,9 @@ class Trainer:
         """Global sample cursor: the next step starts at this sample id."""
         self.clock = ComputeClock(choice.device)
         self.switches = switches
-        self.faults_armed = switches.collective_faults if switches is not None else 0
-        """Collective-fault drills already armed (a slot's earlier requests are not this process's)."""
+        self.faults_armed = switches.collective_faults - switches.holds_collective_fault if switches is not None else 0
+        """Collective-fault drills already armed (a slot's earlier requests are not this process's, but
+        one the slot holds for a step to come is)."""
         self.sink = sink
         self.probes = Probes(self, sink=sink, switches=switches) if config.probes.enabled else None
         self.update_waits: list[Any] = []
@@ -193,12 +194,18 @@ class Trainer:
 
     def _arm_collective_faults(self) -> None:
         """A collective-fault drill asked of this GPU slot since the last step: this rank fails (or
-        delays) the named point of the protocol the next time it gets there."""
-        if self.switches is None or self.replicas is None or self.switches.collective_faults <= self.faults_armed:
+        delays) the named point of the protocol the next time it gets there, from the step the drill
+        names (the controller asks ahead of it, so the step is exact however late it hears the run
+        reach it) or at once."""
+        r = self.replicas
+        if self.switches is None or r is None or self.switches.collective_faults <= self.faults_armed:
             return
+        point, delay_s, from_step = self.switches.collective_fault
+        if from_step is not None and r.at_step < from_step:
+            return  # (held in the switch until then)
         self.faults_armed = self.switches.collective_faults
-        point, delay_s = self.switches.collective_fault
-        self.replicas.faults.append(ProtocolFault(PROTOCOL_POINTS[point], self.rank, None, delay_s))
+        self.switches.collective_fault_armed()
+        r.faults.append(ProtocolFault(PROTOCOL_POINTS[point], self.rank, None, delay_s))
 
     def _across_replicas(self, loss: torch.Tensor | None, apply_update: bool = True) -> tuple[float | None, bool]:
         """The gradient of the whole global batch from every live replica's, or StepDiscarded (nothing

@@ -27,12 +27,17 @@ from controller.ray.worker_group import RayWorkerGroup
 class RayDrillInjector:
     """Every drill verb on a Ray cluster: a node's raylet through the cluster, a rank through its actor."""
 
+    arms_ahead = frozenset({DrillKind.COLLECTIVE_FAULT})
+    """Kinds a rank holds until their step (`from_step`): a collective fault fails the step after its
+    `at_step` exactly, however late the controller hears of that step (run_drills.py)."""
+
     def __init__(self, cluster: LocalRayCluster | RemoteRayCluster, group: RayWorkerGroup) -> None:
         self.cluster = cluster
         self.group = group
 
     def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
-               delay_ms: float | None = None, loss: float | None = None, point: str | None = None) -> dict[str, Any]:
+               delay_ms: float | None = None, loss: float | None = None, point: str | None = None,
+               from_step: int | None = None) -> dict[str, Any]:
         if kind.silent:
             delay_ms = (delay_ms or DEFAULT_DELAY_MS) if kind is DrillKind.SLOW_LINK else None
             loss = (loss or DEFAULT_LOSS) if kind is DrillKind.LOSSY_LINK else None
@@ -61,7 +66,7 @@ class RayDrillInjector:
             return {"rank": int(target)}
         if kind is DrillKind.COLLECTIVE_FAULT:  # armed by the rank at its next step (trainer/train.py)
             point = point or DEFAULT_POINT
-            self._call(self.group.rank_actor(int(target)).collective_fault.remote(point, seconds))
+            self._call(self.group.rank_actor(int(target)).collective_fault.remote(point, seconds, from_step))
             return {"rank": int(target), "point": point, **({"seconds": seconds} if seconds else {})}
         if kind is DrillKind.STORAGE_OUTAGE:  # every slot's checkpoint writes are refused until then
             seconds = seconds or DEFAULT_OUTAGE_S

@@ -269,12 +269,13 @@ class RankActor:
         """The bitflip drill: the training process flips a bit of its parameters before its next step."""
         self._switches.request_bitflip()
 
-    def collective_fault(self, point: str, delay_s: float | None) -> None:
+    def collective_fault(self, point: str, delay_s: float | None, from_step: int | None = None) -> None:
         """The collective-fault drill: this slot's rank fails (or, with a delay, holds back) the named
-        point of the replica protocol the next time it gets there (trainer/protocol.ProtocolFault)."""
+        point of the replica protocol the next time it gets there (trainer/protocol.ProtocolFault), at
+        step `from_step` or later."""
         from trainer.protocol import PROTOCOL_POINTS
 
-        self._switches.request_collective_fault(PROTOCOL_POINTS.index(point), delay_s)
+        self._switches.request_collective_fault(PROTOCOL_POINTS.index(point), delay_s, from_step)
 
     def outage(self, until: float) -> None:
         """The storage-outage drill: checkpoint writes from this slot are refused until `until`."""

@@ -34,7 +34,9 @@ class SimInjector:
         self.group, self.cluster, self.clock, self.repair_s = group, cluster, clock, repair_s
 
     def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
-               delay_ms: float | None = None, loss: float | None = None, point: str | None = None) -> dict[str, Any]:
+               delay_ms: float | None = None, loss: float | None = None, point: str | None = None,
+               from_step: int | None = None) -> dict[str, Any]:
+        """(No `arms_ahead`: in the model a drill strikes at the step the controller injects it at.)"""
         now = self.clock()
         assert self.group.attempt is not None
         placement = self.group.attempt.placement
