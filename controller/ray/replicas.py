@@ -184,6 +184,21 @@ def forming_ranks(group: "RayWorkerGroup") -> set[int]:
     return {rank for replica in r.roster.forming for rank in r.ranks(replica)} if r is not None else set()
 
 
+def awaited_ranks(group: "RayWorkerGroup") -> set[int]:
+    """The ranks whose end the attempt's end waits for: every one but those of replicas out or still
+    forming; and once every rank of the replicas that hold the state has ended, those alone: a replica
+    still joining then has no one to take the state from (it was published joining as the holders
+    ended the run's last step, and would wait its collective timeout for them)."""
+    every = set(range(len(group._runs)))
+    r = group._replicas
+    if r is None:
+        return every
+    holders = {rank for replica in r.roster.holders for rank in r.ranks(replica)}
+    if holders and holders <= group._finished:
+        return holders
+    return every - r.out - forming_ranks(group)
+
+
 def publish_joining(group: "RayWorkerGroup") -> None:
     """Replicas formed again whose every rank has built its world join at the next epoch."""
     r = group._replicas

@@ -434,8 +434,8 @@ class RayWorkerGroup:
         self._failed |= set(result.errors) | result.dead_ranks
         if self._failed or result.dead_nodes:  # failed stays failed: later polls must not read "finished"
             result.status = GroupStatus.FAILED
-        elif self._finished >= set(range(len(self._runs))) - out - ray_replicas.forming_ranks(self):
-            result.status = GroupStatus.FINISHED  # (a replica still forming when the others are done has nothing to join)
+        elif self._finished >= ray_replicas.awaited_ranks(self):
+            result.status = GroupStatus.FINISHED  # (a replica forming or joining when the holders are done has nothing to join)
         if result.status is not GroupStatus.RUNNING and self._drains:  # the attempt ends: what the ranks still had to say
             self._collect(result, wait_s=SETTLE_WAIT_S)
         return result

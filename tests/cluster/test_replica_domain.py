@@ -182,7 +182,7 @@ def test_two_replicas_out_with_one_spare_one_forms_again_and_the_others_train_on
     formed again and rejoins; the other stays out, and the live replicas train on with its share of
     the batch skipped (batch_while_healing: shrink) to the end, in one attempt."""
     s = replica_spec("two-out", tmp_path, replicas=4, parallelism={"dp": 4, "pp": 1, "tp": 2},
-                     elastic={"batch_while_healing": "shrink"}, steps=14,
+                     elastic={"batch_while_healing": "shrink"}, steps=20,
                      drills=[{"kind": "kill-node", "at_step": 5, "target": "replica:1"},
                              {"kind": "kill-node", "at_step": 5, "target": "replica:2"}])
     try:
@@ -202,7 +202,7 @@ def test_two_replicas_out_with_one_spare_one_forms_again_and_the_others_train_on
     skipped = [e.detail for e in c.events.of_kind("samples_skipped")]
     assert skipped and all(out in d["replicas"] for d in skipped), skipped
     assert c.placement is not None and "node-4" in c.placement.node_of_rank, "the spare was not used"
-    assert [h["step"] for h in c.progress.history] == list(range(1, 15))
+    assert [h["step"] for h in c.progress.history] == list(range(1, 21))
     sums = [e.detail for e in c.events.of_kind("replica_checksums")]
     assert sums and all(d["agree"] for d in sums), sums
     assert sorted(sums[-1]["replicas"]) == sorted({0, 1, 2, 3} - {out}), sums[-1]
@@ -218,7 +218,7 @@ def test_a_donor_killed_during_the_transfer_leaves_the_joiner_to_the_other_membe
     gives them in the next epoch; replica 0 forms again on the idle node. One attempt, and at the end
     every replica holds the same bytes. (The dist test of the same race, against a float64 single
     process: tests/dist/test_replica_races.py.)"""
-    s = replica_spec("donor-killed", tmp_path, replicas=3, parallelism={"dp": 3, "pp": 1, "tp": 2}, steps=16,
+    s = replica_spec("donor-killed", tmp_path, replicas=3, parallelism={"dp": 3, "pp": 1, "tp": 2}, steps=24,
                      changes={"train": {"global_batch": 12}, "health": {"collective_timeout_s": 20, "hang_floor_s": 30}},
                      drills=[{"kind": "kill-node", "at_step": 4, "target": "replica:2"},
                              {"kind": "collective-fault", "at_step": 4, "target": "replica:0", "point": "sync",
@@ -249,7 +249,7 @@ def test_a_donor_killed_during_the_transfer_leaves_the_joiner_to_the_other_membe
     rejoins = {k: e.detail for e in c.events.of_kind("replica_rejoined") for k in e.detail["replicas"]}
     assert rejoins[2]["source"] == 1, rejoins
     assert 0 in rejoins, "replica 0 was not formed again"
-    assert [h["step"] for h in c.progress.history] == list(range(1, 17))
+    assert [h["step"] for h in c.progress.history] == list(range(1, 25))
     sums = [e.detail for e in c.events.of_kind("replica_checksums")]
     assert sums and all(d["agree"] for d in sums) and sorted(sums[-1]["replicas"]) == [0, 1, 2], sums
 

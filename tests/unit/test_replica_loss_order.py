@@ -99,3 +99,29 @@ def test_a_restarted_controller_knows_a_rejoined_replica_holds_the_state() -> No
     assert ray_replicas.reattach(group, attempt, incarnation)  # type: ignore[arg-type]
     with pytest.raises(NotContainable):
         group._replicas.roster.lose([0])
+
+
+def test_a_replica_published_joining_as_the_holders_end_the_run_is_not_waited_for() -> None:
+    """(Found on a loaded machine by test_replica_domain's donor test: replica 0 was formed again and
+    published joining at the poll in which the holders ended step 16 of 16; its ranks waited 20 s
+    for a group of members that had exited, the controller took it for a hang and restarted the
+    run.) The attempt ends when the replicas that hold the state have ended: a forming or joining
+    replica's ranks are not waited for then; before that, a joining replica's are."""
+    from trainer.protocol import Roster
+
+    roster, _ = Roster.start(3)
+    tracking = ray_replicas.ReplicaTracking(SimpleNamespace(), replicas=3, world=6, roster=roster)
+    group = SimpleNamespace(_replicas=tracking, _runs=[None] * 6, _finished=set())
+    assert ray_replicas.awaited_ranks(group) == set(range(6))  # type: ignore[arg-type]
+    roster.lose([0])
+    roster.form(0, 1)
+    assert ray_replicas.awaited_ranks(group) == {2, 3, 4, 5}, "forming: not waited for"  # type: ignore[arg-type]
+    roster.ready([0])
+    assert roster.joining == {0}
+    assert ray_replicas.awaited_ranks(group) == set(range(6)), "joining while the holders train"  # type: ignore[arg-type]
+    group._finished = {2, 3, 4}
+    assert ray_replicas.awaited_ranks(group) == set(range(6))  # type: ignore[arg-type]
+    group._finished = {2, 3, 4, 5}
+    assert ray_replicas.awaited_ranks(group) == {2, 3, 4, 5}, "the holders ended: nothing to join"  # type: ignore[arg-type]
+    roster.rejoined([0])
+    assert ray_replicas.awaited_ranks(group) == set(range(6)), "a holder now: its end is waited for"  # type: ignore[arg-type]
