@@ -287,12 +287,15 @@ class ServiceNodes:
         return {"name": name, "state": role, "was": row, "kubernetes": kubernetes}
 
     def table(self) -> dict[str, Any]:
-        """Every node with its state for the service (healthy, spare, quarantined, lost) and the run on it."""
+        """Every node with its state for the service (healthy, spare, quarantined, lost) and the run on it.
+        The cluster is asked outside the service's lock (a GET must not wait on Ray behind the scheduler,
+        nor hold it up: test_chaos once saw /v1/cluster take 2.9 s)."""
+        try:
+            raw: Topology | None = self.view(self.cluster.topology())
+        except Exception:  # noqa: BLE001 - a cluster that does not answer shows no live node
+            raw = None
         with self.lock:
-            try:
-                live_nodes = {n.name: n for n in self.shown().nodes}
-            except Exception:  # noqa: BLE001 - a cluster that does not answer shows no live node
-                live_nodes = {}
+            live_nodes = {n.name: n for n in self.book.in_roles(raw).nodes} if raw is not None else {}
             rows = self.book.rows(live_nodes, self.holders())
         return {"nodes": rows, "gpus": sum(r["gpus"] for r in rows),
                 "free_gpus": sum(r["gpus"] for r in rows if r["run"] is None and r["state"] == "healthy")}

@@ -12,6 +12,7 @@ ms) and far below the 20 s a held call takes."""
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 import time
 from pathlib import Path
@@ -242,3 +243,31 @@ def test_a_store_that_refuses_the_probe_refuses_the_submission_and_a_slow_one_do
         assert accepted.status_code == 201
     finally:
         s.stop()
+
+
+def test_the_cluster_view_asks_the_cluster_outside_the_services_lock(setup: Setup) -> None:
+    """/v1/cluster waits for its own answer from the cluster, but holds nothing while it does: a run
+    submitted meanwhile (admission takes the service's lock) is answered while it is still held."""
+    s = setup
+    gate, asking = threading.Event(), threading.Event()
+    counted = s.cluster.topology
+
+    def held() -> Topology:
+        if "cluster_view" in {frame.function for frame in inspect.stack(0)}:  # (not the scheduler's asking)
+            asking.set()
+            assert gate.wait(20), "never let go"
+        return counted()
+
+    s.cluster.topology = held  # type: ignore[method-assign]
+    answers: list[int] = []
+    view = threading.Thread(target=lambda: answers.append(s.api.get("/v1/cluster").status_code))
+    try:
+        view.start()
+        assert asking.wait(WAIT_S), "/v1/cluster did not ask the cluster"
+        submitted = s.request("cluster view held", "POST", "/v1/runs", json=spec("while-held", steps=5))
+        assert submitted.status_code == 201 and not answers, "answered while the cluster view was held"
+        s.request("cluster view held", "GET", "/v1/teams")
+    finally:
+        gate.set()
+        view.join(20)
+    assert answers == [200]
