@@ -237,7 +237,9 @@ def test_a_cut_off_controller_stops_within_10_s_and_its_standby_takes_the_run(
         lab: Lab, cluster: LabRayCluster, service: Serve, tmp_path: Path) -> None:
     require(unavailable())
     db = PostgresServer(lab.nodes["db"].address, within=lambda argv: lab.command("db", argv))
-    steps, figures = 150, {}
+    # (enough steps to outlast both handovers: the lab's steps take ~0.1 s, and 150 of them once ended
+    # as the standby took over, which then waited for 5 more steps that never came)
+    steps, figures = 400, {}
     try:
         leader = lab_serve(lab, cluster, tmp_path, "ctl-a", db.url).start()
         standby = lab_serve(lab, cluster, tmp_path, "ctl-b", db.url, "--standby")
@@ -255,7 +257,10 @@ def test_a_cut_off_controller_stops_within_10_s_and_its_standby_takes_the_run(
         figures["cluster cut: standby leads (s)"] = until_said(standby, waits, "leading now", 60) - cut
         assert leader.proc is not None and leader.proc.wait(10) == 3, leader.text()[-3000:]
         standby.wait_api(waits, timeout_s=60)
-        at = wait_for(standby, "handover", lambda s: s["state"] == "running")["step"]
+        taken = wait_for(standby, "handover", lambda s: s["state"] in ("running", "succeeded"))
+        at = taken["step"]
+        assert taken["state"] == "running" and at + 5 <= steps, \
+            f"the run was {taken['state']} at step {at} of {steps} when the standby took it: give it more steps"
         wait_for(standby, "handover", lambda s: s["step"] >= at + 5)
         lab.kill_all("ctl-a")  # (its raylet, cut off meanwhile)
         lab.unblock("ctl-a")
