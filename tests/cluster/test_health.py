@@ -23,8 +23,9 @@ pytestmark = pytest.mark.cluster
 def spec(name: str, root: Path, *, steps: int, drills: list[dict], health: dict | None = None,
          checkpoint: dict | None = None, spares: int = 1, layers: int = 2) -> RunSpec:
     """`layers`: 2 is a block per pipeline stage (a step's cost on 2 cores is torch's per-op overhead,
-    which each block adds to); the straggler test keeps 4, so that its compute times stand well above
-    the machine's scheduling noise."""
+    which each block adds to); the straggler test keeps 8, so that its compute times stand well above
+    the machine's scheduling noise (with 4, a stage's compute was ~55 ms on a 2-core machine, and
+    with the unit tier running beside it a clean rank was once flagged at 1.39 > 1.3)."""
     return parse_spec({
         "name": name,
         "model": {"n_layers": layers, "d_model": 64, "n_heads": 4, "vocab_size": 64, "seq_len": 32},
@@ -43,7 +44,7 @@ def test_clean_stretch_raises_no_flag_then_slow_rank_is_flagged(ray_cluster: Loc
     slower. The ratio is 1.3: a 1.5x slowdown must clear it with room for measurement noise (at
     ratio 1.5 a 1.5x rank sits on the bound; tests/unit/test_health_verdicts.py covers that case)."""
     at = 110
-    s = spec("slow", tmp_path, steps=at + 25, spares=0, layers=4,
+    s = spec("slow", tmp_path, steps=at + 25, spares=0, layers=8,
              health={"straggler_ratio": 1.3, "sdc_every_steps": 5},
              drills=[{"kind": "slow-rank", "at_step": at, "target": 6, "factor": 1.5}])
     c = drive(s, ray_cluster)
