@@ -119,11 +119,15 @@ PARAMS = ("factor", "seconds", "delay_ms", "loss", "point")
 
 
 class DrillInjector(Protocol):
+    arms_ahead: frozenset[DrillKind]
+    """Kinds it hands to their target before their step comes, to act from the step after it (the
+    controller hears of a step a poll after it ends; a rank knows it at once): empty for most."""
+
     def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
                delay_ms: float | None = None, loss: float | None = None, point: str | None = None,
                from_step: int | None = None) -> dict[str, Any]:
-        """Do it (`DrillKind.effect`) and say what was hit; `from_step`: for a kind the injector
-        `arms_ahead` (a frozenset of kinds, where it has one), the step from which it acts."""
+        """Do it (`DrillKind.effect`) and say what was hit; `from_step`: for a kind in `arms_ahead`,
+        the step from which it acts."""
         ...
 
 

@@ -75,20 +75,20 @@ class RunDrills:
         node and its buddy's node lost together): (drill_injected, what was hit) or (drill_failed,
         why) for each, for the timeline."""
         outcomes = []
-        ahead: frozenset[DrillKind] = getattr(injector, "arms_ahead", frozenset())
-        while (drill := self.schedule.pop_due(step, ahead)) is not None:
-            outcomes.append(self._inject(drill, step, placement, injector, outside_lock, ahead))
+        while (drill := self.schedule.pop_due(step, injector.arms_ahead)) is not None:
+            at = drill.at_step
+            from_step = at + 1 if drill.kind in injector.arms_ahead and at is not None and at >= step else None
+            outcomes.append(self._inject(drill, step, placement, injector, outside_lock, from_step))
         return outcomes
 
     def _inject(self, drill: DrillRequest, step: int, placement: Placement, injector: DrillInjector,
                 outside_lock: Callable[[], ContextManager[Any]],
-                ahead: frozenset[DrillKind]) -> tuple[EventKind, dict[str, Any]]:
-        """Inject one drill; a kind the injector arms ahead, with a step still to come, is handed over
-        now to act from the step after it (`from_step`; its event says so: a rank holds it till then)."""
+                from_step: int | None) -> tuple[EventKind, dict[str, Any]]:
+        """Inject one drill; with `from_step` (a kind the injector arms ahead, its step still to come), it
+        is handed over now to act from that step (its event says so: a rank holds it till then)."""
         asked = drill.target or default_target(drill.kind, placement)
         problem = target_problem(drill.kind, asked, placement)
         target = concrete_target(drill.kind, asked, placement)
-        from_step = drill.at_step + 1 if drill.kind in ahead and drill.at_step is not None and drill.at_step >= step else None
         timing = ({"step": drill.at_step, "from_step": from_step, "armed_at_step": step} if from_step is not None
                   else {"step": step})
         facts = {"id": drill.id, "drill": drill.kind, "target": target, **timing,

@@ -30,13 +30,15 @@ DEFAULT_DAYS = 54.0
 class SimInjector:
     """The spec's drills (scripted failures) as incidents at the moment the controller injects them."""
 
+    arms_ahead: frozenset[DrillKind] = frozenset()
+    """(In the model a drill strikes at the step the controller injects it at.)"""
+
     def __init__(self, group: SimWorkerGroup, cluster: SimCluster, clock: VirtualClock, repair_s: float) -> None:
         self.group, self.cluster, self.clock, self.repair_s = group, cluster, clock, repair_s
 
     def inject(self, kind: DrillKind, target: str, *, factor: float | None = None, seconds: float | None = None,
                delay_ms: float | None = None, loss: float | None = None, point: str | None = None,
                from_step: int | None = None) -> dict[str, Any]:
-        """(No `arms_ahead`: in the model a drill strikes at the step the controller injects it at.)"""
         now = self.clock()
         assert self.group.attempt is not None
         placement = self.group.attempt.placement

@@ -302,6 +302,7 @@ class KillAtRandomOffsets:
 
     def __init__(self, inner: DrillInjector, seed: int) -> None:
         self.inner = inner
+        self.arms_ahead = inner.arms_ahead
         self.rng = random.Random(seed)
         self.controller: RunController | None = None
         self.offsets: list[float] = []

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from checkpointing.store import StoreError
+from controller.drills import DrillKind
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.topology import Topology
 from trainer.report import StepReport
@@ -122,6 +123,8 @@ class FakeWorkerGroup:
 
 
 class FakeInjector:
+    arms_ahead: frozenset[DrillKind] = frozenset()
+
     def __init__(self, group: FakeWorkerGroup) -> None:
         self.group = group
         self.injected: list[tuple[str, str]] = []
