@@ -270,9 +270,12 @@ class LabRayCluster:
         from controller.ray.cluster import QUIET_RAY_ENV
 
         self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"},
-                    **QUIET_RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
+                    **QUIET_RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex(),
+                    "RAY_TMPDIR": str(tmp)}
         """Every process of the cluster, and the service that joins it, holds the cluster's token (and Ray's
-        monitoring and idle workers are off, as in the embedded cluster: QUIET_RAY_ENV)."""
+        monitoring and idle workers are off, as in the embedded cluster: QUIET_RAY_ENV); its workers' own
+        temp folders (a node's zygote socket) go in the test's tmp, not in /tmp, where a node killed with
+        them left them behind."""
 
     def start(self) -> "LabRayCluster":
         self._ray_start("head", "--head", "--port", str(self.PORT), "--num-cpus", "1", "--num-gpus", "0",

@@ -72,8 +72,10 @@ class RayStartCluster:
         self.one_address = head_ip == "127.0.0.1"
         # (Ray's monitoring and idle workers off, as in the embedded cluster: QUIET_RAY_ENV)
         # (and no token auth unless asked: a token a user's own `ray.init()` left in ~/.ray would turn it on)
+        # (and its workers' own temp folders, a node's zygote socket, in the test's tmp: not left in /tmp
+        # by a node killed with them)
         self.env = {"RAY_AUTH_MODE": "disabled", **os.environ, **QUIET_RAY_ENV,
-                    **(LOOPBACK_ENV if self.one_address else {})}
+                    **(LOOPBACK_ENV if self.one_address else {}), "RAY_TMPDIR": str(tmp)}
         self.address = ""
 
     def ray_start(self, *args: str, head: bool = False, ip: str = "127.0.0.1") -> None:
