@@ -267,15 +267,19 @@ class LabRayCluster:
         import sys
 
         self.ray = str(Path(sys.executable).parent / "ray")
+        from checkpointing.peer import ROOT_ENV
         from controller.ray.cluster import QUIET_RAY_ENV
+        from tests.support.ray_start import peer_folder
+
+        self.peer_dir = peer_folder()
 
         self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"},
                     **QUIET_RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex(),
-                    "RAY_TMPDIR": str(tmp)}
+                    "RAY_TMPDIR": str(tmp), ROOT_ENV: str(self.peer_dir)}
         """Every process of the cluster, and the service that joins it, holds the cluster's token (and Ray's
         monitoring and idle workers are off, as in the embedded cluster: QUIET_RAY_ENV); its workers' own
-        temp folders (a node's zygote socket) go in the test's tmp, not in /tmp, where a node killed with
-        them left them behind."""
+        temp folders (a node's zygote socket) go in the test's tmp, and its nodes' peer snapshots in a
+        folder of the cluster's own (ray_start.peer_folder): a node killed with them left them behind."""
 
     def start(self) -> "LabRayCluster":
         self._ray_start("head", "--head", "--port", str(self.PORT), "--num-cpus", "1", "--num-gpus", "0",
@@ -310,6 +314,7 @@ class LabRayCluster:
         for host in self.lab.nodes:
             self.lab.kill_all(host)
         kill(self.outside())
+        shutil.rmtree(self.peer_dir, ignore_errors=True)
 
     def repair(self, host: str) -> None:
         """The node back from repair: whatever is left of it killed, its link up and clean, and a

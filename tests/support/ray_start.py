@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
 
+from checkpointing.peer import ROOT_ENV, peer_base
 from controller.ray.cluster import FAST_HEALTH_CHECK, QUIET_RAY_ENV
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -59,6 +62,14 @@ def kill(procs: list[psutil.Process]) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
+def peer_folder() -> Path:
+    """A test cluster's own folder for its nodes' peer snapshots (host memory), as the embedded
+    cluster has (controller/ray/cluster.py): its nodes are processes of this machine, and a node
+    killed with its snapshots would leave them in /dev/shm; the cluster's stop removes it."""
+    peer_base().mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="goodput-test-", dir=peer_base()))
+
+
 class RayStartCluster:
     def __init__(self, tmp: Path, *, head_ip: str = "127.0.0.1", worker_ips: list[str] | None = None,
                  default_health_checks: bool = False) -> None:
@@ -72,10 +83,11 @@ class RayStartCluster:
         self.one_address = head_ip == "127.0.0.1"
         # (Ray's monitoring and idle workers off, as in the embedded cluster: QUIET_RAY_ENV)
         # (and no token auth unless asked: a token a user's own `ray.init()` left in ~/.ray would turn it on)
-        # (and its workers' own temp folders, a node's zygote socket, in the test's tmp: not left in /tmp
-        # by a node killed with them)
+        # (and its workers' own temp folders, a node's zygote socket, in the test's tmp, and its nodes'
+        # peer snapshots in a folder of its own: neither is left behind by a node killed with them)
+        self.peer_dir = peer_folder()
         self.env = {"RAY_AUTH_MODE": "disabled", **os.environ, **QUIET_RAY_ENV,
-                    **(LOOPBACK_ENV if self.one_address else {}), "RAY_TMPDIR": str(tmp)}
+                    **(LOOPBACK_ENV if self.one_address else {}), "RAY_TMPDIR": str(tmp), ROOT_ENV: str(self.peer_dir)}
         self.address = ""
 
     def ray_start(self, *args: str, head: bool = False, ip: str = "127.0.0.1") -> None:
@@ -145,3 +157,4 @@ class RayStartCluster:
     def stop(self) -> None:
         """By PID: `ray stop` would end every Ray process on the machine, not just ours."""
         kill(self.processes())
+        shutil.rmtree(self.peer_dir, ignore_errors=True)
