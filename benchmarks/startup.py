@@ -9,7 +9,14 @@ Figures, per round (wall seconds):
 
 - cluster start: LocalRayCluster.start() (the GCS, 5 raylets, the driver's connection; since the
   host image, controller/ray/host_image.py, also its import of torch and the trainer, which runs
-  while the raylets start);
+  while the raylets start), and its parts: the head (`import ray`, the host image's start, the GCS,
+  Ray's API server, the head's raylet), a node (the median of the 5 `Cluster.add_node`s, one after
+  another) and the driver's connection (`ray.init`). A node takes ~1.1 s on 2 cores, and Ray, not
+  goodput, spends it: its raylet registers with the GCS only once the node's dashboard agent has
+  imported its modules and written its ports (~0.8 s of a core; the runtime-env agent's ~0.35 s
+  beside it), and `add_node` waits for the registration. Ray offers no switch for either agent, and
+  its cluster_utils builds nodes one at a time (building them from threads, tried here, left the
+  raylets unregistered);
 - launch: the first attempt started -> its worker group started (each node's GPU slots reserved, a
   rank actor per slot, each node's warm image: before the host image, each node's zygote importing
   torch and the trainer; before the spares waited for nothing, the spare's warm actors too);
@@ -87,9 +94,23 @@ def one_round(root: Path, steps: int) -> dict[str, float]:
         specs.append(parse_spec(raw))
     assert specs[0].cluster.local is not None
     cluster = LocalRayCluster(specs[0].cluster.local)
+    node_starts: list[tuple[float, float]] = []
+    add_node = LocalRayCluster.add_node
+
+    def timed_add_node(self: LocalRayCluster, index: int) -> str:
+        at = time.time()
+        try:
+            return add_node(self, index)
+        finally:
+            node_starts.append((at, time.time()))
+
+    LocalRayCluster.add_node = timed_add_node  # type: ignore[method-assign]  # (this round's own process)
     began = time.time()
     cluster.start()
-    out = {"cluster start": time.time() - began}
+    ended = time.time()
+    out = {"cluster start": ended - began, "cluster start: head": node_starts[0][0] - began,
+           "cluster start: a node": statistics.median(b - a for a, b in node_starts),
+           "cluster start: the driver's connection": ended - node_starts[-1][1]}
     try:
         for spec, nodes in zip(specs, ("", ", warm nodes")):
             marks: dict[str, float] = {}
