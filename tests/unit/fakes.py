@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from checkpointing.store import StoreError
-from controller.drills import DrillKind
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
+from controller.drills import DrillKind
 from controller.topology import Topology
 from trainer.report import StepReport
 
