@@ -267,19 +267,15 @@ class LabRayCluster:
         import sys
 
         self.ray = str(Path(sys.executable).parent / "ray")
-        from checkpointing.peer import ROOT_ENV
         from controller.ray.cluster import QUIET_RAY_ENV
-        from tests.support.ray_start import peer_folder
+        from tests.support.ray_start import own_folders
 
-        self.peer_dir = peer_folder()
-
+        self.peer_dir, folders = own_folders(tmp)
         self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"},
-                    **QUIET_RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex(),
-                    "RAY_TMPDIR": str(tmp), ROOT_ENV: str(self.peer_dir)}
+                    **QUIET_RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex(), **folders}
         """Every process of the cluster, and the service that joins it, holds the cluster's token (and Ray's
-        monitoring and idle workers are off, as in the embedded cluster: QUIET_RAY_ENV); its workers' own
-        temp folders (a node's zygote socket) go in the test's tmp, and its nodes' peer snapshots in a
-        folder of the cluster's own (ray_start.peer_folder): a node killed with them left them behind."""
+        monitoring and idle workers are off, as in the embedded cluster: QUIET_RAY_ENV; what its nodes
+        leave on this machine goes in folders of its own: ray_start.own_folders)."""
 
     def start(self) -> "LabRayCluster":
         self._ray_start("head", "--head", "--port", str(self.PORT), "--num-cpus", "1", "--num-gpus", "0",

@@ -62,12 +62,16 @@ def kill(procs: list[psutil.Process]) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
-def peer_folder() -> Path:
-    """A test cluster's own folder for its nodes' peer snapshots (host memory), as the embedded
-    cluster has (controller/ray/cluster.py): its nodes are processes of this machine, and a node
-    killed with its snapshots would leave them in /dev/shm; the cluster's stop removes it."""
+def own_folders(tmp: Path) -> tuple[Path, dict[str, str]]:
+    """Where a test cluster's nodes keep what they leave on this machine, and the environment that says
+    so: their workers' temp files (a node's zygote socket) in the test's `tmp`, and their peer
+    snapshots (host memory) in a folder of the cluster's own under /dev/shm/goodput-peer, as the
+    embedded cluster keeps them (controller/ray/cluster.py). Its nodes are processes of this machine,
+    and one killed with them would leave them in /tmp and /dev/shm. (The peer folder, which the
+    cluster's stop removes; the variables.)"""
     peer_base().mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="goodput-test-", dir=peer_base()))
+    peer_dir = Path(tempfile.mkdtemp(prefix="goodput-test-", dir=peer_base()))
+    return peer_dir, {"RAY_TMPDIR": str(tmp), ROOT_ENV: str(peer_dir)}
 
 
 class RayStartCluster:
@@ -83,11 +87,10 @@ class RayStartCluster:
         self.one_address = head_ip == "127.0.0.1"
         # (Ray's monitoring and idle workers off, as in the embedded cluster: QUIET_RAY_ENV)
         # (and no token auth unless asked: a token a user's own `ray.init()` left in ~/.ray would turn it on)
-        # (and its workers' own temp folders, a node's zygote socket, in the test's tmp, and its nodes'
-        # peer snapshots in a folder of its own: neither is left behind by a node killed with them)
-        self.peer_dir = peer_folder()
+        # (and what its nodes leave on this machine in folders of its own: own_folders)
+        self.peer_dir, folders = own_folders(tmp)
         self.env = {"RAY_AUTH_MODE": "disabled", **os.environ, **QUIET_RAY_ENV,
-                    **(LOOPBACK_ENV if self.one_address else {}), "RAY_TMPDIR": str(tmp), ROOT_ENV: str(self.peer_dir)}
+                    **(LOOPBACK_ENV if self.one_address else {}), **folders}
         self.address = ""
 
     def ray_start(self, *args: str, head: bool = False, ip: str = "127.0.0.1") -> None:
