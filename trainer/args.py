@@ -48,7 +48,8 @@ class WorkerArgs:
     resume_step: int | None = None
     """Committed step to load before training (from `checkpoint_uri`); None starts from the seeded init."""
     staging_dir: str = "/tmp/goodput-staging"
-    """Local scratch for shards on their way to a remote store."""
+    """Local scratch for shards on their way to a remote store: each rank stages into a folder of its own
+    there, and removes what ranks killed mid-save left (checkpointing/staging.py)."""
     store_retry_budget_s: float = 30.0
     """How long a checkpoint write the store refuses for now (an outage) keeps being retried."""
     peer_every: int = 0

@@ -35,6 +35,7 @@ from checkpointing.manifest import (
     CheckpointError, Manifest, apply_retention, commit, describe, is_committed, step_prefix,
     wait_for_ranks, write_rank_marker,
 )
+from checkpointing.staging import StagingArea
 from checkpointing.store import ObjectStore, StoreError, retry_unavailable
 from trainer.config import state_fingerprint, state_identity
 from trainer.report import ReportSink
@@ -137,6 +138,9 @@ class Checkpointer:
         # Safe because a save waits for the previous one before staging again.
         self._stager = _ReusedBufferStager() if use_async else None
         self._thread: threading.Thread | None = None
+        self._staging: StagingArea | None = None
+        """This rank's folder under `staging_dir` (checkpointing/staging.py), made at its first save to a
+        remote store; it sweeps what killed ranks left there."""
 
     def save(self, trainer: Any) -> SaveTiming:
         self.wait()  # a save still in flight is waited for, not duplicated
@@ -148,7 +152,7 @@ class Checkpointer:
                 self.sink.event("checkpoint_skipped", {"step": trainer.step, "reason": refusal})
             return SaveTiming(step=trainer.step, blocked_s=time.perf_counter() - t0, skipped=refusal)
         in_place = self.store.local_path(prefix)
-        local = in_place or self.staging_dir / f"rank-{self.rank}" / prefix
+        local = in_place if in_place is not None else self._staging_area().path / prefix
         local.mkdir(parents=True, exist_ok=True)
         if in_place is not None:  # an uncommitted save of this step by another attempt left files here
             for stale in self._own_files(local).values():
@@ -196,6 +200,11 @@ class Checkpointer:
         if self.rank == 0 and (local / ".metadata").exists():
             own[".metadata"] = local / ".metadata"
         return own
+
+    def _staging_area(self) -> StagingArea:
+        if self._staging is None:
+            self._staging = StagingArea(self.staging_dir, f"{self.run_id}-a{self.attempt}-r{self.rank}")
+        return self._staging
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -259,6 +268,9 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
         if self._pg is not None:
             dist.destroy_process_group(self._pg)
             self._pg = None

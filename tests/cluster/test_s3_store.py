@@ -105,6 +105,25 @@ def test_training_goes_on_through_a_failed_save(bucket: str, s3_server: S3Server
     assert committed_steps(open_store(uri), "outage") == [2, 6]
 
 
+def test_shards_staged_by_a_rank_killed_mid_save_are_removed_by_the_next(bucket: str, tmp_path: Path) -> None:
+    """Shards on their way to S3 wait in a local staging folder. A rank that dies mid-save (rank 1, after
+    its upload, before its marker) leaves its staged shard there; the next process to stage on the host
+    removes it, and a rank that ends normally leaves nothing (checkpointing/staging.py)."""
+    from tests.dist.ckpt_faults import die_mid_save, resave_committed_step
+    from tests.dist.test_checkpoint_faults import small
+
+    uri, staging = f"s3://{bucket}/staged", tmp_path / "staging"
+    results = run_ranks(die_mid_save, 2, may_die=frozenset({1}), config=config_to_dict(small()), root=str(tmp_path),
+                        uri=uri)
+    assert results[1] is None, "rank 1 was meant to die"
+    assert committed_steps(open_store(uri), "crash") == [2]
+    left = sorted(p.relative_to(staging) for p in staging.rglob("*.distcp"))
+    assert [p.name for p in left] == ["__1_0.distcp"] and left[0].parts[0].startswith("crash-a0-r1-"), left
+    run_ranks(resave_committed_step, 2, config=config_to_dict(small()), root=str(tmp_path), uri=uri)
+    assert committed_steps(open_store(uri), "resave") == [2]
+    assert list(staging.iterdir()) == [], "the killed rank's shard was swept, and the others closed their own"
+
+
 def test_a_dataset_tokenized_to_s3_reads_back_as_the_same_windows(bucket: str, tmp_path: Path) -> None:
     """`goodput tokenize --out s3://...` writes what a run's ShardSource reads from the store: the same
     windows, sample by sample, as the same text tokenized to a local folder."""

@@ -21,11 +21,13 @@ def train_through_outage(*, rank: int, world_size: int, store_port: int, config:
     return [summary.step, sink.events]
 
 
-def die_mid_save(*, rank: int, world_size: int, store_port: int, config: dict, root: str) -> dict:
-    """Commit step 2, then at step 4 rank 1 dies after writing its shard but before its marker."""
+def die_mid_save(*, rank: int, world_size: int, store_port: int, config: dict, root: str,
+                 uri: str | None = None) -> dict:
+    """Commit step 2, then at step 4 rank 1 dies after writing its shard but before its marker (the
+    store: `uri`, default the folder `root`; shards on their way to a remote one are staged in `root`)."""
     import trainer.checkpoint as ckpt
 
-    trainer, checkpointer, sink = _committed_step_2(rank, world_size, store_port, config, root, "crash", 3.0)
+    trainer, checkpointer, sink = _committed_step_2(rank, world_size, store_port, config, root, "crash", 3.0, uri)
     for _ in range(2):
         trainer.train_step()
     if rank == 1:
@@ -38,10 +40,11 @@ def die_mid_save(*, rank: int, world_size: int, store_port: int, config: dict, r
     return {"events": sink.events}
 
 
-def resave_committed_step(*, rank: int, world_size: int, store_port: int, config: dict, root: str) -> dict:
+def resave_committed_step(*, rank: int, world_size: int, store_port: int, config: dict, root: str,
+                          uri: str | None = None) -> dict:
     """Commit step 2; train on, then come back to step 2 (as an attempt does that skipped a newer step
     as unreadable and trained through it again) and save it again: nothing may be written."""
-    trainer, checkpointer, sink = _committed_step_2(rank, world_size, store_port, config, root, "resave", 10.0)
+    trainer, checkpointer, sink = _committed_step_2(rank, world_size, store_port, config, root, "resave", 10.0, uri)
     for _ in range(2):
         trainer.train_step()  # other parameters now
     trainer.step = 2
@@ -51,10 +54,10 @@ def resave_committed_step(*, rank: int, world_size: int, store_port: int, config
 
 
 def _committed_step_2(rank: int, world_size: int, store_port: int, config: dict, root: str, run_id: str,
-                      commit_timeout_s: float) -> tuple[Any, Any, Any]:
+                      commit_timeout_s: float, uri: str | None) -> tuple[Any, Any, Any]:
     """Join the process group, train two steps and commit step 2: (trainer, checkpointer, sink)."""
     import trainer.checkpoint as ckpt
-    from checkpointing.store import LocalStore
+    from checkpointing.store import open_store
     from trainer.config import config_from_dict
     from trainer.parallel import build_mesh, choose_device, init_process_group
     from trainer.report import ListSink
@@ -65,7 +68,7 @@ def _committed_step_2(rank: int, world_size: int, store_port: int, config: dict,
     init_process_group(rank=rank, world_size=world_size, store=store, backend="gloo", timeout_s=60)
     sink = ListSink()
     trainer = Trainer(cfg, build_mesh(cfg.mesh, "cpu"), choose_device("float32"))
-    checkpointer = ckpt.Checkpointer(LocalStore(Path(root)), run_id=run_id, attempt=0, keep=5, sink=sink,
+    checkpointer = ckpt.Checkpointer(open_store(uri or f"file://{root}"), run_id=run_id, attempt=0, keep=5, sink=sink,
                                      staging_dir=Path(root) / "staging", commit_timeout_s=commit_timeout_s)
     for _ in range(2):
         trainer.train_step()

@@ -23,7 +23,7 @@ PURE_MODULES = [
     "controller.topology", "controller.planner", "controller.placement", "controller.failure_policy",
     "controller.attribution", "controller.attempt", "controller.state", "controller.events", "controller.drills",
     "controller.drill_reports", "controller.run_drills",
-    "checkpointing.manifest", "checkpointing.schedule", "checkpointing.store", "health.hang", "controller.cli.client",
+    "checkpointing.manifest", "checkpointing.schedule", "checkpointing.store", "checkpointing.staging", "health.hang", "controller.cli.client",
     "health.straggler", "health.sdc", "controller.accounting", "controller.k8s.topology", "controller.errors",
     "controller.views", "controller.sim.run", "checkpointing.store.memory", "checkpointing.store.faults",
     "controller.service.scheduler", "controller.cli.render", "controller.checkpoints", "trainer.shards",
