@@ -15,8 +15,11 @@ Figures, per round (wall seconds):
   goodput, spends it: its raylet registers with the GCS only once the node's dashboard agent has
   imported its modules and written its ports (~0.8 s of a core; the runtime-env agent's ~0.35 s
   beside it), and `add_node` waits for the registration. Ray offers no switch for either agent, and
-  its cluster_utils builds nodes one at a time (building them from threads, tried here, left the
-  raylets unregistered);
+  its cluster_utils builds nodes one at a time. Building them side by side does not help on 2 cores:
+  five nodes, each built by a process of its own, took 5.3-5.8 s against 5.7 s one after another
+  (one run each way, 2026-12-07), so a node's start is bound by CPU, not by its waits. (They must
+  be given socket names apart: each node picks the first free `raylet.N`, and nodes picking at once
+  pick the same one, so none registers: most likely why threads, tried before, failed);
 - launch: the first attempt started -> its worker group started (each node's GPU slots reserved, a
   rank actor per slot, each node's warm image: before the host image, each node's zygote importing
   torch and the trainer; before the spares waited for nothing, the spare's warm actors too);
