@@ -19,7 +19,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Any, Iterator
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping
 
 from checkpointing.peer import ROOT_ENV, peer_base
 from controller.errors import ClusterError
@@ -28,13 +29,16 @@ from controller.ray.host_image import HOST_IMAGE_ENV
 from controller.spec import LocalClusterSpec
 from controller.topology import Node, NodeState, Topology, local_roles
 
-# Period x threshold + timeout ~ 2 s from a raylet's death to Ray marking the node dead.
-FAST_HEALTH_CHECK = {
+FAST_HEALTH_CHECK: Mapping[str, int] = MappingProxyType({
     "health_check_period_ms": 500,
     "health_check_timeout_ms": 500,
     "health_check_failure_threshold": 3,
     "health_check_initial_delay_ms": 0,
-}
+})
+"""Period x threshold + timeout ~ 2 s from a raylet's death to Ray marking the node dead. Read-only: Ray
+adds the session's object-spilling folder to the `_system_config` it is given, and when that was this
+constant, every later cluster of the process (and every `ray start --system-config` made from it)
+spilled into the first cluster's session folder, removed with it and made again, never to be removed."""
 DEPLOYED_HEALTH_CHECK = {
     "health_check_period_ms": 2000,
     "health_check_timeout_ms": 2000,
@@ -147,7 +151,7 @@ class LocalRayCluster(_RayClusterBase):
                 log.write(f"goodput: no host image ({e}); each node imports torch in a zygote of its own\n".encode())
         from ray.cluster_utils import Cluster
 
-        system_config = FAST_HEALTH_CHECK if self.fast_failure_detection else {}
+        system_config = dict(FAST_HEALTH_CHECK) if self.fast_failure_detection else {}  # (Ray adds to it)
         try:
             with self._children_log():
                 self._cluster = Cluster(initialize_head=True, head_node_args={

@@ -110,7 +110,7 @@ class RayStartCluster:
         port = "0" if self.one_address else str(free_port(self.head_ip))
         client = ["--ray-client-server-port", str(client_port)] if client_port else []
         self.ray_start("--head", "--port", port, "--num-cpus", "1", "--num-gpus", "0", "--include-dashboard", "false",
-                       *([] if self.default_health_checks else ["--system-config", json.dumps(FAST_HEALTH_CHECK)]),
+                       *([] if self.default_health_checks else ["--system-config", json.dumps(dict(FAST_HEALTH_CHECK))]),
                        *client, head=True, ip=self.head_ip)
         self.address = (self.tmp / "ray_current_cluster").read_text().strip()
         assert self.address.startswith(f"{self.head_ip}:"), self.address
