@@ -243,24 +243,6 @@ class LocalRayCluster(_RayClusterBase):
                 print(f"goodput: the repair of {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return repaired
 
-    def _under_raylets(self) -> list[Any]:
-        """Every process under the nodes' raylets (their workers, and the training processes those
-        forked), as psutil processes. Ray's shutdown ends the raylets and their agents; a worker ends
-        when it notices its raylet gone, and may still write its logs then, into a session folder
-        already removed (which it makes again)."""
-        import psutil
-
-        under: list[Any] = []
-        for node in [*self._nodes.values(), self._cluster.head_node]:
-            raylets = node.all_processes.get("raylet") if node is not None else None
-            if not raylets:
-                continue
-            try:
-                under.extend(psutil.Process(raylets[0].process.pid).children(recursive=True))
-            except psutil.Error:
-                continue  # already gone
-        return under
-
     def pending_repairs(self) -> list[str]:
         return sorted(self._repairs)
 
@@ -269,10 +251,8 @@ class LocalRayCluster(_RayClusterBase):
             self._repairs.clear()
         self._disconnect()
         if self._cluster is not None:
-            under = self._under_raylets()
             self._cluster.shutdown()
             self._cluster = None
-            _end(under, grace_s=5.0)
         if self._host_image is not None:  # (the nodes' own images ended with their raylets)
             self._host_image.terminate()
             try:
@@ -496,19 +476,6 @@ def _kill_tree(raylet_pid: int, spare: int | None = None) -> None:
             process.send_signal(signal.SIGKILL)
         except psutil.Error:
             pass
-
-
-def _end(processes: list[Any], grace_s: float) -> None:
-    """Wait up to `grace_s` for `processes` (psutil) to end by themselves; SIGKILL those that have not."""
-    import psutil
-
-    _, alive = psutil.wait_procs(processes, timeout=grace_s)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
 
 
 def make_cluster(address: str | None, local: LocalClusterSpec | None, *, log_dir: str | None = None,
