@@ -11,6 +11,7 @@ same state dir carries them on. The token is never printed, only where it is kep
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from checkpointing.store import StoreError
 from controller.planner import plan_local
@@ -298,6 +299,26 @@ def preflight(spec: RunSpec) -> None:
         pass  # unreadable or unreachable now: the run's own checkpoint search decides, with retries
 
 
+@contextlib.contextmanager
+def _ctrl_c_between_polls() -> Iterator[threading.Event]:
+    """Ctrl-C (SIGINT) noted in the event, not raised wherever the main thread happens to be: `goodput
+    run` raises it at its next poll of the run, from inside the run's lock, which it then leaves as an
+    exception leaves a `with` block. Raised where it lands, it could land inside RunLock.acquire after
+    the lock was taken and before it was counted: the main thread then held the run's lock for good,
+    the run's driver thread waited on it, and the run never ended (`goodput run` hung after Ctrl-C:
+    tests/cluster/test_cancel.py saw it once). Outside the main thread, where no signal handler can
+    be set, nothing changes."""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_foreground(spec: RunSpec, *, on_tick: "Callable[[RunController], None] | None" = None, api: tuple[str, int] | None = None,
                    api_any_port: bool = False, on_api: Callable[[str], None] | None = None,
                    token: str | None = None, log_dir: str | None = None) -> dict[str, Any]:
@@ -317,18 +338,25 @@ def run_foreground(spec: RunSpec, *, on_tick: "Callable[[RunController], None] |
     registry = Registry("sqlite://")
     service = ray_service(registry, cluster, view=lambda t: spec_view(t, spec), accept_submissions=False)
     try:
-        service.start()
-        run_id = service.add(spec)["id"]
-        if api is not None:
-            server = serve(create_app(service, token=token), *api, any_port=api_any_port)
-            if on_api is not None:
-                on_api(server.url)
-        try:
-            service.wait(run_id, on_tick=on_tick)
-        except BaseException:
-            service.cancel(run_id)
-            service.wait(run_id, timeout_s=60)
-            raise
+        with _ctrl_c_between_polls() as interrupted:
+            def tick(controller: RunController) -> None:
+                if interrupted.is_set():
+                    raise KeyboardInterrupt
+                if on_tick is not None:
+                    on_tick(controller)
+
+            service.start()
+            run_id = service.add(spec)["id"]
+            if api is not None:
+                server = serve(create_app(service, token=token), *api, any_port=api_any_port)
+                if on_api is not None:
+                    on_api(server.url)
+            try:
+                service.wait(run_id, on_tick=tick)
+            except BaseException:
+                service.cancel(run_id)
+                service.wait(run_id, timeout_s=60)
+                raise
         return service.controller(run_id).to_dict(time.time())
     finally:
         if server is not None:

@@ -458,3 +458,32 @@ def test_a_service_that_lost_its_cluster_touches_no_run(tmp_path: Path) -> None:
     assert s.lost_cluster is not None and "not connected" in s.lost_cluster
     s.stop()
     assert s.run("a")["state"] == "running" and h.group("a").shutdowns == 0, "stop() touches nothing either"
+
+
+def test_ctrl_c_in_goodput_run_is_noted_and_raised_at_the_next_poll_not_where_it_lands() -> None:
+    """`goodput run`'s Ctrl-C: inside the block a SIGINT sets the event and raises nothing (a
+    KeyboardInterrupt raised inside RunLock.acquire once left the run's lock held for good); after it,
+    the handler that was there before is back. In another thread (no handler can be set there) the
+    block changes nothing."""
+    import signal
+    import threading
+
+    from controller.service.main import _ctrl_c_between_polls
+
+    before = signal.getsignal(signal.SIGINT)
+    with _ctrl_c_between_polls() as interrupted:
+        assert not interrupted.is_set()
+        signal.raise_signal(signal.SIGINT)  # (handled before raise_signal returns)
+        assert interrupted.is_set()
+    assert signal.getsignal(signal.SIGINT) is before
+
+    seen: list[object] = []
+
+    def elsewhere() -> None:
+        with _ctrl_c_between_polls() as event:
+            seen.append((event.is_set(), signal.getsignal(signal.SIGINT)))
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert seen == [(False, before)]
