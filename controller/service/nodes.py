@@ -54,6 +54,7 @@ class NodeBook:
             if ids[name] != self._ids[name]:  # started again under its name before Ray declared the old one
                 self.lost[name] = {"name": name, "time": now}  # dead (a host that went dark): lost, and back
         self._ids = ids
+        self._promote(raw, placed)  # first: a spare a run now trains on is out of the pool a returned node refills
         for name in raw.names & set(self.lost):
             row = self.lost.pop(name)
             role = self.refill(name, raw)
@@ -68,6 +69,9 @@ class NodeBook:
             self.lost[name] = row
             self.registry.set_node(name, state="lost", reason=row["reason"], run_id=holder, time=now)
         self._seen = set(raw.names)
+        self._promote(raw, placed)  # (and a returned spare that a run still places)
+
+    def _promote(self, raw: Topology, placed: set[str]) -> None:
         for name in self.in_roles(raw).names_in(NodeState.SPARE) & placed:
             self._set_role(name, NodeState.HEALTHY)  # it took a lost or quarantined node's place
 

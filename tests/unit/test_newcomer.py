@@ -296,3 +296,25 @@ def test_the_summary_names_health_findings_as_words() -> None:
            "health": {"counts": {EventKind.SDC_SUSPECT: 1, EventKind.STRAGGLER: 0}}}
     health = run_summary(run)["health"]
     assert health == {"sdc_suspect": 1} and repr(health) == "{'sdc_suspect': 1}"
+
+
+def test_a_node_back_in_the_tick_its_spare_is_placed_refills_the_pool() -> None:
+    """A killed node came back from repair (5 s) in the same tick of the service's node book as the
+    run's placement on the spare that replaced it (a recovery slower than the repair: a loaded
+    machine). The book gave the returned node its role before it promoted the placed spare, so the
+    spare still counted in the pool, the returned node became a training node, and then the spare
+    was promoted too: no spare left (tests/cluster/test_readme_service.py failed so under make test)."""
+    from controller.service.nodes import NodeBook
+    from controller.topology import NodeState
+
+    full = Topology.from_local(**EMBEDDED_CLUSTER)  # node-0..3 train, node-4 is the spare
+    book = NodeBook(Registry("sqlite://"))
+    holders = {n.name: "run" for n in full.nodes}
+    book.track(full, 1.0, holders, {"node-0", "node-1", "node-2", "node-3"})
+    book.track(Topology(tuple(n for n in full.nodes if n.name != "node-1")), 2.0, holders,
+               {"node-0", "node-1", "node-2", "node-3"})
+    assert set(book.lost) == {"node-1"}
+    book.track(full, 8.0, holders, {"node-0", "node-2", "node-3", "node-4"})  # back, and the spare placed
+    roles = {n.name: n.state for n in book.in_roles(full).nodes}
+    assert roles["node-1"] is NodeState.SPARE and roles["node-4"] is NodeState.HEALTHY, roles
+    assert not book.lost
