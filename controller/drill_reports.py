@@ -19,7 +19,8 @@ def drill_reports(events: list[Event]) -> list[dict[str, Any]]:
 
 
 DRILL_EVENTS = (EventKind.DRILL_INJECTED, EventKind.DRILL_FAILED)
-FINAL_OUTCOMES = frozenset({"recovered", "failed", "not_injected", "not_detected", "not_recovered", "ridden_out"})
+FINAL_OUTCOMES = frozenset({"recovered", "failed", "cancelled", "not_injected", "not_detected", "not_recovered",
+                            "ridden_out"})
 """Outcomes no later event changes (a report with one need not be computed again)."""
 
 
@@ -31,7 +32,10 @@ def drill_report(events: list[Event], i: int) -> dict[str, Any]:
                 "at_step": ev.detail.get("step"), "injected_at": None, "detected_at": None,
                 "cause": None, "attributed_to": None, "decision": None, "recovered_at": None,
                 "steps_lost": None, "outcome": "not_injected", "error": ev.detail.get("error")}
-    later = events[i + 1:]
+    # A drill's report ends with the run's first end after it: a run resumed later is another story
+    # (its first step is no recovery from this fault), and a report is final once the run has ended.
+    end = next((j for j in range(i + 1, len(events)) if events[j].kind in ENDS), len(events) - 1)
+    later = events[i + 1:end + 1]
     kind = ev.detail["drill"]
     if kind == DrillKind.SLOW_RANK:
         report = _slow_rank_report(ev, later)
@@ -95,8 +99,11 @@ def _first(events: list[Event], kind: str, **match: Any) -> Event | None:
     return next((e for e in events if e.kind == kind and all(e.detail.get(k) == v for k, v in match.items())), None)
 
 
+ENDS = (EventKind.FAILED, EventKind.CANCELLED, EventKind.SUCCEEDED)
+
+
 def _ended(events: list[Event]) -> Event | None:
-    return next((e for e in events if e.kind in (EventKind.FAILED, EventKind.CANCELLED, EventKind.SUCCEEDED)), None)
+    return next((e for e in events if e.kind in ENDS), None)
 
 
 def _aftermath(later: list[Event]) -> tuple[Event | None, Event | None, Event | None, Event | None, int | None]:
@@ -163,7 +170,7 @@ def _collective_fault_report(ev: Event, later: list[Event]) -> dict[str, Any]:
     elif ended is None:
         outcome = "pending"
     elif ended.kind != EventKind.SUCCEEDED:
-        outcome = "failed"
+        outcome = "cancelled" if ended.kind == EventKind.CANCELLED else "failed"
     elif resync is not None:  # (at the run's last step: no step after it)
         outcome = "recovered"
     else:  # a collective late by less than the timeout discards nothing: the run rides it out
@@ -271,8 +278,10 @@ def _outage_report(ev: Event, later: list[Event]) -> dict[str, Any]:
 def _outcome(recovered: bool, detected: bool, ended: str | None) -> str:
     if recovered:
         return "recovered"
-    if ended in (EventKind.FAILED, EventKind.CANCELLED):
+    if ended == EventKind.FAILED:
         return "failed"
+    if ended == EventKind.CANCELLED:  # stopped by its owner before it recovered: not the fault's doing
+        return "cancelled"
     if ended == "succeeded":  # the run ended before it noticed, or resumed at the last step
         return "recovered" if detected else "not_detected"
     return "pending"

@@ -148,8 +148,8 @@ TEAM_QUOTA = _m("goodput_team_gpu_quota", "gauge", "The team's GPU quota (teams 
 TEAM_QUEUED = _m("goodput_team_queued_runs", "gauge", "The team's runs waiting to be admitted", ("team",))
 TEAM_WAIT = _m("goodput_team_queue_wait_seconds", "gauge", "The longest wait of the team's queued runs (0: none queued)",
                ("team",))
-DRILLS = _m("goodput_drills", "counter", "Drills by kind and outcome (recovered, detected, pending, not_detected, "
-            "not_recovered, not_injected, ...)", ("run", "kind", "outcome"))
+DRILLS = _m("goodput_drills", "counter", "Drills by kind and outcome (recovered, failed, cancelled, detected, pending, "
+            "not_detected, not_recovered, not_injected, ...)", ("run", "kind", "outcome"))
 
 METRICS: tuple[Metric, ...] = tuple(_DEFS)
 """Every metric goodput exports."""
