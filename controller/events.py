@@ -45,8 +45,10 @@ class EventKind(enum.StrEnum):
     REPLICA_RESYNC = "replica_resync"  # a discarded step with no replica lost: an epoch of the same members evens them out
     SAMPLES_SKIPPED = "samples_skipped"  # (rank) batch_while_healing shrink: the out replicas' samples of these steps
     REPLICA_CHECKSUMS = "replica_checksums"  # (rank) every live replica's state checksum at one shard position
-    STOPPED_AT_BOUNDARY = "stopped_at_boundary"  # (rank) the ranks stopped after a step as asked (trainer/stop.py), its state kept
-    STOP_REQUESTED = "stop_requested"  # the controller asked the ranks to stop at their next step boundary
+    # (rank) the ranks stopped after a step as asked (trainer/stop.py), its state kept (agreed_step: the step
+    # after which they agreed to stop; they stop there, or at their next peer snapshot step)
+    STOPPED_AT_BOUNDARY = "stopped_at_boundary"
+    STOP_REQUESTED = "stop_requested"  # the controller asked the ranks to stop at their next step boundary (step: the last it had heard of)
     PREEMPTED = "preempted"  # the run stopped for a higher-priority run, its state kept: back to the queue
     TERMINATING = "terminating"  # (rank) its process got a SIGTERM (its node goes): the ranks leave at their next snapshot step
     DRAINED = "drained"  # the run stopped at a step boundary for nodes that must go, its state kept: reseated without them

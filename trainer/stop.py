@@ -55,6 +55,8 @@ class StopWatch:
         self.keep = Keep.NONE
         """What the world agreed on (kept once agreed: a `peers` stop may wait for its snapshot step)."""
         self.reason = ""
+        self.agreed_step: int | None = None
+        """The step after which the world agreed on the stop (it stops there or at its next snapshot step)."""
         self.terminated_at: float | None = None
         """When this process got a SIGTERM (time.monotonic), if it did."""
         self._caught = catch_sigterm and threading.current_thread() is threading.main_thread()  # (only there can it)
@@ -70,7 +72,8 @@ class StopWatch:
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
             self._caught = False
 
-    def poll(self) -> Keep:
+    def poll(self, step: int) -> Keep:
+        """What the world agrees on after `step` (each rank calls it at each step boundary)."""
         import torch
         import torch.distributed as dist
 
@@ -84,6 +87,8 @@ class StopWatch:
         agreed = torch.tensor([int(mine)], dtype=torch.int32, device=self.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         self.keep = Keep(int(agreed.item()))
+        if self.keep is not Keep.NONE:
+            self.agreed_step = step
         if self.keep is not Keep.NONE and not self.reason:  # (no request in the store: a rank's own SIGTERM)
             self.reason = "a rank's SIGTERM"
         return self.keep

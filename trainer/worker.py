@@ -145,7 +145,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                     chosen = interval.measured(timing.blocked_s, last.step_time_s)
                     if chosen is not None:
                         sink.event("checkpoint_interval", chosen)
-            if stop is not None and trainer.step < args.config.train.steps and stop.poll() is not Keep.NONE:
+            if stop is not None and trainer.step < args.config.train.steps and stop.poll(trainer.step) is not Keep.NONE:
                 if stop.terminated_at is not None and not said_terminating:
                     sink.event("terminating", {"step": trainer.step, "signal": "SIGTERM",
                                                "seconds_ago": time.monotonic() - stop.terminated_at})
@@ -156,7 +156,7 @@ def run_worker(args: WorkerArgs, sink: ReportSink, on_step: StepHook | None = No
                     checkpointer = _keep_for_stop(trainer, stopped, checkpointer, ckpt_store, args, sink)
                     if args.rank == 0:
                         sink.event("stopped_at_boundary", {"step": trainer.step, "kept": stopped.name.lower(),
-                                                           "reason": stop.reason})
+                                                           "reason": stop.reason, "agreed_step": stop.agreed_step})
                     break
         if cross is not None:
             _skipped(trainer, cross, sink, None)

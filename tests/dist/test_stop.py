@@ -69,7 +69,8 @@ def test_every_rank_stops_after_the_same_step_with_its_state_kept(tmp_path: Path
     at = 3 if keep == "store" else 4  # peers: on to the next snapshot step (every 2)
     assert [r["stopped"] for r in results] == [(at, keep)] * 4, "every rank after the same step"
     stopped = [d for kind, d in results[0]["events"] if kind == "stopped_at_boundary"]
-    assert stopped == [{"step": at, "kept": keep, "reason": "preempted by a test"}]
+    assert stopped == [{"step": at, "kept": keep, "reason": "preempted by a test", "agreed_step": 3}], \
+        "agreed after the step it was asked in"
     store = LocalStore(tmp_path / "ckpt")
     if keep == "store":
         assert committed_steps(store, "stopped") == [3], "the stopped step committed before the ranks left"
@@ -121,6 +122,6 @@ def test_a_sigterm_on_one_rank_stops_every_rank_at_the_next_snapshot_step_and_na
     (told,) = [d for kind, d in results[2]["events"] if kind == "terminating"]
     assert (told["step"], told["signal"]) == (3, "SIGTERM")
     assert [d for kind, d in results[0]["events"] if kind == "stopped_at_boundary"] == \
-        [{"step": 4, "kept": "peers", "reason": "a rank's SIGTERM"}]
+        [{"step": 4, "kept": "peers", "reason": "a rank's SIGTERM", "agreed_step": 3}]
     assert all(r["handler_back"] for r in results)
     assert committed_steps(LocalStore(tmp_path / "ckpt"), "spot") == [], "nothing written to the store"
