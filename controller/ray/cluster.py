@@ -26,6 +26,7 @@ from checkpointing.peer import ROOT_ENV, peer_base
 from controller.errors import ClusterError
 from controller.ray import host_image
 from controller.ray.host_image import HOST_IMAGE_ENV
+from controller.ray.registration import prompt_registration
 from controller.spec import LocalClusterSpec
 from controller.topology import Node, NodeState, Topology, local_roles
 
@@ -153,7 +154,7 @@ class LocalRayCluster(_RayClusterBase):
 
         system_config = dict(FAST_HEALTH_CHECK) if self.fast_failure_detection else {}  # (Ray adds to it)
         try:
-            with self._children_log():
+            with self._children_log(), prompt_registration():
                 self._cluster = Cluster(initialize_head=True, head_node_args={
                     "num_cpus": 1, "num_gpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False,
                     "_system_config": system_config,
@@ -174,7 +175,7 @@ class LocalRayCluster(_RayClusterBase):
                   "gpu_memory_gb": str(self.local.gpu_memory_gb)}
         if spare:
             labels["spare"] = "true"
-        with self._children_log():
+        with self._children_log(), prompt_registration():
             self._nodes[name] = self._cluster.add_node(
                 num_cpus=self.local.gpus_per_node, num_gpus=self.local.gpus_per_node,
                 node_ip_address="127.0.0.1", labels=labels,
