@@ -209,7 +209,7 @@ def main() -> None:
     figures += [records.figure(f"a warm image's {name}", values, "s") for name, values in imports.items()]
     records.write("startup", figures, code=["controller/ray/worker_group.py", "controller/ray/rank_actor.py",
                                             "controller/ray/zygote.py", "controller/ray/host_image.py",
-                                            "controller/ray/cluster.py", "controller/launch.py",
+                                            "controller/ray/cluster.py", "controller/ray/registration.py", "controller/launch.py",
                                             "trainer/worker.py", "trainer/train.py", "examples/tiny-gpt.yaml"],
                   extra={"baseline": args.baseline} if args.baseline else None)
 

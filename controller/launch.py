@@ -97,10 +97,14 @@ WARM_SPARES_EVERY_S = 5.0
 
 def warm_spares(c: "RunController", now: float) -> None:
     """Spares the cluster gives this run that its worker group has no warm workers on (a node back
-    from repair refills the spare pool after the launch) get them now, not on the next recovery's
-    path (controller/ray/worker_group.py, `prewarm`)."""
+    from repair refills the spare pool after the launch, and a group's first launch leaves its spares
+    to this) get them now, not on the next recovery's path (controller/ray/worker_group.py,
+    `prewarm`). Only once the attempt has finished a step: on 2 cores their start would otherwise
+    slow the attempt's own first step."""
     prewarm = getattr(c.worker_group, "prewarm", None)
     if prewarm is None or c.topology_source is None or now - c.warmed_at < WARM_SPARES_EVERY_S:
+        return
+    if not c.progress.history or c.progress.history[-1]["attempt"] != c.attempt:
         return
     c.warmed_at = now
     with c.outside_lock():

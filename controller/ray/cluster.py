@@ -69,6 +69,12 @@ CPU in the agents before, 1.1 % after; a first run on a fresh cluster ended 42.4
 asked for (47.5 s before), a warm one in 19.8-25.0 s (25.5-25.7 s).
 A deployed cluster (deploy/) keeps Ray's defaults: its operators may read Ray's dashboard."""
 
+QUIET_HEAD: Mapping[str, bool] = MappingProxyType({"include_log_monitor": False, "no_monitor": True})
+"""What the embedded cluster's head starts without, each a Python process importing Ray (~0.33 CPU-s
+each of the cluster's start on 2 cores, measured): the log monitor (it sends the workers' output to
+drivers, and goodput's driver connects with log_to_driver=False; the files stay) and the autoscaler's
+monitor (the embedded cluster's nodes are fixed). A deployed cluster (deploy/) keeps both."""
+
 
 def _ray():  # type: ignore[no-untyped-def]
     import ray
@@ -157,7 +163,7 @@ class LocalRayCluster(_RayClusterBase):
             with self._children_log(), prompt_registration():
                 self._cluster = Cluster(initialize_head=True, head_node_args={
                     "num_cpus": 1, "num_gpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False,
-                    "_system_config": system_config,
+                    **QUIET_HEAD, "_system_config": system_config,
                 })
             for i in range(self.local.nodes):
                 self.add_node(i)

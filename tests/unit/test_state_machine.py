@@ -427,7 +427,9 @@ class WarmingGroup(FakeWorkerGroup):
 
 def test_a_spare_that_came_after_the_launch_gets_warm_workers_before_a_recovery_needs_them() -> None:
     """A node back from repair refills the spare pool after the launch: the running attempt's
-    worker group is asked to warm it (every WARM_SPARES_EVERY_S at most), not the next recovery."""
+    worker group is asked to warm it (every WARM_SPARES_EVERY_S at most), not the next recovery. Only
+    once the attempt has finished a step (the first launch leaves its spares to this, off the
+    startup's path)."""
     from controller.launch import WARM_SPARES_EVERY_S
     from controller.topology import NodeState
 
@@ -439,6 +441,12 @@ def test_a_spare_that_came_after_the_launch_gets_warm_workers_before_a_recovery_
     c = RunController(spec, full, g, now=100.0, topology_source=lambda: live["topology"])
     start_running(c)
     t = 110.0
+    for _ in range(8):
+        g.now = t
+        c.step(t)
+        t += 1.0
+    assert g.prewarmed == [], "nothing warmed before the attempt's first step"
+    g.finish_steps(1, 1)
     for _ in range(20):
         g.now = t
         c.step(t)
