@@ -11,18 +11,25 @@ Figures, per round (wall seconds):
   host image, controller/ray/host_image.py, also its import of torch and the trainer, which runs
   while the raylets start), and its parts: the head (`import ray`, the host image's start, the GCS,
   Ray's API server, the head's raylet), a node (the median of the 5 `Cluster.add_node`s, one after
-  another) and the driver's connection (`ray.init`). A node takes ~1.1 s on 2 cores, and Ray, not
-  goodput, spends it: its raylet registers with the GCS only once the node's dashboard agent has
-  imported its modules and written its ports (~0.8 s of a core; the runtime-env agent's ~0.35 s
-  beside it), and `add_node` waits for the registration. Ray offers no switch for either agent, and
-  its cluster_utils builds nodes one at a time. Building them side by side does not help on 2 cores:
-  five nodes, each built by a process of its own, took 5.3-5.8 s against 5.7 s one after another
-  (one run each way, 2026-12-07), so a node's start is bound by CPU, not by its waits. (They must
-  be given socket names apart: each node picks the first free `raylet.N`, and nodes picking at once
-  pick the same one, so none registers: most likely why threads, tried before, failed);
+  another) and the driver's connection (`ray.init`). The cluster's start is bound by CPU on 2 cores
+  (psutil over its processes): a node's dashboard agent takes 0.74 CPU-s and its runtime-env agent
+  0.35 (Ray starts both, with no switch), the head's API server 0.8, the host image's torch 2.4. A
+  raylet registers once its dashboard agent has imported its modules and written its ports (~0.6 s).
+  What was cut (2026-12-07): Ray's own naps, not its work. Ray's lookup of a new node slept 1 s
+  between two looks (`GlobalStateAccessor::GetNode`): controller/ray/registration.py waits for the
+  registration 50 ms at a time (1.13 -> 0.85 s a node). A raylet connecting to its own object store
+  before the store's thread was up slept another 1 s (Ray's ConnectSocketRetry; 13 of 20 nodes took
+  1.9-2.0 s in one measurement): the cluster's processes retry every 0.1 s (PROMPT_RAY_ENV). And the
+  head starts no log monitor or autoscaler monitor (QUIET_HEAD, 0.33 CPU-s each). Building the nodes
+  side by side does not help on 2 cores: five nodes, each built by a process of its own, took
+  5.3-5.8 s against 5.7 s one after another (one run each way, with Ray's naps); they must be given
+  socket names apart (each node picks the first free `raylet.N`), and Ray's node start sets a SIGTERM
+  handler, which only the main thread may;
 - launch: the first attempt started -> its worker group started (each node's GPU slots reserved, a
   rank actor per slot, each node's warm image: before the host image, each node's zygote importing
-  torch and the trainer; before the spares waited for nothing, the spare's warm actors too);
+  torch and the trainer). A rank actor's start is Ray's worker start, ~0.63 CPU-s; since 2026-12-07
+  the spare's warm actors start once the first attempt has stepped (launch.warm_spares), not in it
+  (2.93 -> 2.16 s);
 - first step: the worker group started -> the first step began (the forked training processes'
   rendezvous, process groups, model build and, for pp > 1, the pipeline schedule);
 - startup badput: what the run's own accounting charges to `startup` (first attempt started -> first
