@@ -3,13 +3,18 @@ however it ends (here: SIGKILL of a real process holding its area), and never wh
 
 from __future__ import annotations
 
+import fcntl
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
-from checkpointing.staging import LOCK, StagingArea, sweep
+import pytest
+
+from checkpointing.staging import LOCK, PENDING_STALE_S, StagingArea, sweep
 
 OWNER = textwrap.dedent("""
     import sys, time
@@ -73,3 +78,38 @@ def test_labels_become_folder_names(tmp_path: Path) -> None:
         assert area.path.name.startswith("team_run_1-a0-r3-")
     finally:
         area.close()
+
+
+def test_a_hidden_area_left_by_a_process_killed_while_making_it_is_swept_once_stale(tmp_path: Path) -> None:
+    """A process killed between making its hidden folder and renaming it (microseconds apart) leaves it
+    unlocked: a sweep removes it once it is PENDING_STALE_S old, never a younger one or a locked one."""
+    root = tmp_path / "staging"
+    root.mkdir()
+    old = time.time() - PENDING_STALE_S - 5
+    no_lock, unlocked, locked, young = (root / f".pending-{n}" for n in ("a", "b", "c", "d"))
+    for folder in (no_lock, unlocked, locked, young):
+        folder.mkdir()
+    for folder in (unlocked, locked, young):
+        (folder / LOCK).touch()
+    held = os.open(locked / LOCK, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        for folder in (no_lock, unlocked, locked):
+            os.utime(folder, (old, old))
+        assert sorted(sweep(root)) == [no_lock, unlocked]
+        assert sorted(p.name for p in root.iterdir()) == [".pending-c", ".pending-d"]
+    finally:
+        os.close(held)
+    assert sweep(root) == [locked], "its lock let go: gone at the next sweep"
+
+
+def test_an_area_that_cannot_be_made_leaves_no_folder_and_no_open_file(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(src: object, dst: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    open_before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "rename", fails)
+    with pytest.raises(OSError):
+        StagingArea(tmp_path, "run-a0-r0")
+    assert list(tmp_path.iterdir()) == [] and len(os.listdir("/proc/self/fd")) == open_before
