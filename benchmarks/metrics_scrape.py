@@ -32,11 +32,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 from benchmarks import records  # noqa: E402
+from controller.run_state import RunState  # noqa: E402
 from controller.service.metrics import ServiceCollector  # noqa: E402
 from controller.service.registry import Registry  # noqa: E402
 from controller.service.service import Service  # noqa: E402
 from controller.spec import parse_spec  # noqa: E402
-from controller.state import RunState  # noqa: E402
 from tests.unit.fakes import FakeCluster, FakeWorkerGroup, ManualClock  # noqa: E402
 from trainer.report import StepReport  # noqa: E402
 

@@ -13,6 +13,7 @@ from controller.attempt import AttemptSpec
 from controller.checkpoints import LoadPoint
 from controller.events import EventKind
 from controller.placement import Placement
+from controller.run_state import RunState
 from trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
@@ -35,8 +36,6 @@ def attempt_spec(c: "RunController", now: float, config: TrainerConfig, placemen
 
 def launch(c: "RunController", now: float) -> None:
     """Start the next attempt where its checkpoints say (once the store answers), or end the run."""
-    from controller.state import RunState  # (state.py drives this module)
-
     assert c.config is not None and c.placement is not None
     if not c.checkpoints.outage.due(now):
         return

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import functools
-from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Mapping
 
 from checkpointing.peer import Held
@@ -35,33 +33,11 @@ from controller.drills import DrillError, DrillInjector, DrillKind, DrillRequest
 from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, GrowWatch, RunPolicy, taken_out,
 )
+from controller.run_state import RunError, RunState
 from controller.topology import Node, NodeState, Topology, merge_returned
 from controller.user_errors import Judgement, Raised, elsewhere, judge, raised
 from controller.views import GoodputView, health_view, run_view
 from trainer.config import TrainerConfig
-
-
-class RunState(str, enum.Enum):
-    PENDING = "pending"
-    PLANNING = "planning"
-    LAUNCHING = "launching"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
-
-
-@dataclass
-class RunError:
-    code: str
-    message: str
-    traceback: str | None = None
-    """user_error: what the user's code raised (type, message, innermost frames)."""
 
 
 class RunController:

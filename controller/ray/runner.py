@@ -9,8 +9,9 @@ from dataclasses import replace
 from typing import Callable
 
 from controller.ray.cluster import LocalRayCluster, RemoteRayCluster
+from controller.run_state import RunState
 from controller.spec import RunSpec, checkpoint_store
-from controller.state import RunController, RunState
+from controller.state import RunController
 from controller.topology import Topology, local_roles
 
 

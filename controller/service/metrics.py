@@ -26,7 +26,8 @@ from prometheus_client.registry import Collector
 from controller.accounting import CATEGORIES
 from controller.events import EventKind
 from controller.failure_policy import FailureCause
-from controller.state import RunController, RunState
+from controller.run_state import RunState
+from controller.state import RunController
 from controller.topology import NodeState
 
 if TYPE_CHECKING:

@@ -19,7 +19,8 @@ from controller.checkpoints import LoadPoint
 from controller.events import EventKind
 from controller.launch import attempt_spec
 from controller.placement import Placement
-from controller.state import RunController, RunError, RunState
+from controller.run_state import RunError, RunState
+from controller.state import RunController
 from trainer.config import MeshShape
 
 

@@ -38,11 +38,12 @@ from controller.service.scheduler import (
     BEHIND_EARLIER, Queued, Running, Verdict, free_gpus, preemption_victims, queue_order, quota_problem, requested_gpus,
 )
 from controller.providers import with_model_numbers
+from controller.run_state import RunState
 from controller.spec import PRIORITY_CLASSES, RunSpec, SpecError, parse_spec
 from controller.attempt import WorkerGroup
 from controller.placement import Placement
 from controller.planner import MeshPlan, plan_run
-from controller.state import RunController, RunState
+from controller.state import RunController
 from controller.topology import Topology
 
 

@@ -17,12 +17,13 @@ from typing import Any
 from controller.events import EventKind
 from controller.drills import DrillKind
 from checkpointing.store import MemoryStore
+from controller.run_state import RunState
 from controller.sim.cluster import SimCluster, VirtualClock, spare_topology
 from controller.sim.group import SimWorkerGroup
 from controller.sim.model import Incident, cost_model, incidents, mtbf_hours
 from controller.spec import FailureModelSpec, RunSpec, SpecError, parse_spec
 from controller.planner import plan_run
-from controller.state import RunController, RunState
+from controller.state import RunController
 
 DEFAULT_DAYS = 54.0
 

@@ -20,8 +20,9 @@ from controller.ray.cluster import LocalRayCluster
 from controller.drill_reports import FINAL_OUTCOMES
 from controller.drills import DrillInjector, DrillKind
 from controller.ray.runner import drive, spec_view
+from controller.run_state import RunState
 from controller.spec import RunSpec, checkpoint_store, parse_spec
-from controller.state import RunController, RunState
+from controller.state import RunController
 from controller.topology import Topology
 from tests.dist.harness import run_ranks
 from tests.dist.reshard import load_on_mesh

@@ -14,8 +14,8 @@ from checkpointing.store import open_store
 from controller.placement import recorded_nodes
 from controller.ray.cluster import LocalRayCluster
 from controller.ray.runner import drive
+from controller.run_state import RunState
 from controller.spec import RunSpec, parse_spec
-from controller.state import RunState
 
 pytestmark = pytest.mark.cluster
 

@@ -14,8 +14,9 @@ import pytest
 
 from controller.ray.cluster import LocalRayCluster
 from controller.ray.runner import drive
+from controller.run_state import RunState
 from controller.spec import RunSpec, parse_spec
-from controller.state import RunController, RunState
+from controller.state import RunController
 from tests.cluster.test_fault_tolerance import check_cursor_accounting, restore_node, spec
 
 pytestmark = pytest.mark.cluster

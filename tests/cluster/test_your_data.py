@@ -19,8 +19,8 @@ import yaml
 
 from controller.ray.cluster import LocalRayCluster
 from controller.ray.runner import drive
+from controller.run_state import RunState
 from controller.spec import load_spec
-from controller.state import RunState
 
 pytestmark = pytest.mark.cluster
 

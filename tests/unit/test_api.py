@@ -16,11 +16,12 @@ from fastapi.testclient import TestClient
 from controller.cli.client import ApiClientError, Client
 from controller.drills import DrillSchedule
 from controller.errors import ApiBindError
+from controller.run_state import RunState
 from controller.service.app import ApiServer, create_app, serve
 from controller.service.registry import Registry
 from controller.service.service import Service
 from controller.spec import parse_spec
-from controller.state import RunController, RunState
+from controller.state import RunController
 from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock, drive
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import copy
 import itertools
 from typing import Any
 
-from controller.state import RunState
+from controller.run_state import RunState
 from tests.unit.test_roles import ADMIN, BASE, Shared
 
 EXPECTED = {

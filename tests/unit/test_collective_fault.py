@@ -14,8 +14,9 @@ import yaml
 
 from controller.cli.main import build_parser
 from controller.drills import DrillError, DrillKind, domain_problem, params_problem
+from controller.run_state import RunState
 from controller.spec import SpecError, parse_spec
-from controller.state import RunController, RunState
+from controller.state import RunController
 from tests.unit.fakes import FakeInjector, FakeReplicaGroup, drive
 from trainer.protocol import PROTOCOL_POINTS, ProtocolFault
 from trainer.replica import CrossReplica

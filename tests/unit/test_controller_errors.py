@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import yaml
 
+from controller.run_state import RunState
 from controller.service.registry import Registry, sqlite_url
 from controller.service.service import Service
 from controller.spec import RunSpec, parse_spec
-from controller.state import RunController, RunState
+from controller.state import RunController
 from controller.topology import Topology
 from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock, drive
 

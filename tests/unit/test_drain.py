@@ -182,7 +182,8 @@ def test_a_replica_run_leaves_a_drained_node_by_its_replicas_the_others_training
     (from a live replica's memory), the others train on; nothing charged, nothing stops the world."""
     import yaml
 
-    from controller.state import RunController, RunState
+    from controller.run_state import RunState
+    from controller.state import RunController
     from tests.unit.fakes import FakeReplicaGroup, drive
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-gpt-replicas.yaml").read_text())

@@ -11,8 +11,9 @@ import yaml
 
 from checkpointing.manifest import Manifest, commit, committed_steps
 from checkpointing.store import LocalStore
+from controller.run_state import RunState
 from controller.spec import SpecError, parse_spec
-from controller.state import RunController, RunState
+from controller.state import RunController
 from controller.topology import NodeState
 from tests.unit.fakes import FakeReplicaGroup, FakeWorkerGroup, drive
 from trainer.report import StepReport

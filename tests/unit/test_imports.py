@@ -21,7 +21,7 @@ ALLOWED = {
 PURE_MODULES = [
     "trainer.config", "trainer.report", "trainer.data", "controller.spec", "controller.progress", "controller.cli",
     "controller.topology", "controller.planner", "controller.placement", "controller.failure_policy",
-    "controller.attribution", "controller.attempt", "controller.state", "controller.events", "controller.drills",
+    "controller.attribution", "controller.attempt", "controller.run_state", "controller.state", "controller.events", "controller.drills",
     "controller.drill_reports", "controller.run_drills",
     "checkpointing.manifest", "checkpointing.schedule", "checkpointing.store", "checkpointing.staging", "health.hang", "controller.cli.client",
     "health.straggler", "health.sdc", "controller.accounting", "controller.k8s.topology", "controller.errors",

@@ -171,11 +171,11 @@ def test_the_init_container_writes_the_ray_labels_of_its_node(kube: FakeKube, tm
 def test_the_service_cordons_what_a_run_quarantines_and_releases_on_request(kube: FakeKube) -> None:
     from fastapi.testclient import TestClient
 
+    from controller.run_state import RunState
     from controller.service.app import create_app
     from controller.service.registry import Registry
     from controller.service.service import Service
     from controller.spec import parse_spec
-    from controller.state import RunState
     from tests.unit.fakes import FakeCluster, FakeWorkerGroup, ManualClock, drive
     from tests.unit.test_api import BASE
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import yaml
 
+from controller.run_state import RunState
 from controller.spec import parse_spec
-from controller.state import RunController, RunState
+from controller.state import RunController
 from health.straggler import StragglerConfig, StragglerTracker
 from tests.unit.fakes import FakeWorkerGroup, drive
 from trainer.report import StepReport

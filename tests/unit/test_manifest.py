@@ -14,8 +14,9 @@ from checkpointing.manifest import (
     step_prefix, wait_for_ranks, write_rank_marker,
 )
 from checkpointing.store import LocalStore
+from controller.run_state import RunState
 from controller.spec import parse_spec
-from controller.state import RunController, RunState
+from controller.state import RunController
 from tests.unit.fakes import FakeWorkerGroup
 
 ROOT = Path(__file__).resolve().parents[2]

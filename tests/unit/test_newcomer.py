@@ -13,12 +13,12 @@ import yaml
 from checkpointing.manifest import Manifest, commit
 from checkpointing.store import LocalStore, anchored
 from controller.cli.main import build_parser
+from controller.run_state import RunState
 from controller.service.registry import Registry
 from controller.service.service import Service
 from controller.service.main import EMBEDDED_CLUSTER
 from controller.spec import parse_spec
 from controller.planner import plan_run
-from controller.state import RunState
 from controller.topology import Topology
 from tests.unit.fakes import FakeCluster, FakeWorkerGroup, FlakyStore, ManualClock
 from trainer.config import state_fingerprint, state_identity

@@ -16,13 +16,13 @@ import yaml
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from controller.run_state import RunState
 from controller.service.app import create_app
 from controller.service.identity import hash_secret, secret_matches, split_token
 from controller.service.registry import Registry
 from controller.service.service import Service
 from controller.service.tables import tokens
 from controller.spec import parse_spec
-from controller.state import RunState
 from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock, drive
 
 ROOT = Path(__file__).resolve().parents[2]

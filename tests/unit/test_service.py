@@ -16,12 +16,12 @@ import yaml
 
 from checkpointing.manifest import Manifest, commit
 from checkpointing.store import LocalStore
+from controller.run_state import RunState
 from controller.service.auth import AuthConfigError, check_bind, ensure_token, read_token_file
 from controller.service.registry import Registry, sqlite_url
 from controller.errors import ServiceError
 from controller.service.service import Service
 from controller.spec import RunSpec, parse_spec
-from controller.state import RunState
 from controller.topology import Topology
 from tests.unit.fakes import FakeCluster, FakeInjector, FakeWorkerGroup, ManualClock
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from controller.run_state import RunState
 from controller.spec import parse_spec
 from controller.topology import Topology
-from controller.state import RunController, RunState
+from controller.state import RunController
 from controller.attribution import ATTRIBUTION_GRACE_S
 from tests.unit.fakes import FakeInjector, FakeWorkerGroup, drive
 

@@ -12,8 +12,9 @@ import yaml
 
 from controller.attribution import ATTRIBUTION_GRACE_S
 from controller.failure_policy import FailureCause, FailureEvent
+from controller.run_state import RunState
 from controller.spec import parse_spec
-from controller.state import RunController, RunState
+from controller.state import RunController
 from controller.topology import NodeState
 from controller.user_errors import Judgement, Raised, judge, raised, signature
 from tests.unit.fakes import FakeWorkerGroup, drive
