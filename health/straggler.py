@@ -18,7 +18,7 @@ Relative verdicts name one GPU worth replacing. Individual scores count only whe
 stage is slower than its own history, none of them slower than its peers, while another stage is not
 (a stage-wide slowdown; peers slowed along with one slow rank, e.g. sharing its host, are not): those
 verdicts are reported, never acted on. One rank slower than its history but not than its peers, or
-every stage slower at once, is the job or the host, not a device.
+every stage slower at once (a stage's stragglers aside), is the job or the host, not a device.
 
 The state is arrays over the ranks (each rank's window and baseline, its counts above and below):
 an evaluation is a few vectorised passes, so judging 131,072 ranks per step costs milliseconds, and
@@ -273,13 +273,17 @@ class StragglerTracker:
         """Ranks of stages whose every rank is slower than its own history, together (none slower than
         its peers), while some other stage is not: a stage-wide slowdown. A stage with a rank slower
         than its peers is that rank's doing (its peers may be slowed with it, sharing its host): the
-        relative score names it. When every stage slowed, it is the job or the host, not a device."""
+        relative score names it. When every stage slowed, it is the job or the host, not a device; a
+        stage counts as slowed there when its ranks but the ones slower than their peers are (the host
+        slowing down while one rank straggles blames neither stage)."""
         ratio = self.config.ratio
-        slow = [bool(np.all(individual[m] > ratio) and not np.any(relative[m] > ratio)) for m in self._members]
-        mask = np.zeros(len(relative), dtype=bool)  # NaN (no baseline yet) > ratio is False: not slow
-        if all(slow):
-            return mask
-        for members, is_slow in zip(self._members, slow):
-            if is_slow:
+        slower_than_peers = relative > ratio
+        behind_history = individual > ratio  # NaN (no baseline yet) > ratio is False: not slow
+        slowed = [bool(np.all(behind_history[m] | slower_than_peers[m])) for m in self._members]
+        if all(slowed):
+            return np.zeros(len(relative), dtype=bool)
+        mask = np.zeros(len(relative), dtype=bool)
+        for members, was_slowed in zip(self._members, slowed):
+            if was_slowed and not np.any(slower_than_peers[members]):
                 mask[members] = True
         return mask

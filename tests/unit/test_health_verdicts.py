@@ -106,6 +106,19 @@ def test_peers_slowed_along_with_the_slow_rank_are_not_blamed() -> None:
     assert not any(tracker.scores[r].straggler for r in (2, 3, 7))
 
 
+def test_the_host_slowing_down_while_one_rank_straggles_blames_that_rank_alone() -> None:
+    """Rank 6 computes 2x from step 40; from step 60 every rank computes 1.8x (the host: on a
+    2-core machine running 8 ranks the whole job's compute doubled within 20 steps). Stage 0 is then
+    slower than its own history, but so is stage 1 apart from its straggler: the host, not stage 0.
+    (Replayed over recorded cluster runs, the old rule blamed stage 0 in 163 of 1,408 injections.)"""
+    compute = samples(120, slow={6: (40, 2.0)})
+    for rank in compute:
+        compute[rank] = [v * (1.8 if i >= 60 else 1.0) for i, v in enumerate(compute[rank])]
+    verdicts, tracker = run(compute, StragglerConfig(ratio=1.3))
+    assert [(v.rank, v.basis) for v in verdicts] == [(6, "relative")]
+    assert not any(s.straggler for r, s in tracker.scores.items() if r != 6)
+
+
 def test_slow_drift_of_the_whole_job_is_not_a_straggler() -> None:
     """Every rank's compute creeps up 40 % over 150 steps (numerics, a busier host): the trailing
     baseline absorbs it, and relative scores stay ~1."""
