@@ -253,8 +253,9 @@ class StragglerWatch:
     become `straggler` events; under `straggler_action: replace` the ranks slower than their peers are
     replaced at the next checkpoint (no step is lost) when a spare can take their place."""
 
-    def __init__(self, mesh: MeshShape, node_of_rank: tuple[str, ...], *, ratio: float, action: str) -> None:
-        self.tracker = StragglerTracker(MeshStages(mesh), StragglerConfig(ratio=ratio))
+    def __init__(self, mesh: MeshShape, node_of_rank: tuple[str, ...], *, ratio: float, action: str,
+                 steps: int = StragglerConfig.consecutive) -> None:
+        self.tracker = StragglerTracker(MeshStages(mesh), StragglerConfig(ratio=ratio, consecutive=steps))
         self.node_of_rank = node_of_rank
         self.ratio = ratio
         self.action = action
@@ -318,10 +319,12 @@ class AttemptWatch:
     judgement, whether its final save failed, and an SDC's last clean step."""
 
     def __init__(self, attempt: int, mesh: MeshShape, node_of_rank: tuple[str, ...], *, last_step: int,
-                 straggler_ratio: float, straggler_action: str, hang_factor: float, hang_floor_s: float) -> None:
+                 straggler_ratio: float, straggler_action: str, hang_factor: float, hang_floor_s: float,
+                 straggler_steps: int = StragglerConfig.consecutive) -> None:
         self.attempt = attempt
         self.signals = AttemptSignals()
-        self.stragglers = StragglerWatch(mesh, node_of_rank, ratio=straggler_ratio, action=straggler_action)
+        self.stragglers = StragglerWatch(mesh, node_of_rank, ratio=straggler_ratio, action=straggler_action,
+                                         steps=straggler_steps)
         self.node_of_rank = node_of_rank
         self.last_step = last_step
         self.hang_factor, self.hang_floor_s = hang_factor, hang_floor_s

@@ -242,6 +242,11 @@ class CheckpointSpec(_Strict):
 
 class HealthSpec(_Strict):
     straggler_ratio: float = Field(default=1.5, gt=1)
+    straggler_steps: int = Field(default=4, ge=1, le=100)
+    """steps in a row a rank's score (its last 5 steps' median compute against its stage peers') must
+    stay above straggler_ratio before it is flagged, and below half the excess before the flag clears.
+    More rides out hosts whose ranks slow down for a few steps at a time (shared cores, a noisy
+    neighbour): a rank flagged there is one that stays slow"""
     straggler_action: Literal["report", "replace"] = "report"
     """report: straggler events only; replace: also move the slow rank's node to a spare at the next
     checkpoint, when a spare exists"""

@@ -333,8 +333,8 @@ class RunController:
         h = self.spec.health
         self.watch = AttemptWatch(self.attempt, self.config.mesh, self.placement.node_of_rank,
                                   last_step=self.spec.train.steps, straggler_ratio=h.straggler_ratio,
-                                  straggler_action=h.straggler_action, hang_factor=h.hang_factor,
-                                  hang_floor_s=h.hang_floor_s)
+                                  straggler_steps=h.straggler_steps, straggler_action=h.straggler_action,
+                                  hang_factor=h.hang_factor, hang_floor_s=h.hang_floor_s)
         self.stragglers = self.watch.stragglers
 
     def resume(self, now: float, *, step: int | None, steps: int | None, spec: RunSpec, worker_group: WorkerGroup,

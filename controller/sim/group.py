@@ -17,7 +17,7 @@ corruption as the probes' `sdc_suspect` at the next step; a straggler (an incide
 drill) as slower steps, and as every rank's compute time for the steps the judgement needs.
 
 Straggler judgement: when a rank of the mesh turns slow (and when an attempt starts with one in it),
-the next `JUDGED_STEPS` steps carry synthetic compute times for every rank — the healthy step's
+the next `judged_steps` steps carry synthetic compute times for every rank — the healthy step's
 compute share with 2 % noise, the slow ranks' `factor` times that — as whole steps
 (`PollResult.compute`), which the controller's real straggler tracker judges as it judges reports:
 verdicts, `straggler` events and, under `straggler_action: replace`, the node swapped for a spare at
@@ -75,9 +75,16 @@ from trainer.report import StepReport
 CHUNK_STEPS = 2000
 """At most this many steps per poll (the controller absorbs them as one batch of reports)."""
 _JUDGE = StragglerConfig()
-JUDGED_STEPS = _JUDGE.warmup_steps + _JUDGE.window + _JUDGE.consecutive + 2
-"""Steps of every rank's samples after a rank turns slow: enough for the tracker's window to fill with
-the slow samples and its verdict to hold `consecutive` evaluations, with two to spare."""
+
+
+def judged_steps(straggler_steps: int = _JUDGE.consecutive) -> int:
+    """Steps of every rank's samples after a rank turns slow: enough for the tracker's window to fill
+    with the slow samples and its verdict to hold `straggler_steps` evaluations, with two to spare."""
+    return _JUDGE.warmup_steps + _JUDGE.window + straggler_steps + 2
+
+
+JUDGED_STEPS = judged_steps()
+"""At the default health.straggler_steps."""
 COMPUTE_SHARE = 0.9
 """Of a step, the compute (the rest is waiting in collectives): what reports carry as compute_s."""
 COMPUTE_NOISE = 0.02
@@ -98,11 +105,14 @@ class _Signal:
 
 class SimWorkerGroup(SimReplicas):
     def __init__(self, clock: Callable[[], float], cost: CostModel, store: MemoryStore, *, total_steps: int,
-                 slow_nodes: Callable[[float], dict[str, float]] | None = None) -> None:
+                 slow_nodes: Callable[[float], dict[str, float]] | None = None,
+                 judged_steps: int = JUDGED_STEPS) -> None:
         self.clock = clock
         self.cost = cost
         self.store = store
         self.total_steps = total_steps
+        self.judged_steps = judged_steps
+        """Steps sampled after a rank turns slow (`judged_steps(health.straggler_steps)`)."""
         self.slow_nodes = slow_nodes or (lambda t: {})
         self.attempt: AttemptSpec | None = None
         self.running = False
@@ -408,7 +418,7 @@ class SimWorkerGroup(SimReplicas):
         return step
 
     def _judge(self, at: float, *, struck: str | None = None) -> None:
-        """Sample every rank for the next JUDGED_STEPS steps if a rank of this mesh is slow at `at`."""
+        """Sample every rank for the next `judged_steps` steps if a rank of this mesh is slow at `at`."""
         assert self.attempt is not None
         slow = {n: f for n, f in self.slow_nodes(at).items() if n in self.nodes}
         if struck is not None and struck not in slow and not self.slow_ranks:
@@ -419,7 +429,7 @@ class SimWorkerGroup(SimReplicas):
         node_of_rank = self.attempt.placement.node_of_rank
         for r in ranks_on(node_of_rank, slow):  # (a search per slow node, not a pass over 131,072 ranks)
             factors[r] = max(factors.get(r, 1.0), slow[node_of_rank[r]])
-        self.judging = (JUDGED_STEPS, factors)
+        self.judging = (self.judged_steps, factors)
 
     def _compute(self, step: int) -> Any:
         """Every rank's compute seconds of `step` while judging (deterministic for the attempt and step)."""

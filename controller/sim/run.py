@@ -19,7 +19,7 @@ from controller.drills import DrillKind
 from checkpointing.store import MemoryStore
 from controller.run_state import RunState
 from controller.sim.cluster import SimCluster, VirtualClock, spare_topology
-from controller.sim.group import SimWorkerGroup
+from controller.sim.group import SimWorkerGroup, judged_steps
 from controller.sim.model import Incident, cost_model, incidents, mtbf_hours
 from controller.spec import FailureModelSpec, RunSpec, SpecError, parse_spec
 from controller.planner import plan_run
@@ -91,7 +91,8 @@ def _simulate(spec: RunSpec, *, days: float | None, seed: int) -> dict[str, Any]
         return {node: failures.straggler_factor for a, b, node in slow if a <= t < b}
 
     store = MemoryStore(clock)
-    group = SimWorkerGroup(clock, cost, store, total_steps=spec.train.steps, slow_nodes=slow_nodes)
+    group = SimWorkerGroup(clock, cost, store, total_steps=spec.train.steps, slow_nodes=slow_nodes,
+                           judged_steps=judged_steps(spec.health.straggler_steps))
     injector = SimInjector(group, cluster, clock, failures.repair_hours.host * 3600.0)
     c = RunController(spec, topology, group, now=0.0, checkpoint_store=store, run_id=spec.name, injector=injector,
                       topology_source=cluster.topology)

@@ -40,13 +40,18 @@ def spec(name: str, root: Path, *, steps: int, drills: list[dict], health: dict 
 
 
 def test_clean_stretch_raises_no_flag_then_slow_rank_is_flagged(ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
-    """110 clean steps with every probe on (SDC checks every 5 steps), then rank 6 computes 1.5x
-    slower. The ratio is 1.3: a 1.5x slowdown must clear it with room for measurement noise (at
-    ratio 1.5 a 1.5x rank sits on the bound; tests/unit/test_health_verdicts.py covers that case)."""
+    """110 clean steps with every probe on (SDC checks every 5 steps), then rank 6 computes 2x
+    slower. On this machine (8 ranks on 2 cores) a healthy rank computes up to 1.4-1.5x its stage
+    peers' time for bursts of several steps: clean stretches here were flagged at 1.39, 1.41 and 1.49
+    against a ratio of 1.3, so a 1.5x slowdown cannot be told from a burst, and the test slows rank 6
+    2x and asks for a score above 1.6 for 6 steps in a row (health.straggler_steps). The per-rank
+    compute times of 16 clean runs of this spec, replayed with a 2x rank injected at 2,048 points:
+    flagged within 11 steps, at scores of 1.67-2.52, and no other rank. 1.5x at the default
+    settings: tests/unit/test_health_verdicts.py."""
     at = 110
     s = spec("slow", tmp_path, steps=at + 25, spares=0, layers=8,
-             health={"straggler_ratio": 1.3, "sdc_every_steps": 5},
-             drills=[{"kind": "slow-rank", "at_step": at, "target": 6, "factor": 1.5}])
+             health={"straggler_ratio": 1.6, "straggler_steps": 6, "sdc_every_steps": 5},
+             drills=[{"kind": "slow-rank", "at_step": at, "target": 6, "factor": 2.0}])
     c = drive(s, ray_cluster)
     assert c.state is RunState.SUCCEEDED, c.error
     kinds = c.events.kinds()
@@ -61,7 +66,7 @@ def test_clean_stretch_raises_no_flag_then_slow_rank_is_flagged(ray_cluster: Loc
     assert flagged[0].detail["node"] == c.placement.node_of_rank[6]  # type: ignore[union-attr]
     assert flagged[0].detail["basis"] == "relative"
     assert flagged[0].detail["step"] - injected.detail["step"] <= 20, "flagged within 20 steps of injection"
-    assert 1.3 < flagged[0].detail["score"] < 1.8
+    assert 1.6 < flagged[0].detail["score"] < 2.6
     (report,) = c.to_dict(0)["drills"]
     assert report["outcome"] == "detected" and report["decision"] == "report"
     assert report["attributed_to"]["ranks"] == [6]

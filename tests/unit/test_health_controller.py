@@ -64,6 +64,25 @@ def test_straggler_is_reported_with_rank_node_and_score_and_the_run_goes_on() ->
     assert scores[0]["relative"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("straggler_steps", [4, 10])
+def test_straggler_steps_is_how_long_a_rank_must_stay_slow(straggler_steps: int) -> None:
+    """A burst: rank 6 computes 1.45x its peers' time for 8 steps, then as they do (shared cores, a
+    noisy neighbour). At the default 4 steps in a row that is a straggler; at 10 it is not, and a
+    rank that stays 1.5x slow is still flagged, 10 evaluations after its window's median turns."""
+    c, g = make(straggler_ratio=1.3, straggler_steps=straggler_steps)
+    report_steps(g, 1, 20)
+    report_steps(g, 21, 28, slow={6: 1.45})
+    report_steps(g, 29, 50)
+    c.step(110.0)
+    burst = [e.detail["rank"] for e in c.events.of_kind("straggler")]
+    assert burst == ([6] if straggler_steps == 4 else [])
+    report_steps(g, 51, 80, slow={2: 1.5})
+    c.step(111.0)
+    (stays,) = [e.detail for e in c.events.of_kind("straggler") if e.detail["step"] > 50]
+    assert stays["rank"] == 2 and stays["score"] == pytest.approx(1.5, rel=0.01)
+    assert stays["step"] == 50 + 3 + straggler_steps - 1, "the window's median turns at its 3rd slow step"
+
+
 def test_straggler_replace_moves_the_node_to_a_spare_at_the_next_checkpoint() -> None:
     c, g = make(straggler_action="replace")
     report_steps(g, 1, 30, slow={3: 2.0})

@@ -332,6 +332,25 @@ def test_a_slow_rank_is_judged_by_the_real_tracker_and_replaced_at_a_checkpoint(
     assert kept["goodput"]["badput_seconds"]["straggler_slowdown"] > 60
 
 
+def test_the_simulated_ranks_are_sampled_as_long_as_straggler_steps_asks() -> None:
+    """health.straggler_steps 12: the verdict waits 8 evaluations more than at the default 4, and the
+    simulated ranks' samples last long enough for it."""
+    from controller.sim.group import judged_steps
+
+    raw = copy.deepcopy(TINY)
+    raw["parallelism"] = {"dp": 4, "tp": 1, "pp": 1}
+    raw["cluster"] = {"simulated": {"nodes": 5, "gpus_per_node": 1, "racks": 1, "spares": 1}}
+    raw["drills"] = [{"kind": "slow-rank", "at_step": 25, "target": "2", "factor": 2.0}]
+    steps = {}
+    for straggler_steps in (4, 12):
+        raw["health"] = {"straggler_steps": straggler_steps}
+        result = simulate(parse_spec(raw), days=1)
+        (verdict,) = [e.detail for e in result["_controller"].events if e.kind == EventKind.STRAGGLER]
+        assert verdict["rank"] == 2 and 25 < verdict["step"] <= 25 + judged_steps(straggler_steps)
+        steps[straggler_steps] = verdict["step"]
+    assert steps[12] - steps[4] == 8
+
+
 def test_stragglers_from_the_failure_model_are_judged_where_they_strike() -> None:
     """Every GPU incident a 2x straggler (for 12 minutes): those striking the mesh's nodes are flagged
     on the node that is slow at the time, and only there."""
