@@ -138,17 +138,20 @@ def simulator_agrees(spec_: RunSpec, real: RunController) -> None:
 
 
 def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
-    """From the store (the step-4 checkpoint) and from peers (the step-6 snapshots in the nodes'
+    """From the store (the step-8 checkpoint) and from peers (the step-6 snapshots in the nodes'
     memory), a kill-node recovery on the same mesh ends with the uninterrupted run's weights. (The
-    store's run loses its node after step 7: a save takes about two short steps, and the simulator
-    that checks it must not find the step-4 checkpoint uncommitted when it does.)"""
-    faulty = spec("spare", tmp_path, nodes=5, spares=1, drills=[{"kind": "kill-node", "at_step": 7}])
+    store's run saves every 8 steps and loses its node after step 14: on 2 cores a save takes 0.5-1.0
+    s, 3-5 of these steps, and the step-8 checkpoint must be committed when the node goes, the
+    step-16 one not yet. With a save every 4 and the loss after step 7, the step-4 commit came only
+    0.2-0.5 s before the loss, and a make test once resumed from step 0.)"""
+    faulty = spec("spare", tmp_path, nodes=5, spares=1, steps=24, every=8,
+                  drills=[{"kind": "kill-node", "at_step": 14}])
     try:
         c = drive(faulty, ray_cluster)
     finally:
         restore_node(ray_cluster, "node-3")
     assert c.state is RunState.SUCCEEDED, c.error
-    assert c.progress.step == 16
+    assert c.progress.step == 24
     (report,) = c.to_dict(0)["drills"]
     assert report["cause"] == "node_lost" and report["attributed_to"]["nodes"] == ["node-3"]
     assert report["decision"] == "replace" and report["outcome"] == "recovered"
@@ -156,7 +159,7 @@ def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayClust
     attempts = c.events.of_kind("attempt_started")
     assert attempts[0].detail["mesh"] == attempts[1].detail["mesh"] == {"dp": 2, "pp": 2, "tp": 2}
     assert "node-4" in recorded_nodes(attempts[1].detail["placement"])
-    assert attempts[1].detail["start_step"] == 4
+    assert attempts[1].detail["start_step"] == 8
     check_cursor_accounting(tmp_path, "spare")
     simulator_agrees(faulty, c)
 
@@ -191,7 +194,7 @@ def test_kill_node_with_spare_same_mesh_bit_identical(ray_cluster: LocalRayClust
     straight = drive(spec("straight", tmp_path, nodes=5, spares=1, drills=[]), ray_cluster)
     assert straight.state is RunState.SUCCEEDED
     b = final_state(tmp_path, "straight", 16)
-    for run in ("spare", "healed"):
+    for run in ("spare", "healed"):  # (the store's run goes on to 24: a constant lr, so step 16 is the same)
         a = final_state(tmp_path, run, 16)
         assert set(a) == set(b)
         for key in a:
