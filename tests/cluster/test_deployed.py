@@ -225,15 +225,17 @@ def test_the_deployed_controller_drives_a_run_across_hosts(cluster: RayStartClus
 def _free_gpus_and_reservations(cluster: RayStartCluster, want_gpus: float,
                                 node_ip: str = POD_IP) -> tuple[float, list[str]]:
     """Asked of Ray by a driver of its own (on a controller's node, `node_ip`): the GPU slots free in
-    the cluster, and the placement groups not removed. Waits up to 20 s for removals to land."""
+    the cluster, and the placement groups not removed. Waits up to 20 s for removals to land. (The
+    answer's line is marked: Ray prints what GCS tells drivers, a node marked dead say, to stdout too.)"""
     code = ("import json, ray; ray.init(address=%r, _node_ip_address=%r, logging_level='ERROR'); "
-            "print(json.dumps([ray.available_resources().get('GPU', 0.0), [v['name'] for v in "
+            "print('answer:' + json.dumps([ray.available_resources().get('GPU', 0.0), [v['name'] for v in "
             "ray.util.placement_group_table().values() if v['state'] != 'REMOVED']]))") % (cluster.address, node_ip)
     deadline = time.monotonic() + 20
     while True:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        gpus, groups = json.loads(proc.stdout.strip().splitlines()[-1])
+        (answer,) = [line for line in proc.stdout.splitlines() if line.startswith("answer:")]
+        gpus, groups = json.loads(answer.removeprefix("answer:"))
         if (gpus, groups) == (want_gpus, []) or time.monotonic() > deadline:
             return gpus, groups
         time.sleep(1)
