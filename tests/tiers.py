@@ -95,9 +95,15 @@ def main(args: list[str]) -> int:
         print(f"{name}: exit {code}, {took:.0f} s after the start")
         for line in _verdict(tail):
             print(f"  {line}")
-    # 5: a session that a -k or -m of the caller's left with nothing to run
-    codes = [code for code in (first, second) if code != NO_TESTS_RAN]
-    return max(codes, default=NO_TESTS_RAN)
+    return verdict(first, second)
+
+
+def verdict(*codes: int) -> int:
+    """make's exit status from the sessions': the worst, where a session ended by a signal (Popen's
+    -N) counts as the shell's 128 + N, never as a pass; 5 (a session that a -k or -m of the caller's
+    left with nothing to run) only when every session had nothing to run."""
+    ran = [128 - code if code < 0 else code for code in codes if code != NO_TESTS_RAN]
+    return max(ran, default=NO_TESTS_RAN)
 
 
 def _echo(command: list[str]) -> tuple[int, list[str]]:
