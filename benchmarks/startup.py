@@ -28,8 +28,8 @@ Figures, per round (wall seconds):
 - launch: the first attempt started -> its worker group started (each node's GPU slots reserved, a
   rank actor per slot, each node's warm image: before the host image, each node's zygote importing
   torch and the trainer). A rank actor's start is Ray's worker start, ~0.63 CPU-s; since 2026-12-07
-  the spare's warm actors start once the first attempt has stepped and saved (launch.warm_spares),
-  not in it (2.93 -> 2.16 s);
+  the spare's warm actors start once the first attempt has stepped (launch.warm_spares), not in it
+  (2.93 -> 2.16 s);
 - first step: the worker group started -> the first step began (the forked training processes'
   rendezvous, process groups, model build and, for pp > 1, the pipeline schedule);
 - startup badput: what the run's own accounting charges to `startup` (first attempt started -> first

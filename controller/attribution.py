@@ -336,10 +336,6 @@ class AttemptWatch:
         """(step, why): the checkpoint the attempt was loading failed a rank's digest check."""
         self.peer_rejected: tuple[int, int, str] | None = None
         """(attempt, step, why): the peer snapshot step the attempt was loading could not be loaded."""
-        self.stepped_at: float | None = None
-        """When the controller first heard of a step of this attempt."""
-        self.committed = False
-        """A checkpoint committed during this attempt."""
 
     @property
     def steps(self) -> int:
@@ -358,7 +354,6 @@ class AttemptWatch:
                 self.signals.stepped(report.step_time_s)
                 if first:
                     seen.first_step = report.step
-                    self.stepped_at = now if self.stepped_at is None else self.stepped_at
         for step, compute in result.compute:
             self.stragglers.add_step(step, compute)
         seen.stragglers = self.stragglers.judge()
@@ -367,7 +362,6 @@ class AttemptWatch:
             if kind == EventKind.CHECKPOINT_INTERVAL:
                 seen.interval = int(detail.get("steps", 0))
             seen.committed = seen.committed or kind == EventKind.CHECKPOINT_COMMITTED
-            self.committed = self.committed or seen.committed
             if kind in (EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_COMMITTED) and detail.get("step") == self.last_step:
                 self.final_save_error = detail.get("error", "failed") if kind == EventKind.CHECKPOINT_FAILED else None
             if kind == EventKind.SDC_SUSPECT and suspect is None:

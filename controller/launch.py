@@ -92,25 +92,18 @@ def launch(c: "RunController", now: float) -> None:
 
 WARM_SPARES_EVERY_S = 5.0
 """How often a running attempt looks for spares without warm workers (`warm_spares`)."""
-WARM_SPARES_UNCOMMITTED_S = 60.0
-"""How long after its first step an attempt that has committed no checkpoint yet waits to warm spares."""
 
 
 def warm_spares(c: "RunController", now: float) -> None:
     """Spares the cluster gives this run that its worker group has no warm workers on (a node back
     from repair refills the spare pool after the launch, and a group's first launch leaves its spares
     to this) get them now, not on the next recovery's path (controller/ray/worker_group.py,
-    `prewarm`). Only once the attempt has stepped and committed its first checkpoint (or a minute
-    after its first step, if that comes first): where the spare shares the run's cores (an embedded
-    cluster: 2 of them here), the actors' start slowed the first step, and then the first save, by
-    ~0.3 s, which a node lost right after it found uncommitted."""
+    `prewarm`). Only once the attempt has finished a step: on 2 cores their start would otherwise
+    slow the attempt's own first step."""
     prewarm = getattr(c.worker_group, "prewarm", None)
     if prewarm is None or c.topology_source is None or now - c.warmed_at < WARM_SPARES_EVERY_S:
         return
-    watch = c.watch
-    if watch is None or watch.stepped_at is None:
-        return
-    if not watch.committed and now - watch.stepped_at < WARM_SPARES_UNCOMMITTED_S:
+    if not c.progress.history or c.progress.history[-1]["attempt"] != c.attempt:
         return
     c.warmed_at = now
     with c.outside_lock():

@@ -12,8 +12,8 @@ only by its peers' sockets closing or its timeout. So each node imports torch on
 embedded cluster's nodes share one import, controller/ray/host_image.py) and
 forks the rank's training process from that warm image per attempt: ending an attempt is a SIGKILL of
 the forked processes (instant, and it frees every peer), starting one is a fork (milliseconds). Spare
-nodes get warm actors once the first attempt has stepped and saved (and with every later launch), so
-a replacement starts as fast as a survivor. And a training process that did leave its failed attempt (a
+nodes get warm actors once the first attempt has stepped (and with every later launch), so a
+replacement starts as fast as a survivor. And a training process that did leave its failed attempt (a
 peer died: its collective raised) is not ended but parked, and trains its slot's next attempt in place
 (benchmarks/survivors_in_place.py: failure -> first step 0.69x of a re-fork on this machine); only the
 failed part is replaced.
@@ -128,8 +128,7 @@ class RayWorkerGroup:
         wanted = {node: ranks_per_node[node] for node in placement.nodes_used()}
         if self.warm and self._pool:  # a spare may replace any node: as many warm actors as the fullest one has
             # (a launch with no warm actors yet, a group's first, leaves its spares to `prewarm`, once the
-            # attempt has stepped and saved: their actors' start is off the run's startup and first
-            # save, ~0.6 CPU-s each)
+            # attempt has stepped: their actors' start is off the run's startup, ~0.6 CPU-s each)
             wanted |= {spare: max(wanted.values()) for spare in placement.spares}
         self._forget_dead_nodes()
         new = self._grow_pool(wanted)

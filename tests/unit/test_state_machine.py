@@ -426,29 +426,11 @@ class WarmingGroup(FakeWorkerGroup):
         self.prewarmed.append((self.now, nodes))
 
 
-def test_spares_are_warmed_a_minute_after_the_first_step_when_no_checkpoint_has_committed() -> None:
-    from controller.launch import WARM_SPARES_UNCOMMITTED_S
-
-    spec = parse_spec(BASE)
-    full = spec.topology()
-    g = WarmingGroup()
-    c = RunController(spec, full, g, now=100.0, topology_source=lambda: full)
-    start_running(c)
-    first = 110.0
-    for step, t in enumerate(range(int(first), int(first + WARM_SPARES_UNCOMMITTED_S)), start=1):
-        g.finish_steps(step, step)  # a step a second, none saved
-        c.step(float(t))
-    assert g.prewarmed == []
-    c.step(first + WARM_SPARES_UNCOMMITTED_S)
-    assert c.state is RunState.RUNNING
-    assert [nodes for _, nodes in g.prewarmed] == [[n.name for n in full.spares()]]
-
-
 def test_a_spare_that_came_after_the_launch_gets_warm_workers_before_a_recovery_needs_them() -> None:
     """A node back from repair refills the spare pool after the launch: the running attempt's
     worker group is asked to warm it (every WARM_SPARES_EVERY_S at most), not the next recovery. Only
-    once the attempt has finished a step and committed a checkpoint (the first launch leaves its
-    spares to this, off the startup's path and the first save's)."""
+    once the attempt has finished a step (the first launch leaves its spares to this, off the
+    startup's path)."""
     from controller.launch import WARM_SPARES_EVERY_S
     from controller.topology import NodeState
 
@@ -465,13 +447,7 @@ def test_a_spare_that_came_after_the_launch_gets_warm_workers_before_a_recovery_
         c.step(t)
         t += 1.0
     assert g.prewarmed == [], "nothing warmed before the attempt's first step"
-    g.finish_steps(1, 4)
-    for _ in range(8):
-        g.now = t
-        c.step(t)
-        t += 1.0
-    assert g.prewarmed == [], "nor before its first commit"
-    g.emit(0, "checkpoint_committed", step=4, seconds=0.5)
+    g.finish_steps(1, 1)
     for _ in range(20):
         g.now = t
         c.step(t)
