@@ -205,10 +205,12 @@ def test_a_node_and_its_buddy_lost_together_fall_back_to_the_store(ray_cluster: 
                                                                    tmp_path: Path) -> None:
     """Two kill-node drills at one step: node-3 (dp1's last stage) and node-2 (dp0's), which keeps
     node-3's ranks' copies (and node-3 its). Stage 1's state survives in no memory: the run loads
-    the step-4 checkpoint, says why not from peers, shrinks to dp1 and finishes."""
-    s = spec("buddies", tmp_path, nodes=5, spares=1, steps=10, peer_every=1,
-             drills=[{"kind": "kill-node", "at_step": 6, "target": "node-3"},
-                     {"kind": "kill-node", "at_step": 6, "target": "node-2"}])
+    the step-8 checkpoint, says why not from peers, shrinks to dp1 and finishes. (A save every 8 and
+    the loss after step 14, as in test_kill_node_with_spare_same_mesh_bit_identical: with a save
+    every 4 and the loss after 6, a make test found the step-4 save uncommitted.)"""
+    s = spec("buddies", tmp_path, nodes=5, spares=1, steps=18, every=8, peer_every=1,
+             drills=[{"kind": "kill-node", "at_step": 14, "target": "node-3"},
+                     {"kind": "kill-node", "at_step": 14, "target": "node-2"}])
     try:
         c = drive(s, ray_cluster)
     finally:
@@ -220,7 +222,7 @@ def test_a_node_and_its_buddy_lost_together_fall_back_to_the_store(ray_cluster: 
     (first,) = failures
     assert sorted(first["nodes"]) == ["node-2", "node-3"], first
     started = c.events.of_kind("attempt_started")[1].detail
-    assert started["restore_from"] == "store" and started["start_step"] == 4, started
+    assert started["restore_from"] == "store" and started["start_step"] == 8, started
     assert "rank(s)" in started["peer_unusable"], started
     restored = [e.detail for e in c.events.of_kind("restored")]
     assert restored and all(d["source"] == "store" and d["bytes_read"] > 0 for d in restored)
