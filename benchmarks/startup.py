@@ -92,9 +92,8 @@ def one_round(root: Path, steps: int) -> dict[str, float]:
     from controller.events import EventKind
     from controller.ray.cluster import LocalRayCluster
     from controller.ray.runner import drive
-    from controller.run_state import RunState
     from controller.spec import parse_spec
-    from controller.state import RunController
+    from controller.state import RunController, RunState  # (a baseline's code may have no controller.run_state)
 
     raw = yaml.safe_load((REPO / "examples" / "tiny-gpt.yaml").read_text())
     raw.update(drills=[])
