@@ -43,10 +43,11 @@ class ProgressView:
             self.progress.start()
             self._started = True
         self.progress.update(self.task, completed=p.step, info=info)
-        # Without a terminal (CI, pipes) the bar does not redraw: log a line every 10 steps instead.
-        due = p.step % 10 == 0 or p.step == 1
-        if not self.console.is_terminal and not self.quiet and due and p.step != self._last_logged_step:
-            self._last_logged_step = p.step
+        # Without a terminal (CI, pipes) the bar does not redraw: log a line instead, for the first step
+        # seen and then once per ten steps. The view samples the run, so it may never see step 1 or
+        # step 10 exactly (a loaded machine runs two steps between two looks): a line is due when the
+        # step enters another ten, backwards too (a restart from a checkpoint).
+        if not self.console.is_terminal and not self.quiet and self._due(p.step):
             self.console.print(f"step {p.step}: {info}")
 
     def show(self, step: int, total: int, loss: float | None, attempt: int) -> None:
@@ -56,9 +57,15 @@ class ProgressView:
             self._started = True
         info = f"loss {loss:.4f}  attempt {attempt}" if loss is not None else f"attempt {attempt}"
         self.progress.update(self.task, completed=step, total=total, info=info)
-        if not self.console.is_terminal and not self.quiet and step != self._last_logged_step and step % 10 == 0:
-            self._last_logged_step = step
+        if not self.console.is_terminal and not self.quiet and self._due(step):
             self.console.print(f"step {step}: {info}")
+
+    def _due(self, step: int) -> bool:
+        """Whether a step is worth a line of its own: the first one seen, then one per ten steps."""
+        if self._last_logged_step >= 0 and step // 10 == self._last_logged_step // 10:
+            return False
+        self._last_logged_step = step
+        return True
 
     def note(self, text: str) -> None:
         if not self.quiet:  # plain text: an error message's "[/path/file.cc:537]" is no markup tag

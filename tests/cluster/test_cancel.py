@@ -56,12 +56,17 @@ def test_drill_from_another_shell_then_ctrl_c_stops_everything(tmp_path: Path) -
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             ours |= set(glob.glob(os.path.join(tempfile.gettempdir(), "goodput-ray-*"))) - before
-            if "step 1:" in (tmp_path / "stderr.log").read_text():
+            if re.search(r"^step \d+:", (tmp_path / "stderr.log").read_text(), re.MULTILINE):
                 break
             assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-2000:]
             time.sleep(0.5)
-        else:
-            pytest.fail("the run did not reach its first step in 180 s")
+        else:  # say where it is: its events, its stderr and its stacks (goodput dumps them on SIGUSR1)
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(3)
+            events = tmp_path / "goodput-out" / "cancel-me" / "events.log"
+            pytest.fail("the run did not reach its first step in 180 s; its events:\n"
+                        + (events.read_text()[-4000:] if events.exists() else "(none)\n")
+                        + "its stderr and stacks:\n" + (tmp_path / "stderr.log").read_text()[-12000:])
         found = re.search(r"API on (http://127\.0\.0\.1:\d+)", (tmp_path / "stderr.log").read_text())
         assert found, "goodput run says where its API is"
         url = found.group(1)
@@ -79,9 +84,13 @@ def test_drill_from_another_shell_then_ctrl_c_stops_everything(tmp_path: Path) -
             pytest.fail("goodput run did not end within 90 s of Ctrl-C; its stderr and stacks:\n"
                         + (tmp_path / "stderr.log").read_text()[-12000:])
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a failed test: Ctrl-C stops the run's cluster too, a SIGKILL would orphan it
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         log.close()
     stderr = (tmp_path / "stderr.log").read_text()
     assert code == 130 and stderr.strip().splitlines()[-1] == "goodput: cancelled", stderr[-2000:]

@@ -153,6 +153,24 @@ def test_an_event_with_brackets_prints_as_written(capsys: pytest.CaptureFixture[
     assert "[/__w/pytorch/gloo/pair.cc:537] Connection closed" in out and "[/__w/x.cc:1] closed" in out
 
 
+def test_without_a_terminal_the_live_view_logs_the_first_step_it_sees_and_then_one_per_ten(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The view samples the run: on a loaded machine it may first look at step 2, and skip step 10.
+    CI failed when `goodput run` never printed a step line for 180 s (it printed only steps 1, 10, 20,
+    ... exactly as seen)."""
+    from controller.cli.ui import ProgressView
+    from controller.progress import RunProgress
+
+    progress = RunProgress()
+    with ProgressView("r", 100, quiet=False) as view:
+        for step in (2, 3, 9, 12, 13, 25, 16, 17, 31):  # 25 -> 16: a restart from the step-16 checkpoint
+            progress.history.append({"step": step, "loss": 1.0, "attempt": 0})
+            view.update(progress)
+    logged = [int(line.split(":")[0].split()[1]) for line in capsys.readouterr().err.splitlines()
+              if line.startswith("step ")]
+    assert logged == [2, 12, 25, 16, 31]
+
+
 def test_sigusr1_dumps_the_stacks_to_the_real_stderr_even_when_sys_stderr_is_swapped(
         capsys: pytest.CaptureFixture[str]) -> None:
     from controller.cli.main import dump_stacks_on_sigusr1
