@@ -50,17 +50,29 @@ class RunProgress:
         self.wait_s.append(report.wait_s)
         if report.loss is None:
             return False
+        at = len(self.history)  # where the step goes in the history
         if self.history and self.history[-1]["step"] >= report.step:
-            # A second last-stage rank (another dp/tp coordinate) or a step redone after recovery.
-            if self.history[-1]["step"] == report.step and self.history[-1]["attempt"] == report.attempt:
-                return False
-            while self.history and self.history[-1]["step"] >= report.step:  # kept steps are in order
-                self.history.pop()
+            if self.history[-1]["attempt"] == report.attempt:
+                # The same attempt never goes back: this is a step heard of already, from a second
+                # last-stage rank (another dp/tp coordinate), or one whose first report comes after the
+                # next step's (a rank's report waits for its peer snapshot's copy: one rank's step k
+                # can be heard after another's k + 1). Not a rollback: a step no rank heard of yet
+                # goes in its place.
+                while at > 0 and self.history[at - 1]["attempt"] == report.attempt \
+                        and self.history[at - 1]["step"] > report.step:
+                    at -= 1
+                if at > 0 and self.history[at - 1]["step"] == report.step \
+                        and self.history[at - 1]["attempt"] == report.attempt:
+                    return False
+            else:  # a step redone by a later attempt (a rollback): what came after it is lost
+                while self.history and self.history[-1]["step"] >= report.step:  # kept steps are in order
+                    self.history.pop()
+                at = len(self.history)
         entry: dict = {"step": report.step, "loss": report.loss, "attempt": report.attempt}
         end = report.end_time or heard_at
         if end is not None:
             start = end - report.step_time_s
-            before = self.history[-1] if self.history else None
+            before = self.history[at - 1] if at > 0 else None
             if (report.end_time and before is not None and before["attempt"] == report.attempt
                     and before.get("end") is not None):
                 # Consecutive steps may be reported by different ranks (the first report of a step wins,
@@ -70,7 +82,7 @@ class RunProgress:
                 start = min(max(start, before["end"]), end)
             entry.update(start=start, end=end)
             self.spans.append(StepSpan(report.step, report.attempt, start, end))
-        self.history.append(entry)
+        self.history.insert(at, entry)
         if report.snapshot_s:
             self.snapshot_s.append(report.snapshot_s)
             self.snapshots += 1

@@ -124,6 +124,36 @@ def test_steps_reported_by_different_ranks_do_not_overlap() -> None:
     check(result, wall=3.0, productive=kept, queueing=0.5, startup=0.5, other=3.0 - 1.0 - kept)
 
 
+def test_a_step_heard_after_the_next_one_is_not_a_rollback() -> None:
+    """A rank's report waits for its peer snapshot's copy, so one rank's step 2 can be heard after
+    another's step 3 (dp2: two last-stage ranks). The same attempt never goes back: nothing is
+    recomputed (a drain test in CI charged 2 ms of recomputation: step 3 counted twice). A later
+    attempt's step 2 is a rollback, and loses what came after it."""
+    from controller.progress import RunProgress
+    from trainer.report import StepReport
+
+    def report(rank: int, step: int, end: float, attempt: int = 0) -> StepReport:
+        return StepReport(rank=rank, attempt=attempt, step=step, cursor=step * 8, loss=1.0, step_time_s=1.0,
+                          data_s=0.0, compute_s=1.0, wait_s=0.0, tokens_per_s=1.0, end_time=end)
+
+    progress = RunProgress()
+    heard = [report(0, 1, 2.0), report(1, 1, 2.001), report(1, 2, 3.0), report(1, 3, 4.0),
+             report(0, 2, 3.002), report(0, 3, 4.001), report(0, 4, 5.0), report(1, 4, 5.001)]
+    assert [progress.add(r) for r in heard] == [True, False, True, True, False, False, True, False]
+    assert [(h["step"], h["end"]) for h in progress.history] == [(1, 2.0), (2, 3.0), (3, 4.0), (4, 5.0)]
+    events = [ev(0.0, "submitted"), ev(0.5, "attempt_started")]
+    check(account(events, progress.spans, end=5.0), wall=5.0, productive=4.0, queueing=0.5, startup=0.5)
+
+    late = RunProgress()  # step 2's first report comes after step 3's: it goes in its place
+    assert [late.add(r) for r in (report(1, 1, 2.0), report(1, 3, 4.0), report(0, 2, 3.0), report(1, 2, 3.0))] \
+        == [True, True, True, False]
+    assert [h["step"] for h in late.history] == [1, 2, 3] and late.step == 3
+    check(account(events, late.spans, end=4.0), wall=4.0, productive=3.0, queueing=0.5, startup=0.5)
+
+    assert late.add(report(0, 2, 6.0, attempt=1))  # attempt 1 redoes step 2: step 3 of attempt 0 is lost
+    assert [(h["step"], h["attempt"]) for h in late.history] == [(1, 0), (2, 1)]
+
+
 DP2 = {"dp": 2, "pp": 2, "tp": 2}
 DP1 = {"dp": 1, "pp": 2, "tp": 2}
 
