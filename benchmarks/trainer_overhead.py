@@ -114,7 +114,7 @@ def measure(*, rank: int, world_size: int, store_port: int, mesh: tuple[int, int
             t0 = time.perf_counter()
             trainer.train_step()
             t1 = time.perf_counter()
-            stop.poll()
+            stop.poll(trainer.step)
             t1p = time.perf_counter()
             dist.barrier()
             t2 = time.perf_counter()
