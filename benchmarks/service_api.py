@@ -120,7 +120,7 @@ def registry_cost(events: int = 5000, per_save: int = 10) -> list[dict[str, Any]
             rows = [{"time": float(i), "attempt": 0, "kind": "straggler", "detail": {"rank": j, "score": 1.1}}
                     for j in range(per_save)]
             hist.append({"step": i + 1, "loss": 1.0, "attempt": 0})
-            r.save("r", {**view, "step": i + 1}, rows, hist, [], saved, float(i))
+            r.save("r", {**view, "step": i + 1}, rows, hist, saved, float(i))
         elapsed = time.perf_counter() - t0
         r.close()
     per_thousand_ms, per_save_ms = elapsed / events * 1000 * 1e3, elapsed / (events // per_save) * 1e3
