@@ -93,7 +93,7 @@ def verdict_steps(series: dict[int, list[float]], ratio: float, mesh: MeshShape 
     """(rank, step) of every verdict the controller's tracker reaches on these samples."""
     stage = {r: mesh.rank_coords(r)["pp"] for r in range(mesh.world_size)}
     tracker = StragglerTracker(stage, StragglerConfig(ratio=ratio))
-    found = []
+    found: list[tuple[int, int]] = []
     for step in range(1, len(series[0]) + 1):
         for rank, values in series.items():
             tracker.add(rank, step, values[step - 1])

@@ -162,7 +162,8 @@ def main() -> None:
 
     # Controller CPU per 1,000 rank reports, alternating blocks without and with scrapes (every 15 s).
     collector_registry = registry
-    without, with_scrape = [], []
+    without: list[float] = []
+    with_scrape: list[float] = []
     block = 150
     for i in range(8):
         scraping = i % 2 == 1

@@ -62,6 +62,7 @@ def main() -> None:
         t2 = time.perf_counter()
         full.append(t1 - t0)
         again.append(t2 - t1)
+    assert decision.mesh is not None, decision.reason  # (a replacement or a shrink: never a wait here)
     f, a = statistics.median(full), statistics.median(again)
     print(f"{opts.nodes} nodes x 8 GPUs: mesh dp{plan.mesh.dp} pp{plan.mesh.pp} tp{plan.mesh.tp}, "
           f"{plan.memory_per_gpu_bytes / 1e9:.1f} GB/GPU")

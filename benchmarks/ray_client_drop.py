@@ -138,7 +138,8 @@ def case(name: str, address: str, disturb: str, seconds: float, tmp: Path, proxy
             time.sleep(10)
             s2 = serve.json("status", name)
             events = serve.json("events", name)
-            restarted = [e["detail"].get("action", "") for e in events if e["kind"] == "service_restarted"]  # type: ignore[union-attr]
+            assert isinstance(events, list), events
+            restarted = [e["detail"].get("action", "") for e in events if e["kind"] == "service_restarted"]
             out["run"] = (f"after a restart: {s2['state']}, attempt {s2['attempt']}, step {s2['step']}; "  # type: ignore[index]
                           f"{restarted[-1] if restarted else 'no service_restarted event'}")
         out["trained"] = s2["step"] - before  # type: ignore[index]

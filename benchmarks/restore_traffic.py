@@ -131,7 +131,7 @@ def main() -> None:
                     records.figure(f"{onto}: store sent to the ranks", [row[2] - row[1] for row in mine], "bytes"),
                     records.figure(f"{onto}: attempt wall", walls, "s")]
         if reported is not None:
-            figures.append(records.figure(f"{onto}: bytes the ranks say they read", [row[3] for row in mine], "bytes"))
+            figures.append(records.figure(f"{onto}: bytes the ranks say they read", [row[3] for row in mine if row[3] is not None], "bytes"))
     records.write("restore_traffic", figures, code=CODE, extra={"files": len(manifest.files), "rounds": opts.rounds})
 
 

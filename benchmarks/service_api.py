@@ -79,7 +79,9 @@ def latency(requests: int) -> list[dict[str, Any]]:
         while any(client.get(f"/v1/runs/{i}").json()["state"] != "running" for i in ids):
             assert time.monotonic() < deadline, "the runs did not start"
             time.sleep(0.1)
-        get, post, health = [], [], []
+        get: list[float] = []
+        post: list[float] = []
+        health: list[float] = []
         for n in range(requests):
             run = ids[n % 4]
             t0 = time.perf_counter()

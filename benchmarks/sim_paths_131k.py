@@ -43,11 +43,11 @@ BASE: dict[str, Any] = {
     "elastic": {"min_dp": 512, "max_failures": 100000, "wait_for_capacity_s": 86400},
     "failures": {},
 }
-MODELS = {
+MODELS: dict[str, dict[str, dict[str, Any]]] = {
     "gqa-peers": {},
     "mha-store": {"model": {"n_kv_heads": 0}, "checkpoint": {"peer_every_steps": 0}},
 }
-PATHS = {
+PATHS: dict[str, dict[str, dict[str, Any]]] = {
     "world": {"elastic": {"failure_domain": "world"}},
     "replica": {"parallelism": {"dp_replicas": 128},
                 "elastic": {"failure_domain": "replica", "batch_while_healing": "shrink"}},

@@ -83,7 +83,7 @@ def bare_loop(mesh: "torch.distributed.device_mesh.DeviceMesh", shape: MeshShape
     else:
         def step() -> None:
             for i, (xi, yi) in enumerate(zip(x.chunk(n_micro), y.chunk(n_micro))):
-                model.set_requires_gradient_sync(i == n_micro - 1)
+                model.set_requires_gradient_sync(i == n_micro - 1)  # type: ignore[operator]
                 (loss_fn(model(xi), yi) / n_micro).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
