@@ -347,7 +347,7 @@ class AttemptWatch:
         signals into what they mean."""
         seen = Seen()
         for report in result.reports:
-            first = not progress.history or progress.history[-1]["attempt"] != self.attempt
+            first = not progress.has_stepped(self.attempt)
             self.signals.heard(report.rank, report.step, now)
             self.stragglers.add(report.rank, report.step, report.compute_s)
             if progress.add(report, heard_at=now):

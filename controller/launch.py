@@ -103,7 +103,7 @@ def warm_spares(c: "RunController", now: float) -> None:
     prewarm = getattr(c.worker_group, "prewarm", None)
     if prewarm is None or c.topology_source is None or now - c.warmed_at < WARM_SPARES_EVERY_S:
         return
-    if not c.progress.history or c.progress.history[-1]["attempt"] != c.attempt:
+    if not c.progress.has_stepped(c.attempt):
         return
     c.warmed_at = now
     with c.outside_lock():

@@ -104,6 +104,10 @@ class RunProgress:
                 kept.append(report.step)
         return kept
 
+    def has_stepped(self, attempt: int) -> bool:
+        """Whether `attempt` has finished a step (the newest kept step is its own)."""
+        return bool(self.history) and self.history[-1]["attempt"] == attempt
+
     @property
     def step(self) -> int:
         return max(self.history[-1]["step"] if self.history else 0, self.committed)
