@@ -38,6 +38,7 @@ def one_step_grads(*, rank: int, world_size: int, store_port: int, configs: list
             grads = {}
             for part in trainer.parts:
                 for name, p in part.named_parameters():
+                    assert p.grad is not None, f"{name} has no gradient after the backward"
                     grads[name] = full(p.grad).detach().clone()
             keep = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
             out.append({"loss": loss, "grads": grads if keep else {}, "grad_norm": norm})
@@ -61,7 +62,11 @@ def reference_grads(cfg: TrainerConfig) -> tuple[float, dict[str, torch.Tensor]]
     rows = torch.from_numpy(build_source(cfg.data, cfg.model).batch(range(cfg.train.global_batch)))
     loss = provider.loss(model(rows[:, :-1]), rows[:, 1:])
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} has no gradient after the backward"
+        grads[name] = p.grad.detach().clone()
+    return float(loss.detach()), grads
 
 
 def train_steps(*, rank: int, world_size: int, store_port: int, config: dict) -> dict[str, torch.Tensor]:

@@ -91,7 +91,7 @@ class FakeWorkerGroup:
             self._pending.reports.append(StepReport(
                 rank=0, attempt=attempt, step=step, cursor=step * 16, loss=loss / step, step_time_s=0.5,
                 data_s=0.0, compute_s=0.4, wait_s=0.1, tokens_per_s=1000.0,
-                end_time=None if end is None else end - (last - step) * 0.5))
+                end_time=0.0 if end is None else end - (last - step) * 0.5))
 
     def emit(self, rank: int, kind: str, **detail: object) -> None:
         self._pending.events.append((rank, kind, dict(detail)))
