@@ -231,7 +231,7 @@ def test_a_node_and_its_buddy_lost_together_fall_back_to_the_store(ray_cluster: 
 
 
 def test_kill_node_without_spare_shrinks_then_grows_back(ray_cluster: LocalRayCluster, tmp_path: Path) -> None:
-    s = spec("shrink", tmp_path, nodes=4, spares=0, steps=20, drills=[{"kind": "kill-node", "at_step": 6}])
+    s = spec("shrink", tmp_path, nodes=4, spares=0, steps=32, drills=[{"kind": "kill-node", "at_step": 6}])
     readded: list[str] = []
 
     def bring_node_back(c: RunController) -> None:
@@ -253,7 +253,7 @@ def test_kill_node_without_spare_shrinks_then_grows_back(ray_cluster: LocalRayCl
     shrunk_attempt = attempts[1].detail
     assert shrunk_attempt["start_step"] == 4 and "node-3" not in recorded_nodes(shrunk_attempt["placement"])
     history = c.progress.history
-    assert [h["step"] for h in history] == list(range(1, 21)), "the loss history continues step by step"
+    assert [h["step"] for h in history] == list(range(1, 33)), "the loss history continues step by step"
     assert history[-1]["loss"] < history[0]["loss"] - 1.0
     check_cursor_accounting(tmp_path, "shrink")
     restored = [e.detail for e in c.events.of_kind("restored")]
