@@ -28,7 +28,7 @@ Figures, per round (wall seconds):
 - launch: the first attempt started -> its worker group started (each node's GPU slots reserved, a
   rank actor per slot, each node's warm image: before the host image, each node's zygote importing
   torch and the trainer). A rank actor's start is Ray's worker start, ~0.63 CPU-s; since 2026-12-07
-  the spare's warm actors start once the first attempt has stepped (launch.warm_spares), not in it
+  the spare's warm actors start once the first attempt has stepped (RunController._warm_spares), not in it
   (2.93 -> 2.16 s);
 - first step: the worker group started -> the first step began (the forked training processes'
   rendezvous, process groups, model build and, for pp > 1, the pipeline schedule);
@@ -216,7 +216,7 @@ def main() -> None:
     figures += [records.figure(f"a warm image's {name}", values, "s") for name, values in imports.items()]
     records.write("startup", figures, code=["controller/ray/worker_group.py", "controller/ray/rank_actor.py",
                                             "controller/ray/zygote.py", "controller/ray/host_image.py",
-                                            "controller/ray/cluster.py", "controller/ray/registration.py", "controller/launch.py",
+                                            "controller/ray/cluster.py", "controller/ray/registration.py", "controller/state.py",
                                             "trainer/worker.py", "trainer/train.py", "examples/tiny-gpt.yaml"],
                   extra={"baseline": args.baseline} if args.baseline else None)
 

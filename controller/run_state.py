@@ -1,5 +1,5 @@
 """A run's state and the error it ended with: what the controller's state machine (controller/state.py)
-moves through, and what its parts (controller/launch.py) and views read."""
+moves through, and what its views (controller/views.py) and a restarted service read."""
 
 from __future__ import annotations
 

@@ -16,10 +16,12 @@ import contextlib
 import functools
 from typing import Any, Callable, ContextManager, Iterable, Mapping
 
+from checkpointing.manifest import ForeignCheckpoints, IdentityMismatch
 from checkpointing.peer import Held
-from checkpointing.store import ObjectStore
+from checkpointing.store import ObjectStore, StoreError
 from controller.attempt import AttemptSpec, GroupStatus, WorkerGroup
-from controller.checkpoints import RunCheckpoints
+from controller.boundary_stop import BoundaryStop, EndedStop
+from controller.checkpoints import LoadPoint, RunCheckpoints
 from controller.events import EventKind, EventLog
 from controller.placement import Placement, place
 from controller.planner import MeshPlan, memory_problem, plan_run
@@ -27,7 +29,6 @@ from controller.progress import RunProgress
 from controller.replicas import ReplicaDomain
 from controller.run_drills import RunDrills
 from controller.spec import RunSpec, SpecError
-from controller import launch
 from controller.attribution import AttemptWatch, StragglerWatch, failures_from, quarantines_from, relaunch_failure
 from controller.drills import DrillError, DrillInjector, DrillKind, DrillRequest, domain_problem
 from controller.failure_policy import (
@@ -38,6 +39,10 @@ from controller.topology import Node, NodeState, Topology, merge_returned
 from controller.user_errors import Judgement, Raised, elsewhere, judge, raised
 from controller.views import GoodputView, health_view, run_view
 from trainer.config import TrainerConfig
+
+
+WARM_SPARES_EVERY_S = 5.0
+"""How often a running attempt looks for spares without warm workers (`RunController._warm_spares`)."""
 
 
 class RunController:
@@ -79,14 +84,8 @@ class RunController:
         nodes is the user's code (controller/user_errors.py)."""
         self._raised_failure: FailureEvent | None = None
         """The failure it was raised in (charged unless the second raising shows it was the user's code)."""
-        self._stop: tuple[str, str] | None = None
-        """(keep, reason) of a stop at a step boundary asked by the service (a preemption), until sent."""
-        self._stopping: tuple[str, str] | None = None
-        """The stop sent to the running attempt's ranks (kept until they have stopped)."""
-        self._stopped: dict[str, Any] | None = None
-        """The ranks' stopped_at_boundary detail, once heard."""
-        self._departing: tuple[str, ...] = ()
-        """The nodes the stop asked is for (a drain): reseated without them once the ranks stopped."""
+        self._boundary = BoundaryStop()
+        """A stop at a step boundary (a preemption, a drain, a SIGTERM) asked of the running attempt."""
         self._replica_departure: tuple[tuple[str, ...], str] | None = None
         """failure_domain replica: (nodes, reason) of a drain, until the driving thread takes their replicas out."""
         self.preempted = False
@@ -114,7 +113,7 @@ class RunController:
         self._isolated: str | None = None
         """Why the worker group last said this controller suspects itself (PollResult.isolated)."""
         self.warmed_at = float("-inf")
-        """When the running attempt last looked for spares to warm workers on (launch.warm_spares)."""
+        """When the running attempt last looked for spares to warm workers on (`_warm_spares`)."""
         self.events.add(now, 0, EventKind.SUBMITTED, name=spec.name)
 
     def _without_left(self, source: Callable[[], Topology]) -> Topology:
@@ -164,11 +163,9 @@ class RunController:
         False when it cannot be asked now: not running, failure_domain replica (its replicas would have
         to agree on the step: not yet), no checkpoint store, or a worker group that cannot stop."""
         if (not self.stoppable or self.state is not RunState.RUNNING or self.spec.elastic.failure_domain != "world"
-                or self.checkpoints.store is None or getattr(self.worker_group, "request_stop", None) is None
-                or self._stop is not None or self._stopping is not None):
+                or self.checkpoints.store is None or getattr(self.worker_group, "request_stop", None) is None):
             return False
-        self._stop = ("store", reason)
-        return True
+        return self._boundary.ask("store", reason)
 
     def drain(self, nodes: Iterable[str], reason: str) -> bool:
         """Safe from any thread: `nodes` must go (an operator's drain, a node tainted for deletion or
@@ -180,7 +177,7 @@ class RunController:
         asked now: not running, none of its ranks there, nothing that could keep the state, a worker
         group that cannot stop, or a stop (or a replica departure) already asked."""
         on = sorted(set(nodes) & self.placement.nodes()) if self.placement is not None else []
-        if not on or self.state is not RunState.RUNNING or self._stop is not None or self._stopping is not None:
+        if not on or self.state is not RunState.RUNNING or self._boundary.pending:
             return False
         if self.spec.elastic.failure_domain == "replica" and self.config is not None and self.config.mesh.dp_replicas > 1:
             if self._replica_departure is not None:
@@ -191,9 +188,7 @@ class RunController:
         if (not self.stoppable or not keeps or self.spec.elastic.failure_domain != "world"
                 or getattr(self.worker_group, "request_stop", None) is None):
             return False
-        self._departing = tuple(on)
-        self._stop = ("peers", reason)
-        return True
+        return self._boundary.ask("peers", reason, departing=tuple(on))
 
     def _leave_by_replicas(self, now: float) -> None:
         """failure_domain replica: the replicas with ranks on the departing nodes stop (the others train
@@ -381,8 +376,97 @@ class RunController:
                         memory_per_gpu_bytes=self.plan.memory_per_gpu_bytes, explanation=self.plan.explanation)
         self.state = RunState.LAUNCHING
 
+    # -- launching an attempt: where it starts (a committed step or a peer snapshot step,
+    # controller/checkpoints.py), what its AttemptSpec says, the launch, and `attempt_started`
+    def attempt_spec(self, now: float, config: TrainerConfig, placement: Placement, point: LoadPoint) -> AttemptSpec:
+        """The AttemptSpec of attempt `self.attempt` on `placement`, starting where `point` says (a
+        restarted service builds the one it re-attaches to the same way: controller/service/restore.py)."""
+        domain = self.spec.elastic.failure_domain if placement.mesh.dp_replicas > 1 else "world"
+        return AttemptSpec(
+            run_id=self.run_id, attempt=self.attempt, config=config, placement=placement,
+            start_step=point.start_step, cursor=point.cursor, resume_step=point.resume_step,
+            **self.checkpoints.attempt_settings(self.spec, run_s=now - self.created_at, failures=len(self.failures)),
+            **self.checkpoints.peer_settings(self.spec, placement, point, replicas=domain == "replica"),
+            failure_domain=domain, batch_while_healing=self.spec.elastic.batch_while_healing,
+            stoppable=self.stoppable and domain == "world" and (
+                self.checkpoints.store is not None or self.spec.checkpoint.peer_every_steps > 0))
+
     def _on_launching(self, now: float) -> None:
-        launch.launch(self, now)
+        """Start the next attempt where its checkpoints say (once the store answers), or end the run."""
+        assert self.config is not None and self.placement is not None
+        if not self.checkpoints.outage.due(now):
+            return
+        point = self._load_point(now)
+        if point is None or self._cancel_requested:
+            return  # (the store is out, or the run failed; a cancel: the next step cancels)
+        self.attempt += 1
+        for reason in point.unusable:
+            self.events.add(now, self.attempt, EventKind.CHECKPOINT_UNUSABLE, reason=reason)
+        unheard = self.progress.add_unheard(point.peer.reports) if point.peer is not None else []
+        attempt = self.attempt_spec(now, self.config, self.placement, point)
+        self._track_attempt(now)
+        try:
+            with self.outside_lock():
+                self.worker_group.start(attempt)
+        except Exception as e:  # noqa: BLE001 - any launch failure ends the attempt with its reason
+            self._shutdown()
+            if not self._cancel_requested:  # (one that gave up because of the cancel: the next step cancels)
+                self._launch_failed(now, f"{type(e).__name__}: {e}")
+            return
+        mesh = self.config.mesh
+        self.events.add(now, self.attempt, EventKind.ATTEMPT_STARTED,
+                        mesh=mesh.axes(), dp_replicas=mesh.dp_replicas,
+                        placement=self.placement.columns(), spares=list(self.placement.spares),
+                        start_step=point.start_step, resume_step=point.resume_step, cursor=point.cursor,
+                        restore_from=point.source, **({"reports_from_snapshot": unheard} if unheard else {}),
+                        **({"peer_replicas": list(point.peer_replicas)} if point.peer_replicas is not None else {}),
+                        **({"peer_unusable": point.peer_unusable} if point.peer_unusable and self.attempt > 0 else {}))
+        self.progress.committed = point.start_step
+        if point.start_step >= self.spec.train.steps:
+            self._shutdown()
+            self._finish(now, RunState.SUCCEEDED, step=point.start_step)
+            return
+        self.state = RunState.RUNNING
+
+    def _load_point(self, now: float) -> LoadPoint | None:
+        """Where the next attempt starts, its fence raised before any of its ranks can commit; None when
+        the store does not answer (backed off; past `checkpoint.retry_budget_s` the timeline says so,
+        once) or its checkpoints are not this run's (the run fails)."""
+        assert self.config is not None and self.placement is not None
+        domain = self.spec.elastic.failure_domain if self.config.mesh.dp_replicas > 1 else "world"
+        try:
+            with self.outside_lock():
+                nodes = self.placement.nodes()
+                point = self.checkpoints.load_point(
+                    self.spec, self._peer_copies(nodes), nodes,
+                    replica_nodes=self.placement.replica_nodes() if domain == "replica" else None)
+                self.checkpoints.raise_fence(self.attempt + 1, point.start_step)
+        except StoreError as e:
+            if (detail := self.checkpoints.unreachable(now, e)) is not None:
+                self.events.add(now, max(self.attempt, 0), EventKind.STORE_UNAVAILABLE, **detail)
+            return None
+        except (IdentityMismatch, ForeignCheckpoints) as e:
+            self._fail(now, "checkpoint_mismatch" if isinstance(e, IdentityMismatch) else "checkpoints_in_the_way", str(e))
+            return None
+        self._discarded(now, point.discarded)
+        if (down := self.checkpoints.outage.answered(now)) is not None:
+            self.events.add(now, max(self.attempt, 0), EventKind.STORE_AVAILABLE, down_s=down)
+        return point
+
+    def _warm_spares(self, now: float) -> None:
+        """Spares the cluster gives this run that its worker group has no warm workers on (a node back
+        from repair refills the spare pool after the launch, and a group's first launch leaves its spares
+        to this) get them now, not on the next recovery's path (controller/ray/worker_group.py,
+        `prewarm`). Only once the attempt has finished a step: on 2 cores their start would otherwise
+        slow the attempt's own first step."""
+        prewarm = getattr(self.worker_group, "prewarm", None)
+        if prewarm is None or self.topology_source is None or now - self.warmed_at < WARM_SPARES_EVERY_S:
+            return
+        if not self.progress.has_stepped(self.attempt):
+            return
+        self.warmed_at = now
+        with self.outside_lock():
+            prewarm([n.name for n in self.topology_source().spares()])
 
     def _peer_copies(self, nodes: set[str]) -> Mapping[str, list[Held]] | None:
         """What peer snapshot copies the next attempt's nodes hold (None: peer snapshots are off, or
@@ -410,9 +494,8 @@ class RunController:
         assert self.watch is not None
         if self._replica_departure is not None:
             self._leave_by_replicas(now)
-        if self._stop is not None:
-            keep, reason = self._stopping = self._stop
-            self._stop = None
+        if (asked := self._boundary.to_send()) is not None:
+            keep, reason = asked
             with self.outside_lock():
                 self.worker_group.request_stop(keep, reason)  # type: ignore[attr-defined]
             self.events.add(now, self.attempt, EventKind.STOP_REQUESTED, keep=keep, reason=reason,
@@ -425,7 +508,7 @@ class RunController:
             self._isolated = result.isolated
         if result.isolated is not None:
             return  # it hears no node: it judges none (what it missed arrives once it hears them again)
-        launch.warm_spares(self, now)
+        self._warm_spares(now)
         seen = self.watch.fold(now, result, self.progress)
         if seen.first_step is not None and self.attempt > 0:
             # When the ranks finished it (a report may reach us later than that: a peer snapshot's is
@@ -446,9 +529,9 @@ class RunController:
             if kind == EventKind.REPLICA_RESYNC:
                 self.replicas.resynced(now)  # (its first step after: the survivors' stall ends)
             if kind == EventKind.STOPPED_AT_BOUNDARY:
-                self._stopped = dict(detail)
+                self._boundary.heard(detail)
             if kind == EventKind.TERMINATING and rank >= 0 and self.placement is not None:
-                self._terminating(self.placement.node_of_rank[rank])
+                self._boundary.sigterm(self.placement.node_of_rank[rank])
         self.replicas.survivors_stepped(now, self.attempt, result.reports)
         if self.replicas_out and seen.failure is None:
             self._form_replicas(now)
@@ -459,12 +542,14 @@ class RunController:
             return
         if seen.failure is not None:
             self._recover(now, seen.failure)
-        elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None and (
-                self._stopped is not None or (self._stopping is not None and self.progress.step < self.spec.train.steps)):
-            if self._departing:
-                self._reseat_departing(now)
-            else:  # (asked to stop and ended short of the last step: stopped, its word late)
-                self._stopped_at_boundary(now)
+        elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None and \
+                self._boundary.carried_out(step=self.progress.step, last_step=self.spec.train.steps):
+            self._shutdown()
+            stop = self._boundary.end(self.progress.step)
+            if stop.departing:
+                self._reseat_departing(now, stop)
+            else:
+                self._stopped_at_boundary(now, stop)
         elif result.status is GroupStatus.FINISHED and self.watch.signals.since is None:
             self._shutdown()
             failure = self.watch.finished(now)
@@ -475,42 +560,24 @@ class RunController:
         else:
             self._run_due_drills(now)
 
-    def _stopped_at_boundary(self, now: float) -> None:
+    def _stopped_at_boundary(self, now: float, stop: EndedStop) -> None:
         """Every rank stopped after the same step as asked, that step committed: the attempt ends, not
         as a failure (nothing charged to elastic.max_failures), and the run waits to be admitted again
         (a service re-queues it; the next attempt loads that step)."""
-        assert self._stopping is not None
-        self._shutdown()
-        detail, (keep, reason) = self._stopped or {"step": self.progress.step}, self._stopping
-        self._stopped = self._stopping = None
-        self.events.add(now, self.attempt, EventKind.PREEMPTED, step=detail.get("step", self.progress.step),
-                        kept=detail.get("kept", keep), reason=reason)
+        self.events.add(now, self.attempt, EventKind.PREEMPTED, step=stop.step, kept=stop.kept, reason=stop.reason)
         self.preempted = True
-        self.waiting_for = f"{reason}: back in the queue from step {detail.get('step', self.progress.step)}"
+        self.waiting_for = f"{stop.reason}: back in the queue from step {stop.step}"
         self.state = RunState.PENDING
 
-    def _terminating(self, node: str) -> None:
-        """A rank on `node` got a SIGTERM (its node goes within a grace period): the ranks agreed to stop
-        at their next snapshot step by themselves (trainer/stop.py); the node's ranks are then reseated
-        like a drained node's."""
-        if node not in self._departing:
-            self._departing += (node,)
-        if self._stopping is None:
-            self._stopping = self._stop or ("peers", f"SIGTERM on {node}")
-            self._stop = None
-
-    def _reseat_departing(self, now: float) -> None:
+    def _reseat_departing(self, now: float, stop: EndedStop) -> None:
         """Every rank stopped after the same step, its state kept (on its buddies, for the departing
         nodes' ranks): the next attempt starts at once from that step without those nodes, decided as
         after their loss but charged nothing."""
-        assert self._stopping is not None and self.config is not None
-        self._shutdown()
-        detail, (keep, reason), nodes = self._stopped or {"step": self.progress.step}, self._stopping, self._departing
-        self._stopped = self._stopping = None
-        self._departing = ()
-        self.events.add(now, self.attempt, EventKind.DRAINED, nodes=list(nodes), step=detail.get("step", self.progress.step),
-                        kept=detail.get("kept", keep), reason=reason)
-        departure = FailureEvent(time=now, cause=FailureCause.DRAINED, nodes=nodes, message=reason)
+        assert self.config is not None
+        nodes = stop.departing
+        self.events.add(now, self.attempt, EventKind.DRAINED, nodes=list(nodes), step=stop.step, kept=stop.kept,
+                        reason=stop.reason)
+        departure = FailureEvent(time=now, cause=FailureCause.DRAINED, nodes=nodes, message=stop.reason)
         self._left.update(nodes)
         self._last_failure = departure
         self._apply(now, self.policy.on_failure(now, departure, failures_so_far=len(self.failures), mesh=self.config.mesh,
@@ -525,7 +592,7 @@ class RunController:
     @property
     def stopping(self) -> bool:
         """A stop at a step boundary was asked and the ranks have not stopped yet."""
-        return self._stop is not None or self._stopping is not None
+        return self._boundary.pending
 
     def readmit(self, worker_group: WorkerGroup, injector: DrillInjector | None) -> None:
         """A preempted run's service gives it a fresh worker group before admitting it again."""
@@ -603,8 +670,8 @@ class RunController:
             return
         self._detected(now, failure)
         self._shutdown()
-        self._stop = self._stopping = self._stopped = None  # (a stop asked of the attempt that failed: asked again if still wanted)
-        self._departing, self._replica_departure = (), None
+        self._boundary.drop()  # (a stop asked of the attempt that failed: asked again if still wanted)
+        self._replica_departure = None
         through = self.watch.take_rollback() if self.watch is not None else None
         if through is not None:
             # Whatever is decided next (even to fail), a later resume must not load suspect state;

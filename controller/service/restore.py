@@ -17,7 +17,6 @@ from typing import Any
 from controller.attempt import WorkerGroup
 from controller.checkpoints import LoadPoint
 from controller.events import EventKind
-from controller.launch import attempt_spec
 from controller.placement import Placement
 from controller.run_state import RunError, RunState
 from controller.state import RunController
@@ -79,7 +78,7 @@ def reattach(c: RunController, events: list[dict[str, Any]], now: float) -> bool
         placement = Placement.recorded((moved[-1]["detail"] if moved else d)["placement"], mesh, d.get("spares") or [])
         point = LoadPoint(start_step=int(d.get("start_step") or 0), cursor=int(d.get("cursor") or 0),
                           resume_step=d.get("resume_step"), unusable=[], discarded=[])
-        attempt = attempt_spec(c, now, c.spec.trainer_config(placement.mesh), placement, point)
+        attempt = c.attempt_spec(now, c.spec.trainer_config(placement.mesh), placement, point)
         per = mesh.world_size // mesh.dp_replicas
         out = {k: tuple(n for n in nodes if n in placement.node_of_rank[k * per:(k + 1) * per]) for k, nodes in out.items()}
         if not (attach(attempt, frozenset(out), frozenset(rejoined - set(out))) if out or rejoined else attach(attempt)):

@@ -232,3 +232,40 @@ def test_a_spot_reclaim_drills_report_says_when_the_run_left_and_that_no_step_wa
     died_first = timeline((40.0, 0, EventKind.FAILURE_DETECTED, {"cause": "node_lost", "nodes": ["node-1"], "step": 9}),
                           (40.1, 0, EventKind.DECISION, {"action": "replace"}))
     assert drill_reports(died_first)[0]["cause"] == "node_lost", "not left in time: a node loss"
+
+
+def test_a_boundary_stop_is_asked_once_sent_once_and_ends_where_the_ranks_said() -> None:
+    """controller/boundary_stop.py's steps on their own: a second stop is refused while one is pending;
+    the asked stop is sent once; a SIGTERM adopts the stop already asked (adding its node) or sends its
+    own; the ranks' word (their step, where the state is) outranks what was asked; a group that ended
+    short of its last step with a stop sent carried it out, one that reached its last step did not."""
+    from controller.boundary_stop import BoundaryStop
+
+    stop = BoundaryStop()
+    assert not stop.pending and stop.to_send() is None
+    assert stop.ask("peers", "drain of node-1", departing=("node-1",))
+    assert not stop.ask("store", "preempted"), "one stop at a time"
+    assert stop.to_send() == ("peers", "drain of node-1") and stop.to_send() is None and stop.pending
+    stop.sigterm("node-2")
+    assert not stop.carried_out(step=30, last_step=30), "it reached its last step: no stop"
+    assert stop.carried_out(step=12, last_step=30)
+    stop.heard({"step": 11, "kept": "peers"})
+    ended = stop.end(12)
+    assert (ended.step, ended.kept, ended.reason, ended.departing) == (11, "peers", "drain of node-1", ("node-1", "node-2"))
+    assert not stop.pending and not stop.carried_out(step=12, last_step=30)
+
+    stop.ask("store", "preempted by a higher-priority run")
+    stop.sigterm("node-3")  # (asked, not sent yet: the SIGTERM's stop is that one)
+    assert stop.to_send() is None
+    assert stop.end(7) == stop_ended(7, "store", "preempted by a higher-priority run", ("node-3",))
+    stop.sigterm("node-0")
+    assert stop.end(9) == stop_ended(9, "peers", "SIGTERM on node-0", ("node-0",))
+    stop.ask("store", "preempted")
+    stop.drop()
+    assert not stop.pending and stop.to_send() is None, "a failed attempt's stop is gone"
+
+
+def stop_ended(step: int, kept: str, reason: str, departing: tuple[str, ...]) -> object:
+    from controller.boundary_stop import EndedStop
+
+    return EndedStop(step=step, kept=kept, reason=reason, departing=departing)

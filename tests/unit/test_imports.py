@@ -28,7 +28,7 @@ PURE_MODULES = [
     "controller.views", "controller.sim.run", "checkpointing.store.memory", "checkpointing.store.faults",
     "controller.service.scheduler", "controller.cli.render", "controller.checkpoints", "trainer.shards",
     "trainer.presets", "trainer.tokenize", "controller.providers", "trainer.protocol", "controller.service.identity",
-    "controller.user_errors", "trainer.stop",
+    "controller.user_errors", "trainer.stop", "controller.boundary_stop",
 ]
 
 

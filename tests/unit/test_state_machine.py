@@ -431,7 +431,7 @@ def test_a_spare_that_came_after_the_launch_gets_warm_workers_before_a_recovery_
     worker group is asked to warm it (every WARM_SPARES_EVERY_S at most), not the next recovery. Only
     once the attempt has finished a step (the first launch leaves its spares to this, off the
     startup's path)."""
-    from controller.launch import WARM_SPARES_EVERY_S
+    from controller.state import WARM_SPARES_EVERY_S
     from controller.topology import NodeState
 
     spec = parse_spec(BASE)
