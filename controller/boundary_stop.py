@@ -37,6 +37,7 @@ class BoundaryStop:
         self._heard: dict[str, Any] | None = None
         """The ranks' stopped_at_boundary detail, once heard."""
         self._departing: tuple[str, ...] = ()
+        """The nodes it is for (a drain's, a SIGTERM's): reseated without them once the ranks stopped."""
 
     @property
     def pending(self) -> bool:

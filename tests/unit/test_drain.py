@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.boundary_stop import BoundaryStop, EndedStop
 from controller.errors import ServiceError
 from controller.failure_policy import Action, ElasticLimits, FailureCause, FailureEvent, decide
 from controller.service.registry import sqlite_url
@@ -239,8 +240,6 @@ def test_a_boundary_stop_is_asked_once_sent_once_and_ends_where_the_ranks_said()
     the asked stop is sent once; a SIGTERM adopts the stop already asked (adding its node) or sends its
     own; the ranks' word (their step, where the state is) outranks what was asked; a group that ended
     short of its last step with a stop sent carried it out, one that reached its last step did not."""
-    from controller.boundary_stop import BoundaryStop
-
     stop = BoundaryStop()
     assert not stop.pending and stop.to_send() is None
     assert stop.ask("peers", "drain of node-1", departing=("node-1",))
@@ -257,15 +256,11 @@ def test_a_boundary_stop_is_asked_once_sent_once_and_ends_where_the_ranks_said()
     stop.ask("store", "preempted by a higher-priority run")
     stop.sigterm("node-3")  # (asked, not sent yet: the SIGTERM's stop is that one)
     assert stop.to_send() is None
-    assert stop.end(7) == stop_ended(7, "store", "preempted by a higher-priority run", ("node-3",))
+    assert stop.end(7) == EndedStop(step=7, kept="store", reason="preempted by a higher-priority run",
+                                    departing=("node-3",))
     stop.sigterm("node-0")
-    assert stop.end(9) == stop_ended(9, "peers", "SIGTERM on node-0", ("node-0",))
+    assert stop.end(9) == EndedStop(step=9, kept="peers", reason="SIGTERM on node-0", departing=("node-0",))
     stop.ask("store", "preempted")
     stop.drop()
     assert not stop.pending and stop.to_send() is None, "a failed attempt's stop is gone"
 
-
-def stop_ended(step: int, kept: str, reason: str, departing: tuple[str, ...]) -> object:
-    from controller.boundary_stop import EndedStop
-
-    return EndedStop(step=step, kept=kept, reason=reason, departing=departing)
