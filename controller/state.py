@@ -38,7 +38,7 @@ from controller.run_state import RunError, RunState
 from controller.topology import Node, NodeState, Topology, merge_returned
 from controller.user_errors import Judgement, Raised, elsewhere, judge, raised
 from controller.views import GoodputView, health_view, run_view
-from trainer.config import TrainerConfig
+from trainer.config import MeshShape, TrainerConfig
 
 
 WARM_SPARES_EVERY_S = 5.0
@@ -179,7 +179,7 @@ class RunController:
         on = sorted(set(nodes) & self.placement.nodes()) if self.placement is not None else []
         if not on or self.state is not RunState.RUNNING or self._boundary.pending:
             return False
-        if self.spec.elastic.failure_domain == "replica" and self.config is not None and self.config.mesh.dp_replicas > 1:
+        if self.config is not None and self._domain(self.config.mesh) == "replica":
             if self._replica_departure is not None:
                 return False
             self._replica_departure = (tuple(on), reason)  # (acted on by the driving thread: _leave_by_replicas)
@@ -376,12 +376,16 @@ class RunController:
                         memory_per_gpu_bytes=self.plan.memory_per_gpu_bytes, explanation=self.plan.explanation)
         self.state = RunState.LAUNCHING
 
+    def _domain(self, mesh: MeshShape) -> str:
+        """The failure domain an attempt on `mesh` has: the spec's, where the mesh has several replicas."""
+        return self.spec.elastic.failure_domain if mesh.dp_replicas > 1 else "world"
+
     # -- launching an attempt: where it starts (a committed step or a peer snapshot step,
     # controller/checkpoints.py), what its AttemptSpec says, the launch, and `attempt_started`
     def attempt_spec(self, now: float, config: TrainerConfig, placement: Placement, point: LoadPoint) -> AttemptSpec:
         """The AttemptSpec of attempt `self.attempt` on `placement`, starting where `point` says (a
         restarted service builds the one it re-attaches to the same way: controller/service/restore.py)."""
-        domain = self.spec.elastic.failure_domain if placement.mesh.dp_replicas > 1 else "world"
+        domain = self._domain(placement.mesh)
         return AttemptSpec(
             run_id=self.run_id, attempt=self.attempt, config=config, placement=placement,
             start_step=point.start_step, cursor=point.cursor, resume_step=point.resume_step,
@@ -433,13 +437,13 @@ class RunController:
         the store does not answer (backed off; past `checkpoint.retry_budget_s` the timeline says so,
         once) or its checkpoints are not this run's (the run fails)."""
         assert self.config is not None and self.placement is not None
-        domain = self.spec.elastic.failure_domain if self.config.mesh.dp_replicas > 1 else "world"
+        by_replica = self._domain(self.config.mesh) == "replica"
         try:
             with self.outside_lock():
                 nodes = self.placement.nodes()
                 point = self.checkpoints.load_point(
                     self.spec, self._peer_copies(nodes), nodes,
-                    replica_nodes=self.placement.replica_nodes() if domain == "replica" else None)
+                    replica_nodes=self.placement.replica_nodes() if by_replica else None)
                 self.checkpoints.raise_fence(self.attempt + 1, point.start_step)
         except StoreError as e:
             if (detail := self.checkpoints.unreachable(now, e)) is not None:
