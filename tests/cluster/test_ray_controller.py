@@ -95,9 +95,9 @@ def test_a_launch_asks_again_for_a_reservation_ray_has_not_granted_and_starts_wh
     from ray.util import placement_group_table, remove_placement_group
     from ray.util.placement_group import placement_group
 
-    from controller.ray import worker_group
+    from controller.ray import pool
 
-    monkeypatch.setattr(worker_group, "RESERVATION_RETRY_S", 1.0)
+    monkeypatch.setattr(pool, "RESERVATION_RETRY_S", 1.0)
     before = set(placement_group_table())
     blocker = placement_group([{"GPU": 1.0}, {"GPU": 1.0}], strategy="PACK",
                               bundle_label_selector=[{"node": "node-1"}, {"node": "node-1"}])
@@ -111,7 +111,7 @@ def test_a_launch_asks_again_for_a_reservation_ray_has_not_granted_and_starts_wh
         with contextlib.suppress(Exception):  # (the timer may have removed it already)
             remove_placement_group(blocker)
     assert c.state is RunState.SUCCEEDED, c.error
-    asked = c.worker_group.reservations_asked_again  # type: ignore[attr-defined]
+    asked = c.worker_group.pool.reservations_asked_again  # type: ignore[attr-defined]
     assert asked >= 3, f"the launch asked again {asked} time(s) in 6 s"
     ours = {pg: info for pg, info in placement_group_table().items() if pg not in before and pg != blocker.id.hex()}
     assert ours and all(info["state"] == "REMOVED" for info in ours.values()), \

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from controller.ray import replicas as ray_replicas
+from controller.ray.replicas import ReplicaTracking
+from controller.ray.worker_group import RayWorkerGroup
 
 
 class Board:
@@ -26,17 +27,18 @@ def test_the_epoch_without_the_lost_replica_is_published_before_its_stops_are_wa
     calls: list[str] = []
     monkeypatch.setattr(ray, "wait", lambda refs, **kw: calls.append(f"wait {len(refs)} stop(s)") or (refs, []))
     stopping = SimpleNamespace(stop=SimpleNamespace(remote=lambda: "stop-ref"))
-    tracking = ray_replicas.ReplicaTracking(Board(calls), replicas=2, world=4)
-    group = SimpleNamespace(_replicas=tracking, _attempt=SimpleNamespace(peer_every=0), _gone=set(),
-                            _node_of_rank=("a", "b", "c", "d"), on_gone_nodes=lambda ranks: {3},
-                            actors=[stopping] * 4, _failed=set(), _nodes=set(), _drains={}, _peer_key=None)
-    told = ray_replicas.lose_replicas(group, [1], ("d",))  # type: ignore[arg-type]
+    tracking = ReplicaTracking(Board(calls), replicas=2, world=4)
+    group = RayWorkerGroup()
+    group._replicas, group._attempt = tracking, SimpleNamespace(peer_every=0)  # type: ignore[assignment]
+    group._node_of_rank, group.actors = ("a", "b", "c", "d"), [stopping] * 4
+    monkeypatch.setattr(group, "on_gone_nodes", lambda ranks: {3})
+    told = group.lose_replicas([1], ("d",))
     assert calls == ["publish", "wait 1 stop(s)"], "told first; the live node's rank of replica 1 stopped after"
     assert told > 0 and tracking.live == {0} and tracking.out == {2, 3}
 
 
 def test_a_discard_with_nothing_lost_in_the_poll_publishes_one_resync_epoch() -> None:
-    """Issue 44, item 1, the worker group's side (controller/ray/replicas.on_events): a discarded step
+    """Issue 44, item 1, the worker group's side (ReplicaTracking.on_events): a discarded step
     with no node, rank or error in the same poll gets the resync epoch at once (and joins the
     timeline); the other replicas' reports of the same discard publish nothing more; a discard that
     comes with a loss is answered by the loss's own epoch; a rejoin makes the replica a holder."""
@@ -46,19 +48,17 @@ def test_a_discard_with_nothing_lost_in_the_poll_publishes_one_resync_epoch() ->
     published: list[Membership] = []
     board = SimpleNamespace(publish=published.append)
     roster, _ = Roster.start(3)
-    tracking = ray_replicas.ReplicaTracking(board, replicas=3, world=6, roster=roster)
-    group = SimpleNamespace(_replicas=tracking)
+    tracking = ReplicaTracking(board, replicas=3, world=6, roster=roster)
     discard = (0, EventKind.REPLICA_STEP_DISCARDED, {"epoch": 0, "step": 7})
-    ray_replicas.on_events(group, [discard], lost=True)  # type: ignore[arg-type]
+    tracking.on_events([discard], lost=True)
     assert published == [], "a loss in the same poll: its own epoch answers the discard"
-    ray_replicas.on_events(group, [discard, (2, EventKind.REPLICA_STEP_DISCARDED, {"epoch": 0, "step": 7})],
-                           lost=False)  # type: ignore[arg-type]
+    tracking.on_events([discard, (2, EventKind.REPLICA_STEP_DISCARDED, {"epoch": 0, "step": 7})], lost=False)
     assert [(m.epoch, m.replicas, m.resync) for m in published] == [(1, (0, 1, 2), True)]
     assert tracking.resolved == [{"epoch": 1, "discarded_at": 0, "step": 7}]
-    ray_replicas.on_events(group, [discard], lost=False)  # type: ignore[arg-type]
+    tracking.on_events([discard], lost=False)
     assert len(published) == 1, "an epoch already answers it"
     roster.lose([2]), roster.form(2, 1), roster.ready([2])
-    ray_replicas.on_events(group, [(4, EventKind.REPLICA_REJOINED, {"replicas": [2]})], lost=False)  # type: ignore[arg-type]
+    tracking.on_events([(4, EventKind.REPLICA_REJOINED, {"replicas": [2]})], lost=False)
     assert roster.holders == {0, 1, 2}
 
 
@@ -86,19 +86,21 @@ def test_a_restarted_controller_knows_a_rejoined_replica_holds_the_state() -> No
     from trainer.protocol import Membership, NotContainable
 
     store = dist.HashStore()
-    board = MembershipBoard(dist.PrefixStore("run/attempt-0/", store))
+    prefixed = dist.PrefixStore("run/attempt-0/", store)
+    board = MembershipBoard(prefixed)
     for m in (Membership(0, (0, 1)), Membership(1, (0,)), Membership(2, (0, 1), joining=(1,))):
         board.publish(m)
     attempt = SimpleNamespace(failure_domain="replica", run_id="run", attempt=0,
                               placement=SimpleNamespace(mesh=SimpleNamespace(dp_replicas=2, world_size=4)))
     incarnation = {0: 0, 1: 0, 2: 1, 3: 1}
-    group = SimpleNamespace(_store=store, _replicas=None)
-    assert ray_replicas.reattach(group, attempt, incarnation, rejoined=frozenset({1}))  # type: ignore[arg-type]
-    assert group._replicas.roster.holders == {0, 1} and group._replicas.incarnation == {1: 1}
-    assert group._replicas.roster.lose([0]) is not None, "replica 1 holds the state: the loss is contained"
-    assert ray_replicas.reattach(group, attempt, incarnation)  # type: ignore[arg-type]
+    resumed = ReplicaTracking.resume(prefixed, attempt, incarnation, frozenset(), rejoined=frozenset({1}))  # type: ignore[arg-type]
+    assert resumed is not None
+    assert resumed.roster.holders == {0, 1} and resumed.incarnation == {1: 1}
+    assert resumed.roster.lose([0]) is not None, "replica 1 holds the state: the loss is contained"
+    resumed = ReplicaTracking.resume(prefixed, attempt, incarnation, frozenset(), rejoined=frozenset())  # type: ignore[arg-type]
+    assert resumed is not None
     with pytest.raises(NotContainable):
-        group._replicas.roster.lose([0])
+        resumed.roster.lose([0])
 
 
 def test_a_replica_published_joining_as_the_holders_end_the_run_is_not_waited_for() -> None:
@@ -110,18 +112,16 @@ def test_a_replica_published_joining_as_the_holders_end_the_run_is_not_waited_fo
     from trainer.protocol import Roster
 
     roster, _ = Roster.start(3)
-    tracking = ray_replicas.ReplicaTracking(SimpleNamespace(), replicas=3, world=6, roster=roster)
-    group = SimpleNamespace(_replicas=tracking, _runs=[None] * 6, _finished=set())
-    assert ray_replicas.awaited_ranks(group) == set(range(6))  # type: ignore[arg-type]
+    tracking = ReplicaTracking(SimpleNamespace(), replicas=3, world=6, roster=roster)
+    every = set(range(6))
+    assert tracking.awaited(every, finished=set()) == every
     roster.lose([0])
     roster.form(0, 1)
-    assert ray_replicas.awaited_ranks(group) == {2, 3, 4, 5}, "forming: not waited for"  # type: ignore[arg-type]
+    assert tracking.awaited(every, finished=set()) == {2, 3, 4, 5}, "forming: not waited for"
     roster.ready([0])
     assert roster.joining == {0}
-    assert ray_replicas.awaited_ranks(group) == set(range(6)), "joining while the holders train"  # type: ignore[arg-type]
-    group._finished = {2, 3, 4}
-    assert ray_replicas.awaited_ranks(group) == set(range(6))  # type: ignore[arg-type]
-    group._finished = {2, 3, 4, 5}
-    assert ray_replicas.awaited_ranks(group) == {2, 3, 4, 5}, "the holders ended: nothing to join"  # type: ignore[arg-type]
+    assert tracking.awaited(every, finished=set()) == every, "joining while the holders train"
+    assert tracking.awaited(every, finished={2, 3, 4}) == every
+    assert tracking.awaited(every, finished={2, 3, 4, 5}) == {2, 3, 4, 5}, "the holders ended: nothing to join"
     roster.rejoined([0])
-    assert ray_replicas.awaited_ranks(group) == set(range(6)), "a holder now: its end is waited for"  # type: ignore[arg-type]
+    assert tracking.awaited(every, finished={2, 3, 4, 5}) == every, "a holder now: its end is waited for"
