@@ -1,5 +1,2 @@
-"""The `goodput` command line, its terminal views and its REST client."""
-
-from controller.cli.main import main
-
-__all__ = ["main"]
+"""The `goodput` command line (its entry point: controller/cli/main.py `main`), its terminal views and
+its REST client."""
