@@ -36,7 +36,8 @@ from tests.support.serve import Poller, Serve, write_spec  # noqa: E402
 KINDS = ("kill-rank", "kill-node", "hang-rank", "storage-outage")
 NODES, SPARES = 6, 2
 CODE = ["controller/state.py", "controller/failure_policy.py", "controller/service/service.py",
-        "controller/service/restore.py", "controller/ray/worker_group.py", "trainer/checkpoint.py",
+        "controller/service/restore.py", "controller/ray/worker_group.py", "controller/ray/pool.py",
+        "trainer/checkpoint.py",
         "checkpointing/manifest.py"]
 """What a soak's figures measure: recovery from every kind of failure, a service restarted under its runs, and
 the checkpoints kept through both."""

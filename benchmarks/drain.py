@@ -83,8 +83,8 @@ def one(api: Api, root: Path, name: str) -> dict[str, float]:
             "from_peers": float(all(r.get("source") == "peer" for r in restored) and bool(restored))}
 
 
-CODE = ["controller/state.py", "controller/service/service.py", "controller/ray/worker_group.py", "trainer/stop.py",
-        "trainer/peer.py", "trainer/peer_load.py"]
+CODE = ["controller/state.py", "controller/service/service.py", "controller/ray/worker_group.py", "controller/ray/pool.py",
+        "trainer/stop.py", "trainer/peer.py", "trainer/peer_load.py"]
 """What a drain's figures measure."""
 
 

@@ -43,7 +43,7 @@ CONFIGS = {"peers": 1, "store": 0}
 """name -> checkpoint.peer_every_steps (--peer-every adds intervals: "peers/2" ...)."""
 EVERY = 5
 CODE = ["trainer/peer.py", "trainer/peer_load.py", "checkpointing/peer.py", "trainer/restore.py",
-        "controller/ray/worker_group.py", "controller/state.py"]
+        "controller/ray/worker_group.py", "controller/ray/pool.py", "controller/state.py"]
 """What a heal from peers measures: the snapshots, the agreed step, the load from buddies and the relaunch."""
 
 

@@ -54,7 +54,7 @@ SETTLE_S = 2.0
 """After the last run's GPUs are free, before the next submission: its ranks' teardown off the CPUs."""
 ENDED = ("succeeded", "failed", "cancelled")
 CODE = ["controller/service/scheduler.py", "controller/service/service.py", "controller/state.py",
-        "controller/ray/worker_group.py", "trainer/stop.py"]
+        "controller/ray/worker_group.py", "controller/ray/pool.py", "trainer/stop.py"]
 """What a preemption's figures measure."""
 
 

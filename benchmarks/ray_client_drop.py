@@ -39,7 +39,7 @@ from tests.support.serve import Serve, write_spec  # noqa: E402
 HEAD, WORKERS, SERVICE = "127.0.0.2", ["127.0.0.3", "127.0.0.4", "127.0.0.5"], "127.0.0.9"
 TOKEN = "drop-bench-token"
 CODE = ["controller/service/main.py", "controller/service/restore.py", "controller/ray/detached.py",
-        "controller/ray/cluster.py"]
+        "controller/ray/pool.py", "controller/ray/worker_group.py", "controller/ray/cluster.py"]
 """What a dropped connection's figures measure: the service losing its cluster, and taking its runs back."""
 
 

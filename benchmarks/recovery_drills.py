@@ -36,7 +36,7 @@ from controller.spec import LocalClusterSpec, parse_spec  # noqa: E402
 CONFIGS = {"goodput": (True, True), "fresh actors": (True, False), "Ray defaults": (False, True)}
 """name -> (tuned failure detection, warm actors)."""
 CODE = ["controller/ray/cluster.py", "controller/ray/liveness.py", "controller/ray/heartbeats.py",
-        "controller/ray/worker_group.py", "controller/ray/rank_actor.py", "controller/failure_policy.py",
+        "controller/ray/worker_group.py", "controller/ray/pool.py", "controller/ray/rank_actor.py", "controller/failure_policy.py",
         "controller/state.py"]
 """What a kill-node drill's figures measure: detection, the decision, and the relaunch on warm actors."""
 

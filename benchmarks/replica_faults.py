@@ -46,7 +46,7 @@ from controller.spec import LocalClusterSpec, parse_spec  # noqa: E402
 KINDS = ("kill-node", "collective-fault")
 AT, STEPS = 5, 12
 CODE = ["trainer/replica.py", "trainer/membership.py", "controller/replicas.py", "controller/ray/replicas.py",
-        "controller/state.py", "controller/ray/liveness.py"]
+        "controller/ray/worker_group.py", "controller/state.py", "controller/ray/liveness.py"]
 """What the replica domain's figures measure: detection, the next epoch published, and the survivors' next step."""
 FIGURE = {"kill-node": "SIGKILL -> the survivors' next step end", "collective-fault": "stall"}
 """Each kind's figure, in its record."""

@@ -47,7 +47,7 @@ PATHS = {
 }
 KILL_AT, STEPS, GLOBAL_BATCH, SEQ = 6, 16, 16, 64
 CODE = ["controller/replicas.py", "controller/ray/replicas.py", "trainer/replica.py", "controller/state.py",
-        "controller/ray/worker_group.py", "trainer/peer.py", "trainer/peer_load.py"]
+        "controller/ray/worker_group.py", "controller/ray/pool.py", "trainer/peer.py", "trainer/peer_load.py"]
 """What a heal's figures measure: both failure domains' recovery, and the snapshots each heals from."""
 SUMMARY = [("detection", "detection s", "s"), ("first", "first step after s", "s"), ("whole", "whole again s", "s"),
            ("tokens_lost", "tokens lost", "tokens"), ("ettr", "ETTR", "ratio"), ("wall", "run wall s", "s")]

@@ -214,7 +214,8 @@ def main() -> None:
                                goal="<= 0.5" if name.startswith("cluster start") else None)
                 for name, values in ratios.items()]
     figures += [records.figure(f"a warm image's {name}", values, "s") for name, values in imports.items()]
-    records.write("startup", figures, code=["controller/ray/worker_group.py", "controller/ray/rank_actor.py",
+    records.write("startup", figures, code=["controller/ray/worker_group.py", "controller/ray/pool.py",
+                                            "controller/ray/rank_actor.py",
                                             "controller/ray/zygote.py", "controller/ray/host_image.py",
                                             "controller/ray/cluster.py", "controller/ray/registration.py", "controller/state.py",
                                             "trainer/worker.py", "trainer/train.py", "examples/tiny-gpt.yaml"],
