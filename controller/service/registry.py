@@ -77,6 +77,8 @@ class Registry:
         """Whether another service stood by (`offer_standby`) at the leader's last `still_leads`."""
         self._standby: Any = None
         """While this process offers itself as a standby: the session (or file) holding the mark."""
+        self._lead_check: threading.Thread | None = None
+        """The thread of the last `still_leads` question (it may still wait on a server cut off)."""
         if migrate:
             self.migrate()
 
@@ -141,6 +143,7 @@ class Registry:
                 answer.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
         asking = threading.Thread(target=ask, daemon=True, name="goodput-lead-check")
+        self._lead_check = asking
         asking.start()
         asking.join(timeout_s)
         why = answer[0] if answer else f"the lock's session did not answer in {timeout_s:g} s"
@@ -248,7 +251,12 @@ class Registry:
     def close(self) -> None:
         self.offer_standby(False)
         leadership = getattr(self, "_leadership", None)
-        if leadership is not None:
+        if leadership is not None and self._lead_check is not None and self._lead_check.is_alive():
+            # A lead check still waits on the lock's session (its server cut off). psycopg's close
+            # frees the session under a query in flight in another thread (a leader cut off from its
+            # database died of SIGSEGV there): it is left to that thread, and ends with this process.
+            self._leadership = None
+        elif leadership is not None:
             if self.lost_lead is not None and hasattr(leadership, "invalidate"):
                 leadership.invalidate()  # (not back to the pool: its reset would wait on a server that is gone)
             leadership.close()  # the lock goes with it

@@ -167,6 +167,30 @@ def test_a_leader_whose_lock_session_ends_knows_it_and_writes_nothing_more(datab
     second.close()
 
 
+def test_a_leader_cut_off_from_its_database_leaves_the_lock_check_in_flight_alone(database: str) -> None:
+    """(Seen in test_silent_faults: a leader cut off from its PostgreSQL died of SIGSEGV as it stopped,
+    in its lock check's query: Registry.close had closed that session, which psycopg does not guard
+    against a query in flight in another thread.) Through a forwarder that goes dark: the check gets
+    no answer, the leader knows it lost the lock, and close() returns without touching the session
+    the check still waits on (it ends with the process)."""
+    from urllib.parse import urlsplit
+
+    from tests.support.blackhole import Blackhole
+
+    server = urlsplit(database)
+    assert server.hostname is not None and server.port is not None
+    with Blackhole((server.hostname, server.port)) as proxy:
+        registry = Registry(database.replace(f"@{server.hostname}:{server.port}/", f"@127.0.0.1:{proxy.port}/"))
+        assert registry.lead(wait_s=5)
+        session = registry._leadership.connection.dbapi_connection
+        assert registry.still_leads(), "through the forwarder, before the cut"
+        proxy.cut()
+        assert not registry.still_leads(timeout_s=1.0)
+        assert registry.lost_lead is not None and "did not answer" in registry.lost_lead
+        registry.close()
+        assert not session.closed, "the session was closed under the lock check's query"
+
+
 def _serve(tmp_path: Path, name: str, database: str, *args: str) -> "Serve":
     from tests.support.serve import Serve
 

@@ -140,6 +140,7 @@ def test_every_replica_losing_a_node_falls_back_to_the_replicas_own_peer_snapsho
     finally:
         restore_node(ray_cluster, "node-2")
         restore_node(ray_cluster, "node-3")
+    print_timeline(c)
     assert c.state is RunState.SUCCEEDED, c.error
     assert c.events.of_kind("attempt_started")[0].detail["placement"]["node"] == ("node-0", "node-2", "node-1", "node-3")
     started = [e.detail for e in c.events.of_kind("attempt_started")]
