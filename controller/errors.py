@@ -24,6 +24,11 @@ class ClusterError(GoodputError):
         super().__init__("cluster_error", message)
 
 
+class ClusterSilent(ClusterError):
+    """The cluster did not answer within the wait its caller gave (a controller cut off from it):
+    nothing was learned, and nothing should be concluded; ask again later."""
+
+
 class RegistryBusy(GoodputError):
     """Another `goodput serve` drives the runs of this registry (one controller per registry)."""
 

@@ -148,15 +148,18 @@ class ReplicaDomain:
         self.survivors_since = now
 
     def formation(self, topology: Topology, placement: Placement, *,
-                  cluster: Callable[[], Topology] | None) -> Formation | None:
+                  cluster: Callable[[], Topology | None] | None) -> Formation | None:
         """Where the waiting replicas form again, once spares (or their own nodes, back: `cluster` says
         what the cluster holds now) can take the places of the nodes they lost; the live replicas stay
-        where they are. None: none waits, or the worker group cannot form replicas."""
+        where they are. None: none waits, the worker group cannot form replicas, or the cluster did not
+        answer (`cluster` gave None: they wait for the next poll)."""
         waiting = self.waiting()
         if not waiting or getattr(self._group, "form_replicas", None) is None:
             return None
         if cluster is not None:
-            topology = merge_returned(topology, cluster())
+            if (shown := cluster()) is None:
+                return None
+            topology = merge_returned(topology, shown)
         looked_at = (tuple((r, self.out[r]) for r in waiting), topology, placement)
         last = self._no_room  # (topologies and placements are immutable: the same objects, the same answer)
         if last is not None and last[0] == looked_at[0] and last[1] is topology and last[2] is placement:

@@ -444,8 +444,9 @@ class RunSpec(_Strict):
         p = self.parallelism
         return MeshShape(dp=p.dp, pp=p.pp, tp=p.tp, dp_replicas=p.dp_replicas)
 
-    def topology(self) -> "Topology":
-        """The embedded cluster's topology from `cluster.local`."""
+    def topology(self, within_s: float | None = None) -> "Topology":
+        """The embedded cluster's topology from `cluster.local` (read from the spec: at once, whatever
+        `within_s`, a cluster's wait, says)."""
         from controller.topology import Topology
 
         local = self.cluster.local or LocalClusterSpec()

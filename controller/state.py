@@ -22,6 +22,7 @@ from checkpointing.store import ObjectStore, StoreError
 from controller.attempt import AttemptSpec, GroupStatus, WorkerGroup
 from controller.boundary_stop import BoundaryStop, EndedStop
 from controller.checkpoints import LoadPoint, RunCheckpoints
+from controller.errors import ClusterSilent
 from controller.events import EventKind, EventLog
 from controller.placement import Placement, place
 from controller.planner import MeshPlan, memory_problem, plan_run
@@ -35,7 +36,7 @@ from controller.failure_policy import (
     Action, Decision, ElasticLimits, FailureCause, FailureEvent, GrowWatch, RunPolicy, taken_out,
 )
 from controller.run_state import RunError, RunState
-from controller.topology import Node, NodeState, Topology, merge_returned
+from controller.topology import Node, NodeState, Topology, TopologySource, merge_returned
 from controller.user_errors import Judgement, Raised, elsewhere, judge, raised
 from controller.views import GoodputView, health_view, run_view
 from trainer.config import MeshShape, TrainerConfig
@@ -43,13 +44,17 @@ from trainer.config import MeshShape, TrainerConfig
 
 WARM_SPARES_EVERY_S = 5.0
 """How often a running attempt looks for spares without warm workers (`RunController._warm_spares`)."""
+BY_THE_WAY_WAIT_S = 1.0
+"""How long a running attempt's reads of the cluster by the way (spares to warm, nodes back to grow
+onto or to form a replica on) wait for its answer. A controller cut off from the cluster goes on
+polling, and its heartbeats tell it so; a read that waited for the cut to end would hide it."""
 
 
 class RunController:
     def __init__(self, spec: RunSpec, topology: Topology, worker_group: WorkerGroup, *, now: float,
                  checkpoint_store: ObjectStore | None = None, run_id: str | None = None,
                  injector: DrillInjector | None = None,
-                 topology_source: Callable[[], Topology] | None = None,
+                 topology_source: TopologySource | None = None,
                  own_checkpoints_only: bool = False) -> None:
         self.spec = spec
         self.run_id = run_id or spec.name
@@ -116,10 +121,20 @@ class RunController:
         """When the running attempt last looked for spares to warm workers on (`_warm_spares`)."""
         self.events.add(now, 0, EventKind.SUBMITTED, name=spec.name)
 
-    def _without_left(self, source: Callable[[], Topology]) -> Topology:
+    def _without_left(self, source: TopologySource, within_s: float | None = None) -> Topology:
         """What the cluster shows, less the nodes this run was drained off."""
-        shown = source()
+        shown = source(within_s)
         return Topology(tuple(n for n in shown.nodes if n.name not in self._left)) if self._left else shown
+
+    def _shown_by_the_way(self) -> Topology | None:
+        """What the cluster shows now, for what a running attempt does by the way; None when there is no
+        source, or it does not answer within BY_THE_WAY_WAIT_S (nothing is done this time)."""
+        if self.topology_source is None:
+            return None
+        try:
+            return self.topology_source(BY_THE_WAY_WAIT_S)
+        except ClusterSilent:
+            return None
 
     @property
     def isolated(self) -> str | None:
@@ -470,7 +485,12 @@ class RunController:
             return
         self.warmed_at = now
         with self.outside_lock():
-            prewarm([n.name for n in self.topology_source().spares()])
+            if (shown := self._shown_by_the_way()) is None:
+                return
+            try:
+                prewarm([n.name for n in shown.spares()])
+            except ClusterSilent:  # (the worker group asks which are alive: by the way too)
+                return
 
     def _peer_copies(self, nodes: set[str]) -> Mapping[str, list[Held]] | None:
         """What peer snapshot copies the next attempt's nodes hold (None: peer snapshots are off, or
@@ -660,7 +680,8 @@ class RunController:
         """Form the replicas that are out again where the domain finds nodes for them; the world path
         takes over if the worker group cannot."""
         assert self.placement is not None and self.watch is not None
-        formed = self.replicas.formation(self.topology, self.placement, cluster=self.topology_source)
+        formed = self.replicas.formation(self.topology, self.placement,
+                                         cluster=self._shown_by_the_way if self.topology_source is not None else None)
         if formed is None:
             return
         self.topology, self.placement = formed.topology, formed.placement  # (before the slow call: views see them)
@@ -768,9 +789,11 @@ class RunController:
 
     def _maybe_grow(self, now: float) -> bool:
         """At a checkpoint boundary, grow back towards the spec's mesh if lost nodes returned."""
-        if self.topology_source is None or self.config is None or not self.policy.may_grow(self.config.mesh):
+        if self.config is None or not self.policy.may_grow(self.config.mesh):
             return False
-        merged = self._grow.changed(self.topology, self.topology_source())
+        if (shown := self._shown_by_the_way()) is None:
+            return False
+        merged = self._grow.changed(self.topology, shown)
         decision = None if merged is None else self.policy.on_commit(self.config.mesh, merged, step=self.progress.step)
         if decision is None:
             return False

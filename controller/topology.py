@@ -11,7 +11,7 @@ import functools
 import itertools
 import operator
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import numpy as np
 
@@ -231,6 +231,14 @@ def _natural(name: str) -> tuple:
     head = name.rstrip("0123456789")
     tail = name[len(head):]
     return (head, int(tail) if tail else -1, name)
+
+
+class TopologySource(Protocol):
+    """What a cluster shows a run now (RunController asks it after a loss, and by the way while training)."""
+
+    def __call__(self, within_s: float | None = None) -> Topology:
+        """The nodes shown now; controller.errors.ClusterSilent when the cluster does not answer within
+        `within_s` (None: the cluster's own wait)."""
 
 
 def merge_returned(ours: Topology, live: Topology) -> Topology:

@@ -30,8 +30,8 @@ class KubeTopologyCluster:
         self._warned = False
         self._lock = threading.Lock()
 
-    def topology(self) -> Topology:
-        return discover(self.inner.topology(), self.node_labels(), rack_label=self.rack_label,
+    def topology(self, within_s: float | None = None) -> Topology:
+        return discover(self.inner.topology(within_s), self.node_labels(), rack_label=self.rack_label,
                         domain_label=self.domain_label)
 
     def node_labels(self) -> dict[str, dict[str, str]]:

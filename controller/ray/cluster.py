@@ -93,8 +93,9 @@ def _ray():  # type: ignore[no-untyped-def]
 class _RayClusterBase:
     """What both kinds of cluster share: the topology read from Ray, and leaving Ray."""
 
-    def topology(self) -> Topology:
-        return topology_from_ray()
+    def topology(self, within_s: float | None = None) -> Topology:
+        """What Ray shows (ClusterSilent when its GCS does not say within `within_s`: liveness.node_table)."""
+        return topology_from_ray(within_s)
 
     def connected(self) -> bool:
         """Whether this process still reaches the cluster (one round trip to Ray's GCS). A Ray Client
@@ -405,9 +406,12 @@ def _raylet_answers(address: str, ip: str) -> bool:
     return False
 
 
-def topology_from_ray() -> Topology:
-    """Alive Ray nodes with GPUs, named by their `node` label (else their id), racked by `rack`."""
-    infos = [info for info in _ray().nodes()
+def topology_from_ray(within_s: float | None = None) -> Topology:
+    """Alive Ray nodes with GPUs, named by their `node` label (else their id), racked by `rack`;
+    liveness.node_table says what `within_s` does."""
+    from controller.ray.liveness import node_table
+
+    infos = [info for info in node_table(within_s)
              if info.get("Alive") and int(info.get("Resources", {}).get("GPU", 0)) > 0]
     nodes = []
     for info in _one_per_name(infos):

@@ -10,10 +10,56 @@ heartbeat has stopped (health/heartbeat.py)."""
 from __future__ import annotations
 
 import socket
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from controller.errors import ClusterSilent
 
 RAYLET_PROBE_S = 0.3
 """How long a probe of a node's raylet waits for its connection."""
+NODE_TABLE_WAIT_S = 1.0
+"""How long a poll waits for Ray's GCS to list its nodes before it judges nothing this time."""
+
+_table_lock = threading.Lock()
+_table_read: Future | None = None
+"""The read of Ray's node table in flight (one per process), None when none is."""
+
+
+def node_table(wait_s: float | None) -> list[dict[str, Any]]:
+    """What `ray.nodes()` lists, waited for `wait_s` at most (None: as long as Ray's own client waits,
+    which retries for a minute); ClusterSilent when it has not answered by then. A controller cut off
+    from the GCS must not stall in its poll: it would learn only after the cut that it was cut off.
+    The read runs on a daemon thread of its own and is never doubled: a read still in flight is
+    waited on by the next caller, and its answer is theirs when it comes."""
+    global _table_read
+    import ray
+
+    with _table_lock:
+        if _table_read is None:
+            read: Future = Future()
+            _table_read = read
+
+            def run() -> None:
+                global _table_read
+                try:
+                    table, error = ray.nodes(), None
+                except BaseException as e:  # noqa: BLE001 - the caller raises it
+                    table, error = None, e
+                with _table_lock:  # (done: the next call reads afresh)
+                    _table_read = None
+                if error is None:
+                    read.set_result(table)
+                else:
+                    read.set_exception(error)
+
+            threading.Thread(target=run, name="goodput-node-table", daemon=True).start()
+        read = _table_read
+    try:
+        return read.result(timeout=wait_s)
+    except FutureTimeout:
+        raise ClusterSilent(f"Ray's GCS did not list its nodes within {wait_s:.1f} s") from None
 
 
 def probe(addresses: dict[str, list[tuple[str, int]]]) -> dict[str, set[str]]:
@@ -54,11 +100,10 @@ def unanswered(addresses: dict[str, list[tuple[str, int]]]) -> set[str]:
 
 
 def raylet_addresses(nodes: set[str]) -> dict[str, list[tuple[str, int]]]:
-    """Where Ray lists the raylets of `nodes` alive (by their `node` label)."""
-    import ray
-
+    """Where Ray lists the raylets of `nodes` alive (by their `node` label); ClusterSilent when the GCS
+    does not say within NODE_TABLE_WAIT_S."""
     alive: dict[str, list[tuple[str, int]]] = {}
-    for info in ray.nodes():
+    for info in node_table(NODE_TABLE_WAIT_S):
         name = (info.get("Labels") or {}).get("node")
         if name in nodes and info.get("Alive"):
             alive.setdefault(name, []).append((info["NodeManagerAddress"], int(info["NodeManagerPort"])))
@@ -73,12 +118,10 @@ def node_states(nodes: set[str], asked: set[str] | None) -> tuple[set[str], set[
     decided on together (two replicas' nodes killed at once are one world-path failure, not one
     replica's). Ray declares a node dead after a few missed health checks (~30 s by default, 1.5 s in
     the embedded cluster), so nodes lost together are declared a moment apart: the probe confirms them
-    at once."""
-    import ray
-
+    at once. ClusterSilent when the GCS does not list its nodes within NODE_TABLE_WAIT_S."""
     alive: dict[str, list[tuple[str, int]]] = {}
     seen = set()
-    for info in ray.nodes():
+    for info in node_table(NODE_TABLE_WAIT_S):
         name = (info.get("Labels") or {}).get("node")
         if name in nodes:
             seen.add(name)

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from controller.ray.liveness import NODE_TABLE_WAIT_S, node_table
 from controller.ray.rank_actor import RankActor
 from controller.ray.run_store import NAMESPACE
 
@@ -226,8 +227,9 @@ class WarmPool:
 
     def prewarm(self, nodes: list[str], count: int) -> None:
         """Start actors now on those of `nodes` alive with fewer than `count`, not waited for here:
-        whoever uses them takes them with `take_warming` (and waits for them)."""
-        alive = alive_nodes()
+        whoever uses them takes them with `take_warming` (and waits for them). Asked while a run trains:
+        ClusterSilent when Ray's GCS does not list its nodes within liveness.NODE_TABLE_WAIT_S."""
+        alive = alive_nodes(NODE_TABLE_WAIT_S)
         wanted = {n: count for n in nodes if n in alive and len(self._actors.get(n, [])) < count}
         if not wanted:
             return
@@ -364,18 +366,16 @@ def named_actors(run: str | None) -> list[tuple[str, Any]]:
     return found
 
 
-def alive_nodes() -> set[str]:
-    """The `node` labels of the cluster's alive Ray nodes."""
-    return set(alive_ids())
+def alive_nodes(wait_s: float | None = None) -> set[str]:
+    """The `node` labels of the cluster's alive Ray nodes (liveness.node_table: `wait_s`, ClusterSilent)."""
+    return set(alive_ids(wait_s))
 
 
-def alive_ids() -> dict[str, set[str]]:
+def alive_ids(wait_s: float | None = None) -> dict[str, set[str]]:
     """The cluster's alive Ray nodes: `node` label -> their Ray node ids (two while Ray still lists a
-    node's old raylet alive after it came back)."""
-    import ray
-
+    node's old raylet alive after it came back); liveness.node_table says what `wait_s` does."""
     alive: dict[str, set[str]] = {}
-    for info in ray.nodes():
+    for info in node_table(wait_s):
         if info.get("Alive") and (name := (info.get("Labels") or {}).get("node")):
             alive.setdefault(name, set()).add(info["NodeID"])
     return alive

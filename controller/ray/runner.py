@@ -44,8 +44,8 @@ def drive(spec: RunSpec, cluster: LocalRayCluster | RemoteRayCluster, *, on_tick
     group = RayWorkerGroup(collective_timeout_s=spec.health.collective_timeout_s, warm=warm_workers,
                            interface=spec.cluster.interface)
 
-    def topology() -> Topology:
-        return spec_view(cluster.topology(), spec)
+    def topology(within_s: float | None = None) -> Topology:
+        return spec_view(cluster.topology(within_s), spec)
 
     controller = RunController(spec, topology(), group, now=time.time(), checkpoint_store=store,
                                injector=RayDrillInjector(cluster, group), topology_source=topology)

@@ -31,6 +31,7 @@ from controller.attempt import AttemptSpec, GroupStatus, PollResult
 from controller.events import EventKind
 from controller.ray import detached, run_store
 from controller.ray.heartbeats import HeartbeatWatch, corroborate, isolation
+from controller.errors import ClusterSilent
 from controller.ray.liveness import node_states
 from controller.ray.pool import WarmPool
 from controller.ray.rank_actor import UNRESPONSIVE_S, RankProcessDied
@@ -271,8 +272,11 @@ class RayWorkerGroup:
         silence = self._hearts.verdict(out | forming) if self._hearts is not None else None
         result.isolated = self.isolated = isolation(silence)
         if result.isolated is None:  # (cut off, this controller would wait on Ray's GCS: it asks nothing)
-            result.dead_nodes, result.suspect_nodes = self._node_states(signalled, every=discarded)
-            result.silent_nodes = self._silent(silence, result)
+            try:
+                result.dead_nodes, result.suspect_nodes = self._node_states(signalled, every=discarded)
+                result.silent_nodes = self._silent(silence, result)
+            except ClusterSilent:  # a cut only begun: the heartbeats cannot say so yet, and the GCS does
+                pass  # not answer within the poll's wait either; nothing is judged (the next polls say which)
             result.dead_nodes |= set(result.silent_nodes)
         self._gone |= result.dead_nodes | result.suspect_nodes
         if result.isolated is None:

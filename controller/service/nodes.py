@@ -166,7 +166,8 @@ def _utc(t: float) -> str:
 
 
 class Cluster(Protocol):
-    def topology(self) -> Topology: ...
+    def topology(self, within_s: float | None = None) -> Topology:
+        """The nodes it shows; ClusterSilent when it does not answer within `within_s` (None: its own wait)."""
 
 
 class NodeActions(Protocol):
@@ -199,13 +200,14 @@ class ServiceNodes:
         """Kubernetes' side of quarantine and release (controller.k8s.nodes), None outside a cluster."""
         self.clock = clock
 
-    def shown(self) -> Topology:
-        """The nodes the cluster shows this service, each in the service's role for it."""
-        return self.book.in_roles(self.view(self.cluster.topology()))
+    def shown(self, within_s: float | None = None) -> Topology:
+        """The nodes the cluster shows this service, each in the service's role for it (`within_s`:
+        Cluster.topology)."""
+        return self.book.in_roles(self.view(self.cluster.topology(within_s)))
 
-    def usable(self) -> Topology:
+    def usable(self, within_s: float | None = None) -> Topology:
         """Every node the service may use, held or not (what a run could ever get)."""
-        return Topology(tuple(n for n in self.shown().nodes if n.name not in self.book.out_of_use))
+        return Topology(tuple(n for n in self.shown(within_s).nodes if n.name not in self.book.out_of_use))
 
     def free(self, usable: Topology | None = None) -> Topology:
         """The usable nodes no run holds (`usable`: as just read, to read the cluster once)."""
@@ -213,10 +215,10 @@ class ServiceNodes:
         nodes = (self.usable() if usable is None else usable).nodes
         return Topology(tuple(n for n in nodes if n.name not in held))
 
-    def of(self, names: set[str]) -> Topology:
+    def of(self, names: set[str], within_s: float | None = None) -> Topology:
         """What the cluster shows of these nodes that are in use (a run's own: it merges back the nodes it
-        lost, never one quarantined or drained)."""
-        return Topology(tuple(n for n in self.usable().nodes if n.name in names))
+        lost, never one quarantined or drained); `within_s`: Cluster.topology."""
+        return Topology(tuple(n for n in self.usable(within_s).nodes if n.name in names))
 
     def track(self, placed: Callable[[], set[str]]) -> None:
         """Notice nodes the cluster lost and got back, and keep the spare pool honest (NodeBook.track);

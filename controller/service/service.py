@@ -533,9 +533,10 @@ class Service:
                 held.setdefault(node.name, c.run_id)
         return held
 
-    def _own_view(self, run_id: str) -> Topology:
-        """What the cluster shows of a run's own nodes (the controller merges back nodes it lost)."""
-        return self.nodes.of({n.name for n in self._runs[run_id].controller.topology.nodes})
+    def _own_view(self, run_id: str, within_s: float | None = None) -> Topology:
+        """What the cluster shows of a run's own nodes (the controller merges back nodes it lost);
+        `within_s`: Cluster.topology."""
+        return self.nodes.of({n.name for n in self._runs[run_id].controller.topology.nodes}, within_s)
 
     def _placed(self) -> set[str]:
         """The nodes the live runs' placements use (as last saved)."""

@@ -31,7 +31,8 @@ class SimCluster:
         """Until then no repair ends and no node went down: the last topology holds (the controller asks
         at every poll, and a 54-day run at 131,072 GPUs has thousands of nodes under repair)."""
 
-    def topology(self) -> Topology:
+    def topology(self, within_s: float | None = None) -> Topology:
+        """The nodes not under repair now (a simulated cluster answers at once: `within_s` is not needed)."""
         now = self.clock()
         if now < self._settled_until:
             return self._topology

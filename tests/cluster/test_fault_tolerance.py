@@ -336,8 +336,8 @@ def test_twenty_kill_node_drills_at_random_offsets_all_heal_from_peers(ray_clust
              elastic={"max_failures": 25}, tp=1)
     group = RayWorkerGroup(collective_timeout_s=s.health.collective_timeout_s)
 
-    def topology() -> Topology:
-        return spec_view(ray_cluster.topology(), s)
+    def topology(within_s: float | None = None) -> Topology:
+        return spec_view(ray_cluster.topology(within_s), s)
 
     injector = KillAtRandomOffsets(RayDrillInjector(ray_cluster, group), seed=20261126)
     c = RunController(s, topology(), group, now=time.time(), checkpoint_store=checkpoint_store(s),

@@ -49,7 +49,7 @@ class FakeCluster:
     def __init__(self, topology: Topology) -> None:
         self.nodes = topology
 
-    def topology(self) -> Topology:
+    def topology(self, within_s: float | None = None) -> Topology:
         return self.nodes
 
 

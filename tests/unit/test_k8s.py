@@ -128,7 +128,7 @@ class StaticCluster:
         self._topology = topology
         self.killed: list[str] = []
 
-    def topology(self) -> Topology:
+    def topology(self, within_s: float | None = None) -> Topology:
         return self._topology
 
     def kill_node(self, name: str) -> None:

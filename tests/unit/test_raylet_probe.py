@@ -60,3 +60,37 @@ def test_node_states_asks_the_reach_first_and_every_node_once_one_refuses(monkey
         monkeypatch.setattr(ray, "nodes", lambda: listed(("n0", a, True), ("n1", b, False), ("n2", gone, True)))
         assert liveness.node_states(nodes, {"n0"}) == ({"n1"}, {"n2"})
         assert asked_of == [{"n0", "n2"}], "a node Ray declared dead: every alive node is asked"
+
+
+def test_the_node_table_is_read_once_at_a_time_and_waited_for_no_longer_than_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A GCS that does not answer (a controller cut off from it): the poll's read gives up after its
+    wait with ClusterSilent; the next caller waits on the same read rather than start another; its
+    answer, when it comes, is theirs; then each call reads afresh."""
+    import threading
+    import time
+
+    import pytest
+    import ray
+
+    from controller.errors import ClusterSilent
+    from controller.ray import liveness
+
+    answer = threading.Event()
+    reads: list[float] = []
+
+    def nodes() -> list[dict]:
+        reads.append(time.monotonic())
+        answer.wait(10)
+        return [{"Labels": {"node": f"n{len(reads)}"}, "Alive": True}]
+
+    monkeypatch.setattr(ray, "nodes", nodes)
+    start = time.monotonic()
+    with pytest.raises(ClusterSilent, match="within 0.2 s"):
+        liveness.node_table(0.2)
+    assert 0.2 <= time.monotonic() - start < 2.0
+    with pytest.raises(ClusterSilent):
+        liveness.node_table(0.1)
+    assert len(reads) == 1, "a read in flight is not doubled"
+    answer.set()
+    assert liveness.node_table(5.0)[0]["Labels"]["node"] == "n1", "the read in flight answers the next caller"
+    assert liveness.node_table(5.0)[0]["Labels"]["node"] == "n2" and len(reads) == 2, "then a fresh read"

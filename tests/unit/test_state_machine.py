@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from controller.errors import ClusterSilent
 from controller.run_state import RunState
 from controller.spec import parse_spec
 from controller.topology import Topology
@@ -247,7 +248,7 @@ def test_relaunch_that_cannot_place_finds_the_silent_dead_node() -> None:
     spec = parse_spec(raw)
     live = {"topology": spec.topology()}
     g = FakeWorkerGroup()
-    c = RunController(spec, spec.topology(), g, now=100.0, topology_source=lambda: live["topology"])
+    c = RunController(spec, spec.topology(), g, now=100.0, topology_source=lambda within_s=None: live["topology"])
     start_running(c)
     g.kill_rank(7)
     c.step(110.0)
@@ -275,7 +276,7 @@ def test_below_min_dp_waits_for_capacity_then_launches_or_fails() -> None:
     for node_returns, expected in ((True, RunState.LAUNCHING), (False, RunState.FAILED)):
         live["topology"] = Topology(tuple(n for n in full.nodes if n.name != "node-2"))
         g = FakeWorkerGroup()
-        c = RunController(spec, full, g, now=100.0, topology_source=lambda: live["topology"])
+        c = RunController(spec, full, g, now=100.0, topology_source=lambda within_s=None: live["topology"])
         start_running(c)
         g.lose_node("node-2")
         assert c.step(110.0) is RunState.RECOVERING
@@ -318,7 +319,7 @@ def test_a_commit_that_grows_the_run_drops_no_event_of_its_poll() -> None:
     full = spec.topology()
     live = {"topology": Topology(tuple(n for n in full.nodes if n.name != "node-2"))}
     g = FakeWorkerGroup()
-    c = RunController(spec, full, g, now=100.0, topology_source=lambda: live["topology"])
+    c = RunController(spec, full, g, now=100.0, topology_source=lambda within_s=None: live["topology"])
     start_running(c)
     g.lose_node("node-2")
     c.step(110.0)
@@ -334,6 +335,43 @@ def test_a_commit_that_grows_the_run_drops_no_event_of_its_poll() -> None:
     assert kinds.index("checkpoint_committed") < kinds.index("checkpoint_interval") < kinds.index("loss_anomaly")
     assert c.events.of_kind("decision")[-1].detail["code"] == "grown"
     assert c.state is RunState.LAUNCHING
+
+
+def test_a_cluster_that_does_not_answer_by_the_way_leaves_the_run_training_until_it_does() -> None:
+    """A shrunk run asks the cluster at a commit whether its node is back, and waits a poll's time at
+    most (a controller cut off from the cluster must go on polling): no answer, no growth and no
+    failure; the next commit after the cluster answers grows the run back."""
+    raw = copy.deepcopy(BASE)
+    raw["cluster"]["local"].update(nodes=4, spares=0)
+    spec = parse_spec(raw)
+    full = spec.topology()
+    live = {"topology": Topology(tuple(n for n in full.nodes if n.name != "node-2")), "silent": False}
+    waits: list[float | None] = []
+
+    def source(within_s: float | None = None) -> Topology:
+        waits.append(within_s)
+        if live["silent"] and within_s is not None:
+            raise ClusterSilent(f"no answer within {within_s} s")
+        return live["topology"]  # type: ignore[return-value]
+
+    g = FakeWorkerGroup()
+    c = RunController(spec, full, g, now=100.0, topology_source=source)
+    start_running(c)
+    g.lose_node("node-2")
+    c.step(110.0)
+    start_running(c)
+    assert c.config is not None and c.config.mesh.dp == 1
+    live.update(topology=full, silent=True)
+    waits.clear()
+    g.finish_steps(1, 20)
+    g.emit(0, "checkpoint_committed", step=20, seconds=0.1)
+    assert c.step(150.0) is RunState.RUNNING and c.config.mesh.dp == 1, "not grown, not failed"
+    assert waits and all(w is not None for w in waits), "every read while it trains is bounded"
+    live["silent"] = False
+    g.finish_steps(21, 40)
+    g.emit(0, "checkpoint_committed", step=40, seconds=0.1)
+    assert c.step(160.0) is RunState.LAUNCHING
+    assert c.events.of_kind("decision")[-1].detail["code"] == "grown"
 
 
 def test_a_drill_being_injected_is_found_pending() -> None:
@@ -366,7 +404,7 @@ def test_cancel_while_recovering() -> None:
     full = spec.topology()
     g = FakeWorkerGroup()
     c = RunController(spec, full, g, now=100.0,
-                      topology_source=lambda: Topology(tuple(n for n in full.nodes if n.name != "node-2")))
+                      topology_source=lambda within_s=None: Topology(tuple(n for n in full.nodes if n.name != "node-2")))
     start_running(c)
     g.lose_node("node-2")
     assert c.step(110.0) is RunState.RECOVERING
@@ -386,7 +424,7 @@ def test_a_repaired_node_stands_in_at_the_next_loss_when_the_spares_are_used() -
     full = spec.topology()
     live = {"topology": full}
     g = FakeWorkerGroup()
-    c = RunController(spec, full, g, now=100.0, topology_source=lambda: live["topology"])
+    c = RunController(spec, full, g, now=100.0, topology_source=lambda within_s=None: live["topology"])
     start_running(c)
     first = g.started[0].placement.node_of_rank[7]
     live["topology"] = Topology(tuple(n for n in full.nodes if n.name != first))
@@ -439,7 +477,7 @@ def test_a_spare_that_came_after_the_launch_gets_warm_workers_before_a_recovery_
     (spare,) = [n.name for n in full.spares()]
     live = {"topology": full}
     g = WarmingGroup()
-    c = RunController(spec, full, g, now=100.0, topology_source=lambda: live["topology"])
+    c = RunController(spec, full, g, now=100.0, topology_source=lambda within_s=None: live["topology"])
     start_running(c)
     t = 110.0
     for _ in range(8):
