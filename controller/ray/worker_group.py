@@ -28,10 +28,10 @@ import time
 from typing import Any
 
 from controller.attempt import AttemptSpec, GroupStatus, PollResult
+from controller.errors import ClusterSilent
 from controller.events import EventKind
 from controller.ray import detached, run_store
 from controller.ray.heartbeats import HeartbeatWatch, corroborate, isolation
-from controller.errors import ClusterSilent
 from controller.ray.liveness import node_states
 from controller.ray.pool import WarmPool
 from controller.ray.rank_actor import UNRESPONSIVE_S, RankProcessDied

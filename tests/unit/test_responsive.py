@@ -88,9 +88,9 @@ class Setup:
         self.topology_calls = 0
         real = self.cluster.topology
 
-        def counted() -> Topology:
+        def counted(within_s: float | None = None) -> Topology:
             self.topology_calls += 1
-            return real()
+            return real(within_s)
 
         self.cluster.topology = counted  # type: ignore[method-assign]
         self.service = Service(Registry(f"sqlite:///{tmp_path / 'reg.db'}"), self.cluster,
@@ -252,11 +252,11 @@ def test_the_cluster_view_asks_the_cluster_outside_the_services_lock(setup: Setu
     gate, asking = threading.Event(), threading.Event()
     counted = s.cluster.topology
 
-    def held() -> Topology:
+    def held(within_s: float | None = None) -> Topology:
         if "cluster_view" in {frame.function for frame in inspect.stack(0)}:  # (not the scheduler's asking)
             asking.set()
             assert gate.wait(20), "never let go"
-        return counted()
+        return counted(within_s)
 
     s.cluster.topology = held  # type: ignore[method-assign]
     answers: list[int] = []
