@@ -20,12 +20,10 @@ Its record: benchmarks/records/ray_client_drop.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks import records  # noqa: E402
 from tests.support.ray_start import RayStartCluster, free_port  # noqa: E402
+from tests.support.relay import Relay  # noqa: E402
 from tests.support.serve import Serve, write_spec  # noqa: E402
 
 HEAD, WORKERS, SERVICE = "127.0.0.2", ["127.0.0.3", "127.0.0.4", "127.0.0.5"], "127.0.0.9"
@@ -43,62 +42,7 @@ CODE = ["controller/service/main.py", "controller/service/restore.py", "controll
 """What a dropped connection's figures measure: the service losing its cluster, and taking its runs back."""
 
 
-class CuttableProxy:
-    """A TCP proxy on SERVICE that can drop every connection and refuse new ones for a while."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.port = free_port(SERVICE)
-        self.down = False
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._loop = asyncio.new_event_loop()
-        started = threading.Event()
-        threading.Thread(target=self._run, args=(started,), daemon=True).start()
-        started.wait(10)
-
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, SERVICE, self.port))
-        started.set()
-        self._loop.run_forever()
-        server.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.down:
-            writer.transport.abort()
-            return
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
-        except OSError:
-            writer.transport.abort()
-            return
-        self._writers |= {writer, up_writer}
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except (OSError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                dst.transport.abort()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    def cut(self) -> None:
-        def drop() -> None:
-            self.down = True
-            for w in list(self._writers):
-                w.transport.abort()
-            self._writers.clear()
-        self._loop.call_soon_threadsafe(drop)
-
-    def heal(self) -> None:
-        self._loop.call_soon_threadsafe(setattr, self, "down", False)
-
-
-def case(name: str, address: str, disturb: str, seconds: float, tmp: Path, proxy: CuttableProxy | None) -> dict[str, Any]:
+def case(name: str, address: str, disturb: str, seconds: float, tmp: Path, proxy: Relay | None) -> dict[str, Any]:
     state = tmp / name
     command = [str(Path(sys.executable).parent / "goodput"), "serve", "--host", SERVICE,
                "--port", str(free_port(SERVICE)), "--address", address, "--advertise-host", SERVICE,
@@ -121,7 +65,7 @@ def case(name: str, address: str, disturb: str, seconds: float, tmp: Path, proxy
             serve.proc.send_signal(signal.SIGCONT)
         else:
             assert proxy is not None
-            proxy.cut()
+            proxy.drop()
             time.sleep(seconds)
             proxy.heal()
         time.sleep(20)
@@ -161,9 +105,9 @@ def main() -> None:
         results = []
         try:
             cluster.start(nodes=3, spares=1, client_port=client_port)
-            proxy = CuttableProxy((HEAD, client_port))
             results.append(case("client-sigstop", f"ray://{HEAD}:{client_port}", "sigstop", opts.seconds, tmp, None))
-            results.append(case("client-cut", f"ray://{SERVICE}:{proxy.port}", "cut", opts.seconds, tmp, proxy))
+            with Relay((HEAD, client_port), host=SERVICE) as proxy:
+                results.append(case("client-cut", f"ray://{SERVICE}:{proxy.port}", "cut", opts.seconds, tmp, proxy))
             results.append(case("node-sigstop", cluster.address, "sigstop", opts.seconds, tmp, None))
         finally:
             cluster.stop()

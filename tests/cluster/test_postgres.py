@@ -175,16 +175,16 @@ def test_a_leader_cut_off_from_its_database_leaves_the_lock_check_in_flight_alon
     the check still waits on (it ends with the process)."""
     from urllib.parse import urlsplit
 
-    from tests.support.blackhole import Blackhole
+    from tests.support.relay import Relay
 
     server = urlsplit(database)
     assert server.hostname is not None and server.port is not None
-    with Blackhole((server.hostname, server.port)) as proxy:
+    with Relay((server.hostname, server.port)) as proxy:
         registry = Registry(database.replace(f"@{server.hostname}:{server.port}/", f"@127.0.0.1:{proxy.port}/"))
         assert registry.lead(wait_s=5)
         session = registry._leadership.connection.dbapi_connection
         assert registry.still_leads(), "through the forwarder, before the cut"
-        proxy.cut()
+        proxy.go_dark()
         assert not registry.still_leads(timeout_s=1.0)
         assert registry.lost_lead is not None and "did not answer" in registry.lost_lead
         registry.close()
