@@ -35,11 +35,8 @@ class Relay:
     def drop(self) -> None:
         """Reset every connection, and every new one until `heal()`."""
         self._dropping.set()
-        with self._lock:
-            pairs, self._pairs = self._pairs, []
-        for pair in pairs:
-            for s in pair:
-                _reset(s)
+        for s in self._take_sockets():
+            _reset(s)
 
     def heal(self) -> None:
         """New connections are relayed again (those reset stay reset)."""
@@ -47,13 +44,17 @@ class Relay:
 
     def close(self) -> None:
         self._closed.set()
-        with self._lock:
-            pairs, self._pairs = self._pairs, []
-        for s in [self._listener, *(s for pair in pairs for s in pair)]:
+        for s in [self._listener, *self._take_sockets()]:
             try:
                 s.close()
             except OSError:
                 pass
+
+    def _take_sockets(self) -> list[socket.socket]:
+        """Every relayed connection's two sockets, no longer tracked here."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        return [s for pair in pairs for s in pair]
 
     def __enter__(self) -> "Relay":
         return self.start()
